@@ -1,0 +1,31 @@
+"""deviceop: compose GPU work lazily, replay it as CUDA graphs.
+
+This package's layers, bottom up: ``runtime`` (devices, streams, events,
+modules, the launch primitive), ``tensor`` (typed device memory, partitions),
+``compile`` (NVRTC → CUBIN with a cache).  ``kernels/`` and ``examples/`` use
+only what this module exports.
+"""
+from . import dtypes
+from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
+from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
+                     uint8, uint32, uint64)
+from .errors import (AliasingError, ArchError, CaptureError, CompileError, CudaError, DeviceOpError,
+                     DTypeError, GraphSafetyError, LaunchError, NoDeviceError, OutOfMemoryError,
+                     OwnershipError, ReentrancyError, ShapeError, StateError)
+from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
+                      ReferenceStream, Stream, load_module, ptr)
+from .tensor import Partition, Tensor, as_tensor, empty, from_dlpack, from_numpy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "dtypes", "CompiledProgram", "cache_dir", "compile_cubin", "nvrtc_version",
+    "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
+    "int64", "uint8", "uint32", "uint64",
+    "AliasingError", "ArchError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
+    "DTypeError", "GraphSafetyError", "LaunchError", "NoDeviceError", "OutOfMemoryError",
+    "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
+    "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
+    "ReferenceStream", "Stream", "load_module", "ptr",
+    "Partition", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy",
+]

@@ -1,0 +1,309 @@
+"""CUDA C++ → CUBIN with NVRTC, cached in memory and on disk.
+
+Always CUBIN for the exact architecture, never PTX: PTX from a newer NVRTC is
+refused by an older driver (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), while its
+CUBIN loads.  Compiling needs no GPU, so CI compiles every kernel for sm_90.
+
+Cache key: SHA-256 of the source, the file name, the options, the name
+expressions, the NVRTC version, the arch and the contents of every header in
+the user's include directories (toolkit headers are identified by their path
+and the NVRTC version).  Disk entries carry a checksum; a corrupt or
+truncated entry is recompiled and rewritten, never loaded.  Writes go to a
+temporary file that is renamed into place, so concurrent processes never see
+half an entry.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+import threading
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cuda.bindings import nvrtc
+
+from .errors import ArchError, CompileError
+
+DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo")
+_MAGIC = b"DEVICEOP-CUBIN-1\n"
+_HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".hh", ".inl", ".cu")
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    """The result of one compile: a CUBIN and the mangled name of each name expression."""
+
+    cubin: bytes
+    arch: str
+    lowered_names: dict = field(default_factory=dict)  # name expression -> mangled symbol
+    log: str = ""
+    key: str = ""
+    origin: str = "compiled"  # "compiled" | "disk" | "memory"
+
+    def symbol(self, name: str) -> str:
+        """The symbol to look up in the module for ``name`` (an entry name or name expression)."""
+        return self.lowered_names.get(name, name)
+
+
+# -- NVRTC facts ---------------------------------------------------------------
+
+def _nvrtc_check(result, call: str):
+    code = result[0]
+    if code != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        err, text = nvrtc.nvrtcGetErrorString(code)
+        raise CompileError(f"{call} failed: {text.decode() if isinstance(text, bytes) else text}")
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def nvrtc_version() -> str:
+    try:
+        major, minor = _nvrtc_check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    except CompileError:
+        raise
+    except Exception as exc:  # the library is missing
+        raise CompileError(f"NVRTC is not available ({exc}); install the CUDA NVRTC wheel: "
+                           "pip install 'cuda-toolkit[nvrtc]>=13,<14'") from exc
+    return f"{major}.{minor}"
+
+
+def supported_archs() -> list[int]:
+    return list(_nvrtc_check(nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs"))
+
+
+def normalize_arch(arch) -> str:
+    """``"sm_90"``, ``"90"``, ``90``, ``(9, 0)`` or ``"sm_90a"`` → ``"sm_90"``/``"sm_90a"``,
+    checked against what this NVRTC can target."""
+    if isinstance(arch, tuple):
+        arch = f"{arch[0]}{arch[1]}"
+    text = str(arch).lower().removeprefix("sm_").removeprefix("compute_")
+    m = re.fullmatch(r"(\d+)([af]?)", text)
+    if not m:
+        raise ArchError(f"cannot read {arch!r} as a GPU architecture; write it like 'sm_90'")
+    number = int(m.group(1))
+    known = supported_archs()
+    if number not in known:
+        raise ArchError(f"NVRTC {nvrtc_version()} cannot compile for sm_{number}; it supports "
+                        + ", ".join(f"sm_{a}" for a in known))
+    return f"sm_{number}{m.group(2)}"
+
+
+def toolkit_include_dirs() -> list[str]:
+    """CUDA runtime and CCCL header directories: from the NVIDIA wheels
+    (found by cuda-pathfinder), else ``CUDA_HOME``/``CUDA_PATH``."""
+    dirs: list[str] = []
+    try:
+        import cuda.pathfinder as pf
+        for lib in ("cudart", "cccl"):
+            try:
+                d = pf.find_nvidia_header_directory(lib)
+            except Exception:
+                d = None
+            if d and d not in dirs:
+                dirs.append(d)
+    except ImportError:
+        pass
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        for d in (os.path.join(home, "include"), os.path.join(home, "include", "cccl")):
+            if os.path.isdir(d) and d not in dirs:
+                dirs.append(d)
+    return dirs
+
+
+# -- the cache -----------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """``$DEVICEOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/deviceop``, else ``~/.cache/deviceop``."""
+    env = os.environ.get("DEVICEOP_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "deviceop"
+
+
+def disk_cache_enabled() -> bool:
+    return os.environ.get("DEVICEOP_DISK_CACHE", "1") not in ("0", "false", "no", "off")
+
+
+def cache_stats() -> dict:
+    """Entries and bytes in the on-disk cache."""
+    d = cache_dir()
+    files = list(d.glob("*.cubin")) if d.is_dir() else []
+    return {"dir": str(d), "entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def clear_cache(memory: bool = True, disk: bool = True) -> None:
+    if memory:
+        with _memory_lock:
+            _memory.clear()
+    if disk and cache_dir().is_dir():
+        for f in cache_dir().glob("*.cubin"):
+            f.unlink(missing_ok=True)
+
+
+_memory: dict[str, CompiledProgram] = {}
+_memory_lock = threading.Lock()
+_dir_digests: dict[tuple, str] = {}
+
+
+def _dir_digest(path: str) -> str:
+    """Digest of every header under a user include directory (memoized on mtimes)."""
+    files = sorted(p for p in Path(path).rglob("*") if p.suffix in _HEADER_SUFFIXES and p.is_file())
+    stamp = (path, tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files))
+    digest = _dir_digests.get(stamp)
+    if digest is None:
+        h = hashlib.sha256()
+        for p in files:
+            h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes() + b"\0")
+        digest = _dir_digests[stamp] = h.hexdigest()
+    return digest
+
+
+def _cache_key(source: str, filename: str, options: list[str], names: tuple, arch: str,
+               user_dirs: list[str], toolkit_dirs: list[str]) -> str:
+    h = hashlib.sha256()
+    for part in (source, filename, "\x1f".join(options), "\x1f".join(names), arch,
+                 nvrtc_version(), "\x1f".join(toolkit_dirs)):
+        h.update(part.encode() + b"\0")
+    for d in user_dirs:
+        h.update(_dir_digest(d).encode())
+    return h.hexdigest()
+
+
+def _read_entry(path: Path, key: str) -> CompiledProgram | None:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        if not data.startswith(_MAGIC):
+            raise ValueError("bad magic")
+        off = len(_MAGIC)
+        (meta_len,) = struct.unpack_from("<Q", data, off)
+        off += 8
+        meta = json.loads(data[off:off + meta_len])
+        off += meta_len
+        digest, payload = data[off:off + 32], data[off + 32:]
+        if hashlib.sha256(payload).digest() != digest or meta.get("key") != key:
+            raise ValueError("checksum mismatch")
+        return CompiledProgram(payload, meta["arch"], meta["lowered_names"], meta.get("log", ""), key, "disk")
+    except Exception as exc:
+        warnings.warn(f"deviceop: corrupt compile-cache entry {path} ({exc}); recompiling", stacklevel=3)
+        return None
+
+
+def _write_entry(path: Path, prog: CompiledProgram) -> None:
+    meta = json.dumps({"key": prog.key, "arch": prog.arch, "lowered_names": prog.lowered_names,
+                       "log": prog.log, "nvrtc": nvrtc_version()}).encode()
+    blob = _MAGIC + struct.pack("<Q", len(meta)) + meta + hashlib.sha256(prog.cubin).digest() + prog.cubin
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin.part")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
+    except OSError as exc:  # a read-only or full cache dir must not break compiling
+        warnings.warn(f"deviceop: could not write compile cache {path}: {exc}", stacklevel=3)
+
+
+# -- compiling -----------------------------------------------------------------
+
+def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), include_dirs=(),
+                  filename: str = "kernel.cu", cache: bool = True) -> CompiledProgram:
+    """Compile CUDA C++ ``source`` to a CUBIN for ``arch`` (default: the current device's).
+
+    ``name_expressions`` are template instantiations such as ``"add<128>"``;
+    the result maps each one to its mangled symbol.  Raises CompileError with
+    NVRTC's log and the failing source lines.
+    """
+    if arch is None:
+        from .runtime.device import Device
+        arch = Device(0).arch
+    arch = normalize_arch(arch)
+    names = tuple(name_expressions)
+    user_dirs = [str(Path(d).resolve()) for d in include_dirs]
+    tk_dirs = toolkit_include_dirs()
+    opts = [o for o in options]
+    for default in DEFAULT_OPTIONS:
+        flag = default.split("=")[0]
+        if not any(o.split("=")[0] == flag for o in opts):
+            opts.append(default)
+    if any(o.startswith(("-arch", "--gpu-architecture")) for o in opts):
+        raise CompileError("pass the architecture as arch=..., not as an -arch option")
+    full_opts = [f"-arch={arch}", *opts] + [f"-I{d}" for d in user_dirs + tk_dirs]
+    key = _cache_key(source, filename, opts, names, arch, user_dirs, tk_dirs)
+
+    if cache:
+        hit = _memory.get(key)
+        if hit is not None:
+            return replace(hit, origin="memory")
+        if disk_cache_enabled():
+            prog = _read_entry(cache_dir() / f"{key}.cubin", key)
+            if prog is not None:
+                with _memory_lock:
+                    _memory[key] = prog
+                return prog
+
+    prog = _nvrtc_compile(source, filename, full_opts, names, arch, key)
+    if cache:
+        with _memory_lock:
+            _memory[key] = prog
+        if disk_cache_enabled():
+            _write_entry(cache_dir() / f"{key}.cubin", prog)
+    return prog
+
+
+def _nvrtc_compile(source, filename, opts, names, arch, key) -> CompiledProgram:
+    nvrtc_version()  # a clear error if the library is missing
+    handle = _nvrtc_check(nvrtc.nvrtcCreateProgram(source.encode(), filename.encode(), 0, [], []),
+                          "nvrtcCreateProgram")
+    try:
+        for name in names:
+            _nvrtc_check(nvrtc.nvrtcAddNameExpression(handle, name.encode()), "nvrtcAddNameExpression")
+        encoded = [o.encode() for o in opts]
+        code = nvrtc.nvrtcCompileProgram(handle, len(encoded), encoded)[0]
+        log_size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(handle), "nvrtcGetProgramLogSize")
+        log_buf = b" " * log_size
+        _nvrtc_check(nvrtc.nvrtcGetProgramLog(handle, log_buf), "nvrtcGetProgramLog")
+        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        if code != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(_describe_failure(source, filename, arch, log, names), log)
+        size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(handle), "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _nvrtc_check(nvrtc.nvrtcGetCUBIN(handle, cubin), "nvrtcGetCUBIN")
+        lowered = {}
+        for name in names:
+            sym = _nvrtc_check(nvrtc.nvrtcGetLoweredName(handle, name.encode()), "nvrtcGetLoweredName")
+            lowered[name] = sym.decode() if isinstance(sym, bytes) else sym
+        return CompiledProgram(cubin, arch, lowered, log, key, "compiled")
+    finally:
+        nvrtc.nvrtcDestroyProgram(handle)
+
+
+_LOG_LINE = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<kind>error|catastrophic error|warning)")
+
+
+def _describe_failure(source: str, filename: str, arch: str, log: str, names) -> str:
+    """NVRTC's log, with each failing line of ``source`` shown in context."""
+    lines = source.splitlines()
+    parts = [f"NVRTC could not compile {filename} for {arch}"
+             + (f" (name expressions: {', '.join(names)})" if names else "") + ":", log.strip()]
+    shown = set()
+    for entry in log.splitlines():
+        m = _LOG_LINE.match(entry)
+        if not m or "error" not in m.group("kind") or Path(m.group("file")).name != Path(filename).name:
+            continue
+        n = int(m.group("line"))
+        if n in shown or not 1 <= n <= len(lines):
+            continue
+        shown.add(n)
+        parts.append(f"--- {filename}, line {n}:")
+        for i in range(max(1, n - 2), min(len(lines), n + 2) + 1):
+            parts.append(f"{'>>' if i == n else '  '} {i:4d} | {lines[i - 1]}")
+    return "\n".join(parts)

@@ -1,0 +1,82 @@
+"""deviceop's exceptions.
+
+Every error deviceop raises derives from :class:`DeviceOpError`, and each
+message says what went wrong *and* what to do about it.  The subclasses let a
+caller catch one family (``except dop.OwnershipError``) without string matching.
+"""
+from __future__ import annotations
+
+
+class DeviceOpError(Exception):
+    """Base class of every deviceop exception."""
+
+
+class CudaError(DeviceOpError):
+    """A CUDA driver call failed.  ``call`` names the driver function and
+    ``code_name`` the CUDA error (e.g. ``CUDA_ERROR_INVALID_VALUE``)."""
+
+    def __init__(self, call: str, code: int, code_name: str, description: str = "", hint: str = ""):
+        self.call, self.code, self.code_name, self.description = call, code, code_name, description
+        msg = f"{call} failed with {code_name} ({code})"
+        if description:
+            msg += f": {description}"
+        if hint:
+            msg += f". {hint}"
+        super().__init__(msg)
+
+
+class OutOfMemoryError(CudaError):
+    """The device could not satisfy an allocation."""
+
+
+class NoDeviceError(DeviceOpError):
+    """An operation needs a CUDA device and this process has none."""
+
+
+class CompileError(DeviceOpError):
+    """NVRTC rejected a kernel's source.  ``log`` holds NVRTC's full log."""
+
+    def __init__(self, message: str, log: str = ""):
+        self.log = log
+        super().__init__(message)
+
+
+class ArchError(DeviceOpError):
+    """A requested GPU architecture is unknown or unsupported by this NVRTC."""
+
+
+class ShapeError(DeviceOpError, ValueError):
+    """A tensor's shape does not fit where it is used."""
+
+
+class DTypeError(DeviceOpError, TypeError):
+    """A tensor or scalar has the wrong dtype."""
+
+
+class LaunchError(DeviceOpError, TypeError):
+    """A kernel was launched with arguments of the wrong kind or count,
+    or with an impossible launch configuration."""
+
+
+class OwnershipError(DeviceOpError):
+    """A buffer was claimed for writing while another handle can still reach it."""
+
+
+class AliasingError(DeviceOpError):
+    """The same buffer is written and read by one launch."""
+
+
+class CaptureError(DeviceOpError):
+    """Something went wrong while a stream was capturing a graph."""
+
+
+class GraphSafetyError(CaptureError):
+    """An op that is not graph-safe (an allocation, a host sync) was recorded."""
+
+
+class ReentrancyError(DeviceOpError):
+    """An op was executed from inside another op's execution."""
+
+
+class StateError(DeviceOpError):
+    """An object was used in a state that does not allow it (closed, capturing ...)."""

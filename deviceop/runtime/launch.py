@@ -1,0 +1,201 @@
+"""The kernel launch primitive: a kernel, a launch shape and typed arguments.
+
+A :class:`Function` knows its parameter list (its *signature*): ``ptr`` for a
+device pointer (optionally of one dtype: ``ptr("float32")``) or a dtype for a
+scalar.  The signature is checked against the CUBIN's own parameter layout
+(``cuFuncGetParamInfo``) when the function is loaded, so a declaration that
+disagrees with the kernel fails there rather than corrupting a launch.
+
+At launch the arguments are converted (Tensor → device pointer, number →
+the declared scalar type, range- and kind-checked), packed with one
+``struct.pack_into`` into a buffer whose parameter addresses were computed
+once, and handed to ``cuLaunchKernel``.  This is the whole hot path.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+from cuda.bindings import driver as cu
+
+from ..dtypes import DType, dtype as as_dtype
+from ..errors import DTypeError, LaunchError
+from .driver import check, raise_error
+
+
+class ptr:
+    """A device-pointer kernel parameter; ``ptr("float32")`` also checks the tensor's dtype."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype=None):
+        self.dtype = None if dtype is None else as_dtype(dtype)
+
+    def __repr__(self) -> str:
+        return "ptr" if self.dtype is None else f"ptr({self.dtype.name})"
+
+    def __eq__(self, other):
+        return isinstance(other, ptr) and other.dtype == self.dtype
+
+    def __hash__(self):
+        return hash(("ptr", self.dtype))
+
+
+def _normalize_param(spec):
+    if spec is ptr:
+        return ptr()
+    if isinstance(spec, ptr):
+        return spec
+    if isinstance(spec, str) and spec in ("ptr", "pointer", "void*"):
+        return ptr()
+    try:
+        return as_dtype(spec)
+    except DTypeError:
+        raise LaunchError(f"cannot read kernel parameter spec {spec!r}: use ptr, ptr(dtype) or a dtype") from None
+
+
+def _dims(value, what: str) -> tuple[int, int, int]:
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
+        raise LaunchError(f"{what} must be 1 to 3 positive ints, got {value!r}")
+    return dims + (1,) * (3 - len(dims))
+
+
+class LaunchConfig:
+    """Grid, block and dynamic shared memory of a launch, validated once."""
+
+    __slots__ = ("grid", "block", "shared_mem")
+
+    def __init__(self, grid, block, shared_mem: int = 0):
+        self.grid = _dims(grid, "grid")
+        self.block = _dims(block, "block")
+        threads = self.block[0] * self.block[1] * self.block[2]
+        if threads > 1024:
+            raise LaunchError(f"block {block} has {threads} threads; CUDA allows at most 1024 per block")
+        if self.grid[1] > 65535 or self.grid[2] > 65535 or self.grid[0] > 2**31 - 1:
+            raise LaunchError(f"grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
+        if not isinstance(shared_mem, int) or shared_mem < 0:
+            raise LaunchError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
+        self.shared_mem = shared_mem
+
+    def __repr__(self) -> str:
+        return f"LaunchConfig(grid={self.grid}, block={self.block}, shared_mem={self.shared_mem})"
+
+
+def pointer_of(value, spec: ptr, index: int, name: str) -> int:
+    """The device address a pointer parameter receives for ``value``."""
+    addr = getattr(value, "_ptr", None)  # deviceop Tensor: cached at construction
+    if addr is not None:
+        if spec.dtype is not None and value.dtype is not spec.dtype:
+            raise DTypeError(f"argument {index} of {name} must be a {spec.dtype.name} tensor, "
+                             f"got {value.dtype.name}")
+        return addr
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if value is None:
+        return 0
+    cai = getattr(value, "__cuda_array_interface__", None)
+    if cai is not None:
+        return cai["data"][0]
+    raise LaunchError(f"argument {index} of {name} is a device pointer: pass a deviceop Tensor, an "
+                      f"object with __cuda_array_interface__, or an int address; got {type(value).__name__}")
+
+
+class Function:
+    """A kernel in a loaded module, with its parameter signature."""
+
+    def __init__(self, module, handle, name: str, signature):
+        self.module, self.handle, self.name = module, handle, name
+        self.signature = tuple(_normalize_param(s) for s in signature)
+        fmt = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature)
+        offsets = []
+        for i, spec in enumerate(self.signature):
+            # the offset of parameter i under C alignment rules
+            prefix = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature[:i])
+            align = "P" if isinstance(spec, ptr) else spec.pack
+            offsets.append(struct.calcsize(prefix + "0" + align))
+        self._verify_layout(offsets)
+        self._struct = struct.Struct(fmt)
+        self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
+        base = ctypes.addressof(self._buffer)
+        self._param_ptrs = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
+        self._params_addr = ctypes.addressof(self._param_ptrs)
+        self._lock = threading.Lock()
+        self._smem_limit = 48 * 1024
+        self._converters = [self._converter(i, s) for i, s in enumerate(self.signature)]
+
+    def _verify_layout(self, offsets) -> None:
+        """Compare the declared signature with the CUBIN's parameter layout."""
+        actual = []
+        while True:
+            code, offset, size = cu.cuFuncGetParamInfo(self.handle, len(actual))
+            if code:
+                break
+            actual.append((offset, size))
+        declared = [(o, 8 if isinstance(s, ptr) else s.itemsize) for o, s in zip(offsets, self.signature)]
+        if len(actual) != len(declared):
+            raise LaunchError(f"kernel {self.name} takes {len(actual)} parameters but its declared "
+                              f"signature has {len(declared)}: {list(self.signature)}")
+        for i, (a, d) in enumerate(zip(actual, declared)):
+            if a != d:
+                raise LaunchError(f"parameter {i} of kernel {self.name} is {a[1]} bytes at offset {a[0]}, "
+                                  f"but the signature declares {self.signature[i]!r} ({d[1]} bytes at {d[0]})")
+
+    def _converter(self, index: int, spec):
+        name = self.name
+        if isinstance(spec, ptr):
+            return lambda v: pointer_of(v, spec, index, name)
+
+        def scalar(v, spec=spec):
+            try:
+                return spec.coerce(v)
+            except DTypeError as exc:
+                raise DTypeError(f"argument {index} of {name}: {exc}") from None
+        return scalar
+
+    def set_max_dynamic_shared_memory(self, nbytes: int) -> None:
+        dev = self.module.device
+        if nbytes > dev.max_shared_memory_per_block:
+            raise LaunchError(f"{self.name} asks for {nbytes} bytes of dynamic shared memory; "
+                              f"{dev.name} allows at most {dev.max_shared_memory_per_block} per block")
+        check(cu.cuFuncSetAttribute(self.handle,
+                                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    nbytes), "cuFuncSetAttribute")
+        self._smem_limit = max(self._smem_limit, nbytes)
+
+    def pack(self, args) -> bytes:
+        """The parameter bytes for ``args`` (checked like a launch)."""
+        if len(args) != len(self.signature):
+            raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
+                              f"({', '.join(map(repr, self.signature))}), got {len(args)}")
+        return self._struct.pack(*[c(a) for c, a in zip(self._converters, args)])
+
+    def launch(self, stream, config: LaunchConfig, *args) -> None:
+        """Enqueue one launch on ``stream``."""
+        if len(args) != len(self.signature):
+            raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
+                              f"({', '.join(map(repr, self.signature))}), got {len(args)}")
+        values = [c(a) for c, a in zip(self._converters, args)]
+        if config.shared_mem > self._smem_limit:
+            self.set_max_dynamic_shared_memory(config.shared_mem)
+        g, b = config.grid, config.block
+        with self._lock:  # the parameter buffer is shared; the driver copies it before returning
+            self._struct.pack_into(self._buffer, 0, *values)
+            code = cu.cuLaunchKernel(self.handle, g[0], g[1], g[2], b[0], b[1], b[2], config.shared_mem,
+                                     stream.handle, self._params_addr, 0)[0]
+        if code:
+            raise_error(code, f"cuLaunchKernel({self.name})")
+
+    @property
+    def attributes(self) -> dict:
+        """Registers, static shared memory, local memory and max threads of this kernel."""
+        A = cu.CUfunction_attribute
+        get = lambda a: check(cu.cuFuncGetAttribute(a, self.handle), "cuFuncGetAttribute")
+        return {"num_regs": get(A.CU_FUNC_ATTRIBUTE_NUM_REGS),
+                "shared_bytes": get(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+                "local_bytes": get(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+                "max_threads_per_block": get(A.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK)}
+
+    def __repr__(self) -> str:
+        return f"<Function {self.name}({', '.join(map(repr, self.signature))})>"

@@ -1,0 +1,48 @@
+"""Test set-up shared by every test file.
+
+* ``@pytest.mark.gpu`` tests need a CUDA device; without one they are skipped
+  with the reason, and ``scripts/gpu-check`` runs them on the H100.
+* Tests without the mark run on whatever ``dop.Device(0)`` is: the reference
+  device here and in CI, the real GPU under gpu-check.
+* The compile cache goes to a fresh directory per test session, so a test
+  never depends on what an earlier run left behind.
+"""
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+if "DEVICEOP_CACHE_DIR" not in os.environ:
+    os.environ["DEVICEOP_CACHE_DIR"] = tempfile.mkdtemp(prefix="deviceop-test-cache-")
+
+import deviceop as dop  # noqa: E402
+from deviceop.runtime import driver  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    available, reason = driver.probe()
+    if available:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU ({reason.split(':')[0]}); runs on the H100 under scripts/gpu-check")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device():
+    return dop.Device(0)
+
+
+@pytest.fixture
+def stream(device):
+    return device.new_stream()
+
+
+@pytest.fixture
+def rng():
+    """Fresh random data every run (never zeros); the seed is printed on failure."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)

@@ -1,0 +1,122 @@
+"""NVRTC compiles CUDA C++ to CUBIN for an exact arch — no GPU needed — and caches it."""
+import warnings
+
+import pytest
+
+import deviceop as dop
+from deviceop import compile as comp
+
+SAXPY = r'''
+extern "C" __global__ void saxpy(float* y, const float* x, float a, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+template <typename T, int N>
+__global__ void fill(T* out, T value) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < N) out[i] = value;
+}
+'''
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEVICEOP_CACHE_DIR", str(tmp_path))
+    comp.clear_cache(disk=False)
+    return tmp_path
+
+
+def test_compiles_to_a_cubin_for_the_exact_arch(cache):
+    prog = dop.compile_cubin(SAXPY, arch="sm_90")
+    assert prog.arch == "sm_90"
+    assert prog.cubin[:4] == b"\x7fELF"  # a CUBIN is an ELF image; PTX would be text
+    assert prog.origin == "compiled"
+
+
+def test_name_expressions_give_mangled_template_symbols(cache):
+    prog = dop.compile_cubin(SAXPY, arch="sm_90", name_expressions=["fill<float, 128>", "fill<int, 4>"])
+    assert prog.symbol("fill<float, 128>").startswith("_Z")
+    assert prog.symbol("fill<float, 128>") != prog.symbol("fill<int, 4>")
+    assert prog.symbol("saxpy") == "saxpy"  # extern "C" names are their own symbol
+
+
+def test_cache_hits_memory_then_disk(cache):
+    first = dop.compile_cubin(SAXPY, arch="sm_90")
+    assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "memory"
+    comp.clear_cache(disk=False)
+    again = dop.compile_cubin(SAXPY, arch="sm_90")
+    assert again.origin == "disk" and again.cubin == first.cubin
+    assert comp.cache_stats()["entries"] == 1
+
+
+def test_key_covers_options_arch_and_source(cache):
+    a = dop.compile_cubin(SAXPY, arch="sm_90")
+    assert dop.compile_cubin(SAXPY, arch="sm_80").key != a.key
+    assert dop.compile_cubin(SAXPY, arch="sm_90", options=["-DFOO=1"]).key != a.key
+    assert dop.compile_cubin(SAXPY + "\n// edit", arch="sm_90").key != a.key
+
+
+def test_key_covers_headers_in_user_include_dirs(cache, tmp_path):
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "scale.cuh").write_text("#define SCALE 2.0f\n")
+    src = '#include "scale.cuh"\nextern "C" __global__ void k(float* p) { p[0] *= SCALE; }\n'
+    a = dop.compile_cubin(src, arch="sm_90", include_dirs=[inc])
+    (inc / "scale.cuh").write_text("#define SCALE 3.0f\n")
+    b = dop.compile_cubin(src, arch="sm_90", include_dirs=[inc])
+    assert a.key != b.key and b.origin == "compiled"
+
+
+def test_corrupt_cache_entry_is_recompiled_never_loaded(cache):
+    good = dop.compile_cubin(SAXPY, arch="sm_90")
+    entry = cache / f"{good.key}.cubin"
+    data = bytearray(entry.read_bytes())
+    data[-10] ^= 0xFF  # flip bits inside the CUBIN payload
+    entry.write_bytes(bytes(data))
+    comp.clear_cache(disk=False)
+    with pytest.warns(UserWarning, match="corrupt compile-cache entry"):
+        again = dop.compile_cubin(SAXPY, arch="sm_90")
+    assert again.origin == "compiled" and again.cubin == good.cubin
+    comp.clear_cache(disk=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rewritten entry is whole again
+        assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "disk"
+
+
+def test_truncated_cache_entry_is_recompiled(cache):
+    good = dop.compile_cubin(SAXPY, arch="sm_90")
+    entry = cache / f"{good.key}.cubin"
+    entry.write_bytes(entry.read_bytes()[:40])
+    comp.clear_cache(disk=False)
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "compiled"
+
+
+def test_compile_error_shows_the_log_and_the_failing_line(cache):
+    bad = 'extern "C" __global__ void k(float* p) {\n    float x = 1.0f;\n    p[0] = undefined_thing + x;\n}\n'
+    with pytest.raises(dop.CompileError) as info:
+        dop.compile_cubin(bad, arch="sm_90", filename="bad.cu")
+    msg = str(info.value)
+    assert 'identifier "undefined_thing" is undefined' in msg
+    assert ">>    3 |     p[0] = undefined_thing + x;" in msg
+    assert "bad.cu" in msg and info.value.log
+
+
+def test_unknown_or_unsupported_arch(cache):
+    with pytest.raises(dop.ArchError, match="cannot read"):
+        dop.compile_cubin(SAXPY, arch="hopper")
+    with pytest.raises(dop.ArchError, match="cannot compile for sm_42"):
+        dop.compile_cubin(SAXPY, arch="sm_42")
+    with pytest.raises(dop.CompileError, match="arch=..."):
+        dop.compile_cubin(SAXPY, arch="sm_90", options=["-arch=sm_80"])
+
+
+def test_arch_spellings():
+    assert comp.normalize_arch(90) == comp.normalize_arch("90") == comp.normalize_arch((9, 0)) == "sm_90"
+    assert comp.normalize_arch("sm_90a") == "sm_90a"
+
+
+def test_toolkit_headers_are_found():
+    """cuda_fp16.h / cuda_bf16.h come from the NVIDIA wheels (or CUDA_HOME)."""
+    src = '#include <cuda_fp16.h>\n#include <cuda_bf16.h>\nextern "C" __global__ void k(__half* a, __nv_bfloat16* b) { a[0] = __float2half(1.0f); b[0] = __float2bfloat16(2.0f); }\n'
+    assert dop.compile_cubin(src, arch="sm_90", cache=False).cubin
