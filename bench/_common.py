@@ -1,0 +1,78 @@
+"""Shared pieces of the benchmarks: versions, the result file format (shared/BENCH.md), timing."""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as md
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def versions() -> dict:
+    import deviceop as dop
+    from deviceop.runtime import driver
+    out = {"deviceop": dop.__version__, "cuda_driver": driver.driver_version()}
+    try:
+        out["nvrtc"] = dop.nvrtc_version()
+    except dop.CompileError:
+        out["nvrtc"] = None
+    for name, dist in (("cuda_bindings", "cuda-bindings"), ("cuda_core", "cuda-core"), ("cupy", "cupy-cuda13x"),
+                       ("torch", "torch"), ("numpy", "numpy")):
+        try:
+            out[name] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def headline(metric: str, value: float, target: float, better: str) -> dict:
+    met = value <= target if better == "lower" else value >= target
+    return {"metric": metric, "value": round(value, 4), "target": target, "better": better, "met": met}
+
+
+def write_result(name: str, device, rows: list, headlines: list, extra: dict | None = None) -> Path:
+    result = {
+        "benchmark": name,
+        "date": _dt.date.today().isoformat(),
+        "device": device.name,
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0], Path(__file__).parent.parent)] + sys.argv[1:]),
+        "versions": versions(),
+        "rows": rows,
+        "headline": headlines,
+    }
+    if extra:
+        result.update(extra)
+    out_dir = Path(os.environ.get("DEVICEOP_BENCH_OUT", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def host_us_per_call(fn, calls: int, reps: int, sync) -> tuple[float, float, float]:
+    """Median, min and max host microseconds per call of ``fn`` over ``reps``
+    timed loops of ``calls`` calls each; ``sync`` drains the device between loops
+    (outside the timed region)."""
+    samples = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
