@@ -269,14 +269,18 @@ def _nvrtc_compile(source, filename, opts, names, arch, key) -> CompiledProgram:
         encoded = [o.encode() for o in opts]
         code = nvrtc.nvrtcCompileProgram(handle, len(encoded), encoded)[0]
         log_size = _nvrtc_check(nvrtc.nvrtcGetProgramLogSize(handle), "nvrtcGetProgramLogSize")
-        log_buf = b" " * log_size
+        # Output buffers are bytearrays: NVRTC writes into them, and writing into
+        # a bytes object corrupts it -- for size 1 (an empty log) that is
+        # CPython's shared b" " singleton, which then breaks every later ' '.
+        log_buf = bytearray(log_size)
         _nvrtc_check(nvrtc.nvrtcGetProgramLog(handle, log_buf), "nvrtcGetProgramLog")
-        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        log = bytes(log_buf).rstrip(b"\0 ").decode(errors="replace")
         if code != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(_describe_failure(source, filename, arch, log, names), log)
         size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(handle), "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        _nvrtc_check(nvrtc.nvrtcGetCUBIN(handle, cubin), "nvrtcGetCUBIN")
+        cubin_buf = bytearray(size)
+        _nvrtc_check(nvrtc.nvrtcGetCUBIN(handle, cubin_buf), "nvrtcGetCUBIN")
+        cubin = bytes(cubin_buf)
         lowered = {}
         for name in names:
             sym = _nvrtc_check(nvrtc.nvrtcGetLoweredName(handle, name.encode()), "nvrtcGetLoweredName")

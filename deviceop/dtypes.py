@@ -11,7 +11,7 @@ import numpy as np
 from .errors import DTypeError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DType:
     name: str          # "float32"
     np: np.dtype       # the NumPy dtype of an element
@@ -22,6 +22,14 @@ class DType:
     @property
     def itemsize(self) -> int:
         return self.np.itemsize
+
+    @property
+    def bounds(self) -> tuple[int, int] | None:
+        """``(min, max)`` of an integer type, else None."""
+        if self.kind not in "iu":
+            return None
+        info = np.iinfo(self.np)
+        return int(info.min), int(info.max)
 
     @property
     def is_floating(self) -> bool:
@@ -52,9 +60,9 @@ class DType:
                     "(deviceop never truncates a float silently)")
             if not isinstance(value, (int, np.integer)):
                 raise DTypeError(f"expected an int for a {self.name} scalar, got {type(value).__name__}")
-            info = np.iinfo(self.np)
-            if not info.min <= int(value) <= info.max:
-                raise DTypeError(f"{value} does not fit in {self.name} [{info.min}, {info.max}]")
+            lo, hi = self.bounds
+            if not lo <= int(value) <= hi:
+                raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
         return bool(value)
 

@@ -120,3 +120,11 @@ def test_toolkit_headers_are_found():
     """cuda_fp16.h / cuda_bf16.h come from the NVIDIA wheels (or CUDA_HOME)."""
     src = '#include <cuda_fp16.h>\n#include <cuda_bf16.h>\nextern "C" __global__ void k(__half* a, __nv_bfloat16* b) { a[0] = __float2half(1.0f); b[0] = __float2bfloat16(2.0f); }\n'
     assert dop.compile_cubin(src, arch="sm_90", cache=False).cubin
+
+
+def test_compiling_leaves_python_strings_intact(cache):
+    """Regression: NVRTC once wrote its one-byte empty log into CPython's shared
+    b" " object, turning every later space into NUL (and breaking `import torch`)."""
+    dop.compile_cubin(SAXPY, arch="sm_90", cache=False)
+    assert b" "[0] == 32  # the shared one-byte object still holds a space
+    assert "a b".encode() == bytes([97, 32, 98])

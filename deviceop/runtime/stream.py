@@ -111,12 +111,16 @@ class CudaStream(Stream):
         return check(cu.cuStreamEndCapture(self.handle), "cuStreamEndCapture")
 
     # -- interop -----------------------------------------------------------
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (cuda.core, CuPy and others accept this object)."""
+        return (0, int(self.handle))
+
     @property
     def cupy(self):
-        """This stream as a ``cupy.cuda.ExternalStream`` (for CuPy work on it)."""
+        """This stream as a CuPy stream (``with stream.cupy:`` runs CuPy work on it)."""
         if self._cupy is None:
             import cupy
-            self._cupy = cupy.cuda.ExternalStream(int(self.handle), self.device.ordinal)
+            self._cupy = cupy.cuda.Stream.from_external(self)
         return self._cupy
 
     def close(self) -> None:

@@ -1,0 +1,111 @@
+"""How launch arguments are converted and packed, checked without a GPU.
+
+A stand-in for the two driver calls a Function makes (the parameter layout of
+the CUBIN, and cuLaunchKernel) lets CI check the conversion rules: Tensors
+become device pointers, numbers are range- and kind-checked, the packed bytes
+match the kernel's C layout, and a bad argument stops the launch before the
+driver sees it.
+"""
+import ctypes
+import struct
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as real_cu
+
+import deviceop as dop
+from deviceop.runtime import launch as launch_mod
+
+
+class FakeDriver:
+    """Answers cuFuncGetParamInfo from a C layout and records cuLaunchKernel calls."""
+
+    CUfunction_attribute = real_cu.CUfunction_attribute
+
+    def __init__(self, layout):
+        self.layout, self.launches = layout, []
+
+    def cuFuncGetParamInfo(self, handle, index):
+        if index < len(self.layout):
+            return (0, *self.layout[index])
+        return (1, 0, 0)
+
+    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        n = len(self.layout)
+        addrs = (ctypes.c_void_p * n).from_address(params)
+        raw = [ctypes.string_at(addrs[i], self.layout[i][1]) for i in range(n)]
+        self.launches.append(((gx, gy, gz), (bx, by, bz), smem, raw))
+        return (0,)
+
+
+class FakeStream:
+    handle = 0
+
+
+def make_function(monkeypatch, signature, layout):
+    fake = FakeDriver(layout)
+    monkeypatch.setattr(launch_mod, "cu", fake)
+    return launch_mod.Function(module=None, handle=0, name="k", signature=signature), fake
+
+
+SAXPY_LAYOUT = [(0, 8), (8, 8), (16, 4), (20, 4)]  # float*, const float*, float, int
+
+
+def test_tensors_become_pointers_and_numbers_their_c_types(monkeypatch, rng):
+    fn, fake = make_function(monkeypatch, [dop.ptr("float32"), dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    y, x = dop.from_numpy(rng.standard_normal(4).astype(np.float32)), dop.empty(4)
+    fn.launch(FakeStream(), dop.LaunchConfig((2, 3), 128), y, x, 1.5, 7)
+    grid, block, smem, raw = fake.launches[-1]
+    assert grid == (2, 3, 1) and block == (128, 1, 1) and smem == 0
+    assert struct.unpack("<Q", raw[0])[0] == y.data_ptr and struct.unpack("<Q", raw[1])[0] == x.data_ptr
+    assert struct.unpack("<f", raw[2])[0] == 1.5 and struct.unpack("<i", raw[3])[0] == 7
+
+
+def test_slow_paths_accept_numpy_scalars_ints_for_floats_and_raw_addresses(monkeypatch):
+    fn, fake = make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    fn.launch(FakeStream(), (1, 32), 0x1000, None, np.float32(2.0), np.int64(3))
+    raw = fake.launches[-1][3]
+    assert struct.unpack("<Q", raw[0])[0] == 0x1000 and struct.unpack("<Q", raw[1])[0] == 0
+    assert struct.unpack("<f", raw[2])[0] == 2.0 and struct.unpack("<i", raw[3])[0] == 3
+    fn.launch(FakeStream(), (1, 32), 0, 0, 2, 3)  # an int for a float parameter is exact
+    assert struct.unpack("<f", fake.launches[-1][3][2])[0] == 2.0
+
+
+def test_bad_arguments_never_reach_the_driver(monkeypatch):
+    fn, fake = make_function(monkeypatch, [dop.ptr("float32"), dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    y = dop.empty(4)
+    cases = [
+        ((y, y, 1.0), dop.LaunchError, "takes 4 arguments"),
+        ((y, y, 1.0, 2.5), dop.DTypeError, "argument 3 of k.*never truncates"),
+        ((y, y, 1.0, 2**40), dop.DTypeError, "does not fit in int32"),
+        ((y, y, "a", 1), dop.DTypeError, "argument 2 of k"),
+        ((y, y, 1.0, True), dop.DTypeError, "got a bool"),
+        ((dop.empty(4, dop.int32), y, 1.0, 1), dop.DTypeError, "must be a float32 tensor, got int32"),
+        ((y, "x", 1.0, 1), dop.LaunchError, "device pointer"),
+    ]
+    for args, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            fn.launch(FakeStream(), (1, 32), *args)
+    with pytest.raises(dop.LaunchError, match="LaunchConfig"):
+        fn.launch(FakeStream(), "grid", y, y, 1.0, 1)
+    assert fake.launches == []
+
+
+def test_signature_must_match_the_kernels_layout(monkeypatch):
+    with pytest.raises(dop.LaunchError, match="takes 4 parameters but its declared signature has 3"):
+        make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float32], SAXPY_LAYOUT)
+    with pytest.raises(dop.LaunchError, match="parameter 2 of kernel k is 4 bytes at offset 16"):
+        make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float64, dop.int32], SAXPY_LAYOUT)
+
+
+def test_half_and_bfloat16_scalars(monkeypatch):
+    fn, fake = make_function(monkeypatch, [dop.float16, dop.bfloat16], [(0, 2), (2, 2)])
+    fn.launch(FakeStream(), (1, 1), 1.5, 1.0)
+    raw = fake.launches[-1][3]
+    assert np.frombuffer(raw[0], np.float16)[0] == 1.5
+    assert raw[1] == (0x3F80).to_bytes(2, "little")
+
+
+def test_pack_shows_the_bytes(monkeypatch):
+    fn, _ = make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    assert fn.pack(16, 32, 1.0, 2) == struct.pack("@PPfi", 16, 32, 1.0, 2)
