@@ -21,7 +21,7 @@ import operator
 import numpy as np
 
 from .dtypes import DType, dtype as as_dtype
-from .errors import DTypeError, OutOfMemoryError, ShapeError, StateError
+from .errors import DTypeError, OutOfMemoryError, OwnershipError, ShapeError, StateError
 
 
 def _shape_tuple(shape) -> tuple[int, ...]:
@@ -49,24 +49,96 @@ def _resolve_shape(shape, size: int, what: str) -> tuple[int, ...]:
     return dims
 
 
-class Tensor:
-    """A typed, strided view of device memory (host memory on the reference device)."""
+class _Allocation:
+    """One allocation, shared by every view of it: its extent (for overlap
+    checks) and the number of live SharedTensor handles to it (ownership)."""
 
-    __slots__ = ("_array", "device", "dtype", "_ptr", "_home_stream", "__weakref__", "_owner")
+    __slots__ = ("lo", "hi", "handles", "lock")
+
+    def __init__(self, lo: int, hi: int):
+        import threading
+        self.lo, self.hi, self.handles = lo, hi, 0
+        self.lock = threading.Lock()
+
+
+class _HostMemory:
+    """Exposes a raw host view to NumPy while keeping its base array alive."""
+
+    def __init__(self, base, interface):
+        self.base, self.__array_interface__ = base, interface
+
+
+def _host_view(base, ptr: int, shape, byte_strides, dtype) -> np.ndarray:
+    """A NumPy array of exactly ``shape``/``byte_strides`` at ``ptr`` inside ``base``."""
+    raw = np.dtype(f"V{dtype.itemsize}")  # any dtype (bfloat16 too) through raw bytes
+    iface = {"version": 3, "shape": tuple(shape), "typestr": raw.str, "data": (ptr, False),
+             "strides": tuple(byte_strides)}
+    return np.asarray(_HostMemory(base, iface)).view(dtype)
+
+
+class Tensor:
+    """A typed, strided view of device memory (host memory on the reference device).
+
+    A tensor is metadata — pointer, shape, strides (in elements), dtype — over
+    a *base* array that owns the memory.  Views share the base and cost no
+    array construction; the CuPy/NumPy array of a view is made only when
+    asked for (``numpy()``, interop, the reference device's kernels).
+    """
+
+    __slots__ = ("_base", "_arr", "device", "dtype", "_ptr", "_shape", "_strides", "_alloc", "_contig",
+                 "_home_stream", "_sig", "_views", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("create tensors with dop.empty/zeros/from_numpy/from_dlpack or the api ops")
 
     @classmethod
     def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None) -> "Tensor":
+        """A tensor over all of ``array``, which owns (or keeps alive) the memory."""
         t = object.__new__(cls)
-        t._array = array
+        t._base = t._arr = array
         t.device = device
         t.dtype = dtype if dtype is not None else as_dtype(array.dtype)
-        t._ptr = int(array.data.ptr) if not device.is_reference else int(array.__array_interface__["data"][0])
+        item = t.dtype.itemsize
+        t._shape = tuple(array.shape)
+        t._strides = tuple(st // item for st in array.strides)
+        t._contig = bool(array.flags.c_contiguous)
+        if device.is_reference:
+            t._ptr = int(array.__array_interface__["data"][0])
+        else:
+            t._ptr = int(array.data.ptr)
+        # the allocation's extent: views of one allocation share this tuple, so
+        # "can these two alias?" is usually one identity test
+        mem = getattr(getattr(array, "data", None), "mem", None) if not device.is_reference else None
+        t._alloc = _Allocation(*((int(mem.ptr), int(mem.ptr) + int(mem.size)) if mem is not None and mem.size
+                                 else t._range()))
         t._home_stream = home_stream
-        t._owner = None
+        t._sig = (t._ptr, t._shape, t._strides, t.dtype)
+        t._views = None
         return t
+
+    def _view(self, ptr: int, shape: tuple, strides: tuple, contiguous: bool) -> "Tensor":
+        """A view of the same allocation (no array is built)."""
+        t = object.__new__(Tensor)
+        t._base, t._arr, t.device, t.dtype = self._base, None, self.device, self.dtype
+        t._ptr, t._shape, t._strides, t._contig = ptr, shape, strides, contiguous
+        t._alloc, t._home_stream = self._alloc, self._home_stream
+        t._sig, t._views = (ptr, shape, strides, self.dtype), None
+        return t
+
+    @property
+    def _array(self):
+        """The CuPy (GPU) or NumPy (reference) array of exactly this view."""
+        arr = self._arr
+        if arr is None:
+            base, item = self._base, self.dtype.itemsize
+            byte_strides = tuple(s * item for s in self._strides)
+            if self.device.is_reference:
+                arr = _host_view(base, self._ptr, self._shape, byte_strides, self.dtype.np)
+            else:
+                import cupy
+                arr = cupy.ndarray(self._shape, self.dtype.np, base.data + (self._ptr - base.data.ptr), byte_strides)
+            self._arr = arr
+        return arr
 
     # -- creation ------------------------------------------------------------
     @classmethod
@@ -146,25 +218,24 @@ class Tensor:
     # -- metadata ------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._array.shape
+        return self._shape
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in elements (not bytes)."""
-        item = self.dtype.itemsize
-        return tuple(s // item for s in self._array.strides)
+        return self._strides
 
     @property
     def ndim(self) -> int:
-        return self._array.ndim
+        return len(self._shape)
 
     @property
     def size(self) -> int:
-        return self._array.size
+        return math.prod(self._shape)
 
     @property
     def nbytes(self) -> int:
-        return self._array.size * self.dtype.itemsize
+        return self.size * self.dtype.itemsize
 
     @property
     def data_ptr(self) -> int:
@@ -173,37 +244,68 @@ class Tensor:
 
     @property
     def is_contiguous(self) -> bool:
-        return bool(self._array.flags.c_contiguous)
+        return self._contig
 
-    def memory_range(self) -> tuple[int, int]:
-        """``[lo, hi)`` byte addresses this view can touch (for overlap checks)."""
+    def _range(self) -> tuple[int, int]:
         item = self.dtype.itemsize
-        if self.size == 0:
+        if 0 in self._shape:
             return (self._ptr, self._ptr)
         lo = hi = 0
-        for n, s in zip(self._array.shape, self._array.strides):
+        for n, s in zip(self._shape, self._strides):
             if s >= 0:
                 hi += (n - 1) * s
             else:
                 lo += (n - 1) * s
-        return (self._ptr + lo, self._ptr + hi + item)
+        return (self._ptr + lo * item, self._ptr + (hi + 1) * item)
+
+    def memory_range(self) -> tuple[int, int]:
+        """``[lo, hi)`` byte addresses this view can touch (for overlap checks)."""
+        return self._range()
 
     def overlaps(self, other: "Tensor") -> bool:
-        a0, a1 = self.memory_range()
-        b0, b1 = other.memory_range()
+        """Whether the two views can touch a common byte."""
+        a, b = self._alloc, other._alloc
+        if a is not b and (a.hi <= b.lo or b.hi <= a.lo):
+            return False  # different allocations: the common case, decided without a range
+        a0, a1 = self._range()
+        b0, b1 = other._range()
         return a0 < b1 and b0 < a1
 
     # -- views ---------------------------------------------------------------
     def view(self, *shape) -> "Tensor":
-        """The same memory seen with another shape (no copy; one dim may be -1)."""
+        """The same memory seen with another shape (no copy; one dim may be -1).
+
+        Views are immutable, so each tensor remembers the ones it made: asking
+        again for the same shape returns the same object, cheaply."""
         shape = shape[0] if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)) else shape
-        dims = _resolve_shape(shape, self.size, f"view of {self.dtype.name} tensor {self.shape}")
-        if not self.is_contiguous:
-            raise ShapeError(f"cannot view the non-contiguous tensor {self.shape} (strides {self.strides}) "
-                             f"as {dims} without a copy; make a contiguous copy first")
-        return self._derive(self._array.reshape(dims))
+        views = self._views
+        if views is not None and type(shape) is tuple:
+            v = views.get(shape)
+            if v is not None:
+                return v
+        v = self._make_view(shape)
+        if type(shape) is tuple:
+            if views is None:
+                views = self._views = {}
+            if len(views) < 16:
+                views[shape] = v
+        return v
 
     reshape = view
+
+    def _make_view(self, shape) -> "Tensor":
+        size = self.size
+        dims = shape if type(shape) is tuple and -1 not in shape and math.prod(shape) == size \
+            and all(type(d) is int for d in shape) else \
+            _resolve_shape(shape, size, f"view of {self.dtype.name} tensor {self._shape}")
+        if not self._contig:
+            raise ShapeError(f"cannot view the non-contiguous tensor {self._shape} (strides {self._strides}) "
+                             f"as {dims} without a copy; make a contiguous copy first")
+        strides, acc = [0] * len(dims), 1
+        for i in range(len(dims) - 1, -1, -1):
+            strides[i] = acc
+            acc *= dims[i]
+        return self._view(self._ptr, dims, tuple(strides), True)
 
     def __getitem__(self, key) -> "Tensor":
         """Basic slicing (ints, slices, ``...``) returns a view; no copying index forms."""
@@ -211,15 +313,20 @@ class Tensor:
         for k in items:
             if not isinstance(k, (int, np.integer, slice)) and k is not Ellipsis and k is not None:
                 raise ShapeError(f"only basic indexing (ints, slices, ...) makes views; got {type(k).__name__}")
-        return self._derive(self._array[key])
-
-    def _derive(self, array) -> "Tensor":
-        t = Tensor._wrap(array, self.device, self.dtype, self._home_stream)
-        t._owner = self._owner
+        arr = self._array[key]
+        item = self.dtype.itemsize
+        ptr = int(arr.__array_interface__["data"][0]) if self.device.is_reference else int(arr.data.ptr)
+        t = self._view(ptr, tuple(arr.shape), tuple(st // item for st in arr.strides), bool(arr.flags.c_contiguous))
+        t._arr = arr
         return t
 
     def partition(self, tile_shape) -> "Partition":
+        """Borrow this tensor mutably as the output of one launch, cut into tiles."""
         return Partition(self, tile_shape)
+
+    def into_shared(self) -> "SharedTensor":
+        """A SharedTensor (Arc-like) handle to this buffer, for the combinator API."""
+        return SharedTensor(self)
 
     # -- transfers and interop -----------------------------------------------
     def numpy(self, *, stream=None) -> np.ndarray:
@@ -321,3 +428,99 @@ def as_tensor(obj, *, device=None) -> Tensor:
         return Tensor.from_cuda_array_interface(obj, device=device)
     raise DTypeError(f"cannot view a {type(obj).__name__} as a tensor: it has neither __dlpack__ "
                      "nor __cuda_array_interface__")
+
+
+# -- shared handles and ownership ------------------------------------------------
+
+class SharedTensor:
+    """An Arc-like, read-only handle to a tensor.
+
+    ``clone()`` makes another live handle; ``release()`` (or the handle being
+    collected) ends one.  ``try_partition(tile)`` turns the *only* live handle
+    into a writable Partition and fails with an OwnershipError while any
+    other handle can still reach the buffer — the runtime form of cutile-rs's
+    ``Arc::try_unwrap``.  Counting is explicit — handles made and ended, not
+    CPython reference counts — and per allocation: two handles made from two
+    views of one buffer still count as two.
+    """
+
+    __slots__ = ("_tensor", "_live", "__weakref__")
+
+    def __init__(self, tensor: Tensor):
+        if not isinstance(tensor, Tensor):
+            raise StateError(f"SharedTensor wraps a Tensor, got {type(tensor).__name__}")
+        self._tensor = tensor
+        alloc = tensor._alloc
+        with alloc.lock:
+            alloc.handles += 1
+        self._live = True
+
+    @property
+    def tensor(self) -> Tensor:
+        """The tensor, for reading (launch inputs, views)."""
+        if not self._live:
+            raise StateError("this SharedTensor handle was released or consumed by try_partition")
+        return self._tensor
+
+    @property
+    def live_handles(self) -> int:
+        """Live handles to this buffer's allocation (this one included, if live)."""
+        return self._tensor._alloc.handles
+
+    def clone(self) -> "SharedTensor":
+        return SharedTensor(self.tensor)  # a dead handle cannot be cloned
+
+    def release(self) -> None:
+        """End this handle (idempotent)."""
+        if self._live:
+            self._live = False
+            alloc = self._tensor._alloc
+            with alloc.lock:
+                alloc.handles -= 1
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def try_partition(self, tile_shape) -> Partition:
+        """Claim the buffer for writing: succeeds only if this is the sole live handle.
+
+        The handle is consumed (like a Rust move); the partition's tensor is
+        the buffer, writable by one launch."""
+        tensor = self.tensor
+        part = Partition(tensor, tile_shape)  # a bad tile fails before the handle is consumed
+        alloc = tensor._alloc
+        with alloc.lock:
+            others = alloc.handles - 1
+            if others:
+                raise OwnershipError(
+                    f"try_partition: the {tensor.dtype.name} buffer {tensor.shape} is still reachable from "
+                    f"{others} other live SharedTensor handle(s); release() them (or drop the clones) first, "
+                    "or write into a buffer you own")
+            alloc.handles -= 1
+            self._live = False
+        return part
+
+    # read-only conveniences, all through .tensor
+    @property
+    def shape(self):
+        return self.tensor.shape
+
+    @property
+    def dtype(self):
+        return self.tensor.dtype
+
+    def view(self, *shape) -> Tensor:
+        return self.tensor.view(*shape)
+
+    reshape = view
+
+    def numpy(self, **kw):
+        return self.tensor.numpy(**kw)
+
+    def __repr__(self) -> str:
+        state = f"{self.live_handles} live handle(s)" if self._live else "released"
+        return f"SharedTensor({self._tensor!r}, {state})"
+

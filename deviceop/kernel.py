@@ -1,0 +1,291 @@
+"""Kernel declarations and launch ops.
+
+A kernel is CUDA C++ (a ``.cu`` file or a string) plus a declaration:
+
+* its entry name and template parameters (``generics``; a launch picks values
+  with ``.generics([...])``, compiled as the NVRTC name expression
+  ``entry<v0, v1, ...>``),
+* the role of each parameter, output first: ``Out`` (a partition the kernel
+  writes, one block per tile), ``In`` (a tensor it reads), ``Scalar``,
+* its block shape (a function of the generics),
+* a NumPy reference that computes the same output — what the reference
+  device runs, and what tests compare the GPU against.
+
+Calling the kernel builds a lazy launch op; its value is the tuple of all the
+arguments, its grid is the output partition's tiles per axis.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .compile import compile_cubin
+from .dtypes import DType, dtype as as_dtype
+from .errors import AliasingError, DTypeError, LaunchError, ShapeError
+from .op import DeviceOp, resolve, stats
+from .runtime.launch import LaunchConfig, ptr
+from .runtime.module import load_module
+from .tensor import Partition, SharedTensor, Tensor
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    role: str              # "out" | "in" | "scalar"
+    dtype: DType
+    rank: int | None = None
+
+    def describe(self) -> str:
+        if self.role == "scalar":
+            return f"{self.name}: {self.dtype.name}"
+        rank = f", rank {self.rank}" if self.rank is not None else ""
+        return f"{self.name}: {'out ' if self.role == 'out' else ''}{self.dtype.name}{rank}"
+
+
+def Out(name: str, dtype, rank: int | None = None) -> Param:
+    """The output partition (always the first parameter)."""
+    return Param(name, "out", as_dtype(dtype), rank)
+
+
+def In(name: str, dtype, rank: int | None = None) -> Param:
+    """An input tensor the kernel reads."""
+    return Param(name, "in", as_dtype(dtype), rank)
+
+
+def Scalar(name: str, dtype) -> Param:
+    return Param(name, "scalar", as_dtype(dtype))
+
+
+def _generic_text(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str) and v:
+        return v
+    raise LaunchError(f"a generic is an int, a bool or a C++ type name, got {v!r}")
+
+
+class Kernel:
+    """A CUDA C++ kernel and its declaration (see the module docstring)."""
+
+    def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
+                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0):
+        self.name = name
+        self.entry = entry or name
+        if isinstance(source, Path):
+            self.source_path = source
+            self.source = source.read_text()
+            include_dirs = (source.parent, *include_dirs)
+        else:
+            self.source_path, self.source = None, source
+        self.params = tuple(params)
+        if not self.params or self.params[0].role != "out" or any(p.role == "out" for p in self.params[1:]):
+            raise LaunchError(f"kernel {name}: the first parameter, and only the first, must be Out(...)")
+        self.generic_names = tuple(generics)
+        self.block, self.reference, self.validate = block, reference, validate
+        self.shared_mem = shared_mem
+        self.options, self.include_dirs = tuple(options), tuple(include_dirs)
+        self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
+        self._functions: dict = {}
+        self._configs: dict = {}
+        self._checked: set = set()
+        self._plans: dict = {}      # (device, generics, grid) -> (launcher, LaunchConfig)  # launch signatures already checked (see KernelLaunch._execute)
+        self._tensor_positions = tuple(i for i, p in enumerate(self.params) if p.role != "scalar")
+        self._lock = threading.Lock()
+
+    def __call__(self, *args) -> "KernelLaunch":
+        return KernelLaunch(self, args)
+
+    def __repr__(self) -> str:
+        gen = f"<{', '.join(self.generic_names)}>" if self.generic_names else ""
+        return f"Kernel {self.name}{gen}({', '.join(p.describe() for p in self.params)})"
+
+    # -- generics -----------------------------------------------------------------
+    def check_generics(self, values) -> tuple:
+        values = tuple(values)
+        if len(values) != len(self.generic_names):
+            raise LaunchError(f"{self.name} takes {len(self.generic_names)} generics "
+                              f"<{', '.join(self.generic_names)}>, got {len(values)}: {list(values)}")
+        for v in values:
+            _generic_text(v)
+        return values
+
+    def name_expression(self, values) -> str:
+        if not self.generic_names:
+            return self.entry
+        return f"{self.entry}<{', '.join(_generic_text(v) for v in values)}>"
+
+    # -- compiled forms (cached) ----------------------------------------------------
+    def compile(self, values=(), arch=None):
+        """NVRTC → CUBIN for one set of generics (no GPU needed)."""
+        expr = self.name_expression(values)
+        filename = self.source_path.name if self.source_path else f"{self.name}.cu"
+        return compile_cubin(self.source, arch=arch, name_expressions=[expr] if self.generic_names else [],
+                             options=self.options, include_dirs=self.include_dirs, filename=filename), expr
+
+    def function(self, device, values=()):
+        """The loaded kernel for ``device`` and these generics (compiled and loaded once)."""
+        key = (device.ordinal, values)
+        fn = self._functions.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._functions.get(key)
+                if fn is None:
+                    prog, expr = self.compile(values, arch=device.arch)
+                    fn = load_module(prog, device).get_function(expr, self.signature, label=expr)
+                    self._functions[key] = fn
+        return fn
+
+    def config(self, grid: tuple, values=()) -> LaunchConfig:
+        key = (grid, values)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            g = dict(zip(self.generic_names, values))
+            block = self.block(g) if callable(self.block) else self.block
+            smem = self.shared_mem(g) if callable(self.shared_mem) else self.shared_mem
+            if len(grid) > 3:
+                raise LaunchError(f"{self.name}: an output partition of rank {len(grid)} has no CUDA grid (max 3 axes)")
+            cfg = self._configs[key] = LaunchConfig(grid, block, smem)
+        return cfg
+
+
+class _Output(DeviceOp):
+    """``launch.first()`` and ``launch.first().unpartition()`` as one node."""
+
+    __slots__ = ("launch", "as_tensor")
+    graph_safe = True
+
+    def __init__(self, launch, as_tensor: bool):
+        super().__init__()
+        self.launch, self.as_tensor = launch, as_tensor
+
+    def children(self):
+        return (self.launch,)
+
+    def unpartition(self) -> DeviceOp:
+        return _Output(self.launch, True) if not self.as_tensor else super().unpartition()
+
+    def _execute(self, ctx):
+        part = self.launch._run(ctx)[0]
+        return part.tensor if self.as_tensor else part
+
+    def describe(self):
+        return f"{self.launch.describe()}.first(){'.unpartition()' if self.as_tensor else ''}"
+
+
+def _as_tensor_arg(v):
+    return v.tensor if isinstance(v, SharedTensor) else v
+
+
+class KernelLaunch(DeviceOp):
+    """One lazy launch of a kernel; value = the tuple of its arguments."""
+
+    __slots__ = ("kernel", "args", "_generics")
+    graph_safe = True
+
+    def __init__(self, kernel: Kernel, args):
+        super().__init__()
+        self.kernel, self.args = kernel, tuple(args)
+        self._generics = () if not kernel.generic_names else None
+        if len(self.args) != len(kernel.params):
+            raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
+                              f"({', '.join(p.describe() for p in kernel.params)}), got {len(self.args)}")
+        # arguments known now are checked now, before anything runs
+        for p, a in zip(kernel.params, self.args):
+            if not isinstance(a, DeviceOp):
+                self._check_arg(p, a)
+
+    @property
+    def arity(self) -> int:
+        return len(self.args)
+
+    def first(self) -> "DeviceOp":
+        """The output partition (one node, not a map: launches are the hot path)."""
+        return _Output(self, False)
+
+    def generics(self, values) -> "KernelLaunch":
+        """Pick the template arguments, e.g. ``.generics([2048, 256])``."""
+        self._generics = self.kernel.check_generics(values)
+        return self
+
+    def children(self):
+        return tuple(a for a in self.args if isinstance(a, DeviceOp))
+
+    def describe(self) -> str:
+        return self.kernel.name_expression(self._generics) if self._generics is not None else self.kernel.name
+
+    def _check_arg(self, p: Param, a):
+        k = self.kernel.name
+        if p.role == "out":
+            if not isinstance(a, Partition):
+                hint = " (a plain tensor: pass tensor.partition(tile), or shared.try_partition(tile))" \
+                    if isinstance(a, (Tensor, SharedTensor)) else ""
+                raise LaunchError(f"argument 0 ({p.name}) of {k} must be a Partition{hint}, got {type(a).__name__}")
+            t = a.tensor
+        elif p.role == "in":
+            t = _as_tensor_arg(a)
+            if not isinstance(t, Tensor):
+                raise LaunchError(f"argument {p.name} of {k} must be a Tensor, got {type(a).__name__}")
+        else:
+            try:
+                p.dtype.coerce(a)
+            except DTypeError as exc:
+                raise DTypeError(f"argument {p.name} of {k}: {exc}") from None
+            return
+        if t.dtype is not p.dtype:
+            raise DTypeError(f"argument {p.name} of {k} must be {p.dtype.name}, got a {t.dtype.name} tensor")
+        if p.rank is not None and t.ndim != p.rank:
+            raise ShapeError(f"argument {p.name} of {k} must have rank {p.rank}, got shape {t.shape}; "
+                             f"reshape it (e.g. .reshape(...)) first")
+
+    def _execute(self, ctx):
+        kernel, gen = self.kernel, self._generics
+        if gen is None:
+            raise LaunchError(f"{kernel.name} needs generics <{', '.join(kernel.generic_names)}>: "
+                              f"call .generics([...]) on the launch")
+        values = [a._run(ctx) if isinstance(a, DeviceOp) else a for a in self.args]
+        part = values[0]
+        # Checks are cached per kernel: a launch whose generics, tiles, pointers,
+        # shapes, strides and dtypes were all seen before was already checked
+        # (per-token rebuilds of one model hit this every time).
+        try:
+            launch_args = [part.tensor] + [v.tensor if type(v) is SharedTensor else v for v in values[1:]]
+            key = (gen, part.tile_shape, *[launch_args[i]._sig for i in kernel._tensor_positions])
+        except AttributeError:
+            key = None
+        if key is None or key not in kernel._checked:
+            launch_args = self._check(values, gen)
+            if key is not None:
+                if len(kernel._checked) > 65536:
+                    kernel._checked.clear()
+                kernel._checked.add(key)
+        if ctx.device.is_reference:
+            if kernel.reference is None:
+                raise LaunchError(f"{kernel.name} has no NumPy reference, so the reference device cannot run it")
+            kernel.reference(dict(zip(kernel.generic_names, gen)),
+                             *[t._array if isinstance(t, Tensor) else t for t in launch_args])
+        else:
+            plan = kernel._plans.get((ctx.device, gen, part.grid))
+            if plan is None:
+                plan = kernel._plans[(ctx.device, gen, part.grid)] = \
+                    (kernel.function(ctx.device, gen).launch, kernel.config(part.grid, gen))
+            plan[0](ctx.stream, plan[1], *launch_args)
+        stats["launches"] += 1
+        return tuple(values)
+
+    def _check(self, values, gen) -> list:
+        """Every check of a launch: roles, dtypes, ranks, aliasing, the kernel's own rules."""
+        kernel, params = self.kernel, self.kernel.params
+        for p, v in zip(params, values):
+            self._check_arg(p, v)
+        launch_args = [values[0].tensor] + [_as_tensor_arg(v) for v in values[1:]]
+        out = launch_args[0]
+        for p, t in zip(params[1:], launch_args[1:]):
+            if p.role == "in" and t.overlaps(out):
+                raise AliasingError(f"{self.describe()} writes {params[0].name} and reads {p.name} from "
+                                    "overlapping memory; write into a separate buffer")
+        if kernel.validate is not None:
+            kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
+        return launch_args

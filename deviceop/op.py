@@ -1,0 +1,409 @@
+"""DeviceOp: lazy GPU work and the combinators that compose it.
+
+Building an op runs nothing and allocates nothing on the device; executing
+it (``sync_on``, ``async_on``, ``await``, or a graph capture) issues its work,
+in order, on one stream.  The model is cutile-rs's DeviceOp:
+
+* An op describes one execution and is consumed by it (executing it twice is
+  an error), except ``shared()`` ops: they run at most once, whatever the
+  number of clones that consume them, and every clone — also one executed
+  later, e.g. to fetch a graph's output after capture — sees that result.
+* Execution is non-reentrant: a ``sync_on`` from inside a ``map``/``then``
+  callback (or a capture scope) raises ReentrancyError.
+* A kernel launch op's value is the tuple of all its arguments; ``first()`` is
+  the output partition and ``unpartition()`` gives the tensor back.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import contextmanager
+
+from .errors import ReentrancyError, ShapeError, StateError
+from .tensor import Partition, SharedTensor, Tensor
+
+_tls = threading.local()
+stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
+
+
+class ExecutionContext:
+    """Where an execution runs: the device and stream, and whether a graph
+    is being captured (then only graph-safe work is allowed)."""
+
+    __slots__ = ("device", "stream", "capture")
+
+    def __init__(self, stream, capture=None):
+        self.device = stream.device
+        self.stream = stream
+        self.capture = capture  # None, or the capture in progress (graph layer)
+
+    def __repr__(self) -> str:
+        return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
+
+
+@contextmanager
+def executing(what: str):
+    """Hold the thread's execution lock (non-reentrant, as in cutile-rs)."""
+    if getattr(_tls, "executing", None):
+        raise ReentrancyError(
+            f"{what} was called while {_tls.executing} is executing on this thread; DeviceOp execution is "
+            "non-reentrant. Compose with .then(...) instead of executing inside a callback")
+    _tls.executing = what
+    try:
+        yield
+    finally:
+        _tls.executing = None
+
+
+def is_executing() -> bool:
+    return bool(getattr(_tls, "executing", None))
+
+
+class DeviceOp:
+    """A lazy value.  Subclasses implement ``_execute(ctx)``."""
+
+    __slots__ = ("_consumed",)
+    graph_safe = False    # may CudaGraph.scope record it? (kernel launches, memcpy, values)
+    op_name = "op"
+
+    def __init__(self):
+        self._consumed = False
+
+    # -- execution -------------------------------------------------------------
+    def _execute(self, ctx: ExecutionContext):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _run(self, ctx: ExecutionContext):
+        if self._consumed:
+            raise StateError(f"{self.describe()} was already executed: an op describes one execution. "
+                             "Build it again, or make it .shared() to reuse its result")
+        self._consumed = True
+        return self._execute(ctx)
+
+    def children(self) -> tuple:
+        """The ops this one executes (for graph-safety checks and module preloading)."""
+        return ()
+
+    def unsafe_for_graphs(self):
+        """The first op in this tree that is not graph-safe, or None."""
+        if not self.graph_safe:
+            return self
+        for child in self.children():
+            bad = child.unsafe_for_graphs()
+            if bad is not None:
+                return bad
+        return None
+
+    def describe(self) -> str:
+        return self.op_name
+
+    def __repr__(self) -> str:
+        return f"<DeviceOp {self.describe()}>"
+
+    def sync_on(self, stream):
+        """Execute on ``stream`` and wait for the device; returns the op's value."""
+        with executing(f"sync_on({self.describe()})"):
+            out = self._run(ExecutionContext(stream))
+            stream.synchronize()
+        return out
+
+    def sync(self):
+        """Execute on the default stream (the device's own non-blocking stream) and wait."""
+        return self.sync_on(_default_stream())
+
+    def async_on(self, stream):
+        """Enqueue the work on ``stream`` without waiting; the value's buffers are
+        ready once the stream reaches this point."""
+        with executing(f"async_on({self.describe()})"):
+            return self._run(ExecutionContext(stream))
+
+    def __await__(self):
+        return self._await_on(None).__await__()
+
+    async def _await_on(self, stream):
+        stream = stream if stream is not None else _default_stream()
+        out = self.async_on(stream)
+        event = stream.record_event(timing=False)
+        if not event.query():  # wait in a worker thread: the event loop keeps running
+            await asyncio.get_running_loop().run_in_executor(None, event.synchronize)
+        return out
+
+    def on(self, stream):
+        """An awaitable that executes on ``stream``: ``await op.on(stream)``."""
+        return self._await_on(stream)
+
+    # -- combinators -------------------------------------------------------------
+    def map(self, f) -> "DeviceOp":
+        """A host-side transform of the value (no GPU work)."""
+        return Map(self, f)
+
+    def inspect(self, f) -> "DeviceOp":
+        """Call ``f(value)`` for its side effect; the value passes through."""
+        return Map(self, f, inspect=True)
+
+    def then(self, f) -> "DeviceOp":
+        """``f(value)`` returns an op (or a plain value), executed on the same stream."""
+        return Then(self, f)
+
+    def first(self) -> "DeviceOp":
+        return Map(self, _first, name="first")
+
+    def last(self) -> "DeviceOp":
+        return Map(self, _last, name="last")
+
+    def unpartition(self) -> "DeviceOp":
+        return Map(self, _unpartition, name="unpartition")
+
+    def reshape(self, *shape) -> "DeviceOp":
+        shape = tuple(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        return Map(self, lambda t: t.view(shape) if type(t) is Tensor else _reshape(t, shape),
+                   name=f"reshape{list(shape)}")
+
+    def unzip(self, n: int | None = None) -> tuple:
+        """Split an op producing an n-tuple into n ops; the op runs once."""
+        n = n if n is not None else getattr(self, "arity", None)
+        if n is None:
+            raise StateError(f"unzip() cannot tell how many values {self.describe()} produces; pass n")
+        core = self.shared()
+        return tuple(Map(core.clone(), lambda v, i=i: v[i], name=f"select[{i}]") for i in range(n))
+
+    def shared(self) -> "SharedOp":
+        return SharedOp(_SharedCore(self))
+
+    def boxed(self) -> "DeviceOp":
+        return Boxed(self)
+
+
+def _first(v):
+    return v[0]
+
+
+def _last(v):
+    return v[-1]
+
+
+def _unpartition(v):
+    if isinstance(v, Partition):
+        return v.tensor
+    raise StateError(f"unpartition() needs a Partition, got {type(v).__name__}; use it after .first() on a launch")
+
+
+def _reshape(v, shape):
+    if isinstance(v, SharedTensor):
+        v = v.tensor
+    if isinstance(v, Tensor):
+        return v.view(shape)
+    raise ShapeError(f"reshape() needs an op producing a tensor, got {type(v).__name__}")
+
+
+def _default_stream():
+    from .runtime.device import Device
+    return Device(0).default_stream()
+
+
+# -- the ops -----------------------------------------------------------------------
+
+class Value(DeviceOp):
+    """An already-computed value."""
+
+    __slots__ = ("value",)
+    graph_safe = True
+    op_name = "value"
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def _execute(self, ctx):
+        return self.value
+
+
+def value(x) -> DeviceOp:
+    """``x`` as an op (ops pass through)."""
+    return x if isinstance(x, DeviceOp) else Value(x)
+
+
+def resolve(x, ctx):
+    """The value of an argument: ops are executed, plain values pass through."""
+    return x._run(ctx) if isinstance(x, DeviceOp) else x
+
+
+class Map(DeviceOp):
+    __slots__ = ("op", "f", "is_inspect", "name")
+    graph_safe = True  # host work only; safety is the child's
+
+    def __init__(self, op, f, inspect: bool = False, name: str | None = None):
+        super().__init__()
+        self.op, self.f, self.is_inspect, self.name = value(op), f, inspect, name
+
+    def children(self):
+        return (self.op,)
+
+    def _execute(self, ctx):
+        v = self.op._run(ctx)
+        if self.is_inspect:
+            self.f(v)
+            return v
+        return self.f(v)
+
+    def describe(self):
+        return f"{self.op.describe()}.{self.name or ('inspect' if self.is_inspect else 'map')}"
+
+
+class Then(DeviceOp):
+    __slots__ = ("op", "f")
+    graph_safe = True  # what f returns is checked when it runs
+
+    def __init__(self, op, f):
+        super().__init__()
+        self.op, self.f = value(op), f
+
+    def children(self):
+        return (self.op,)
+
+    def _execute(self, ctx):
+        nxt = self.f(self.op._run(ctx))
+        if isinstance(nxt, DeviceOp) and ctx.capture is not None:
+            ctx.capture.check_graph_safe(nxt)
+        return resolve(nxt, ctx)
+
+    def describe(self):
+        return f"{self.op.describe()}.then"
+
+
+class Zip(DeviceOp):
+    """Executes its ops in order on one stream; the value is the tuple of theirs."""
+
+    __slots__ = ("ops",)
+    graph_safe = True
+    op_name = "zip"
+
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = tuple(value(o) for o in ops)
+
+    @property
+    def arity(self):
+        return len(self.ops)
+
+    def children(self):
+        return self.ops
+
+    def _execute(self, ctx):
+        return tuple(o._run(ctx) for o in self.ops)
+
+
+def zip_(*ops) -> DeviceOp:
+    """Combine ops of any arity into one whose value is the tuple of their values."""
+    return Zip(ops)
+
+
+class _SharedCore:
+    """The once-cell behind a shared op and all its clones."""
+
+    __slots__ = ("op", "done", "result", "lock", "running")
+
+    def __init__(self, op):
+        self.op, self.done, self.result, self.running = op, False, None, False
+        self.lock = threading.RLock()
+
+    def get(self, ctx):
+        if self.done:
+            return self.result
+        with self.lock:
+            if not self.done:
+                if self.running:
+                    raise StateError(f"shared op {self.op.describe()} depends on its own result")
+                self.running = True
+                try:
+                    self.result = self.op._run(ctx)
+                    self.done = True
+                finally:
+                    self.running = False
+        return self.result
+
+
+class SharedOp(DeviceOp):
+    """A handle to a shared op: clones share one execution and one result."""
+
+    __slots__ = ("core",)
+    graph_safe = True
+
+    def __init__(self, core: _SharedCore):
+        super().__init__()
+        self.core = core
+
+    def clone(self) -> "SharedOp":
+        return SharedOp(self.core)
+
+    def children(self):
+        return () if self.core.done else (self.core.op,)
+
+    def _run(self, ctx):  # handles may be executed again: the result is cached
+        return self.core.get(ctx)
+
+    _execute = _run
+
+    @property
+    def is_done(self) -> bool:
+        return self.core.done
+
+    def describe(self):
+        return f"shared({self.core.op.describe()})"
+
+
+def shared(x) -> SharedOp:
+    """A shared op: of an op, or an already-computed value (a Tensor becomes a SharedTensor)."""
+    if isinstance(x, SharedOp):
+        return x
+    if isinstance(x, DeviceOp):
+        return x.shared()
+    if isinstance(x, Tensor):
+        x = x.into_shared()
+    core = _SharedCore(Value(x))
+    core.result, core.done = x, True
+    return SharedOp(core)
+
+
+class Boxed(DeviceOp):
+    """Type erasure in Rust; in Python a named wrapper kept for API parity."""
+
+    __slots__ = ("op",)
+    graph_safe = True
+
+    def __init__(self, op):
+        super().__init__()
+        self.op = value(op)
+
+    def children(self):
+        return (self.op,)
+
+    def _execute(self, ctx):
+        return self.op._run(ctx)
+
+    def describe(self):
+        return f"boxed({self.op.describe()})"
+
+
+class DeviceOpVec(DeviceOp):
+    """A list of ops executed in order on one stream; the value is the list of values."""
+
+    __slots__ = ("ops",)
+    graph_safe = True
+    op_name = "DeviceOpVec"
+
+    def __init__(self, ops=()):
+        super().__init__()
+        self.ops = [value(o) for o in ops]
+
+    def push(self, op) -> None:
+        self.ops.append(value(op))
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def children(self):
+        return tuple(self.ops)
+
+    def _execute(self, ctx):
+        return [o._run(ctx) for o in self.ops]

@@ -1,0 +1,97 @@
+"""deviceop's kernel library: one ``.cu`` file and one declaration per kernel.
+
+Built on deviceop's public API only.  Each kernel's NumPy reference is what
+the reference device runs and what the tests hold the GPU to.
+
+* ``rms_norm<D, BS>(out [R, D] tile [1, D], x [R, D], w [D], eps)``
+* ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``
+* ``add<B>(out [N] tile [B], a [N], b [N])``
+"""
+from pathlib import Path
+
+import numpy as np
+
+import deviceop as dop
+from deviceop.kernel import In, Kernel, Out, Scalar
+
+HERE = Path(__file__).resolve().parent
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise dop.ShapeError(message)
+
+
+def _aligned(*tensors) -> None:
+    for t in tensors:
+        _need(t.data_ptr % 16 == 0, "these kernels use 16-byte loads: tensors must start 16-byte aligned")
+
+
+# -- rms_norm ------------------------------------------------------------------
+
+def _rms_norm_ref(g, out, x, w, eps):
+    x64 = x.astype(np.float64)
+    out[...] = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + eps) * w.astype(np.float64)
+
+
+def _rms_norm_check(g, out, x, w, eps):
+    D, BS = g["D"], g["BS"]
+    t = out.tensor
+    _need(t.shape[1] == D and x.shape[1] == D and w.shape == (D,),
+          f"rms_norm<D={D}>: out {t.shape}, x {x.shape} and w {w.shape} must all have D={D} columns")
+    _need(out.tile_shape == (1, D), f"rms_norm<D={D}> writes one row per block: partition out with [1, {D}]")
+    _need(x.shape[0] == t.shape[0], f"rms_norm: x has {x.shape[0]} rows but out has {t.shape[0]}")
+    _need(BS % 32 == 0 and 32 <= BS <= 1024, f"rms_norm: BS={BS} must be a multiple of 32 in [32, 1024]")
+    _aligned(t, x, w)
+
+
+rms_norm = Kernel(
+    "rms_norm", HERE / "rms_norm.cu",
+    [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "float32", rank=1), Scalar("eps", "float32")],
+    generics=["D", "BS"], block=lambda g: g["BS"], reference=_rms_norm_ref, validate=_rms_norm_check)
+
+
+# -- matvec --------------------------------------------------------------------
+
+def _matvec_ref(g, out, x, w):
+    out[...] = w[: out.shape[0]].astype(np.float64) @ x[0].astype(np.float64)
+
+
+def _matvec_check(g, out, x, w):
+    BN, BK, K = g["BN"], g["BK"], g["K"]
+    t = out.tensor
+    _need(out.tile_shape == (BN,), f"matvec<BN={BN}>: partition out with [{BN}], not {list(out.tile_shape)}")
+    _need(x.shape[-1] == K and w.shape[1] == K, f"matvec<K={K}>: x {x.shape} and w {w.shape} need K={K} columns")
+    _need(w.shape[0] == t.shape[0], f"matvec: w has {w.shape[0]} rows but out has {t.shape[0]}")
+    _need(K % (128 * BK) == 0, f"matvec: K={K} must be a multiple of 128*BK={128 * BK}")
+    _need(x.is_contiguous and w.is_contiguous, "matvec: x and w must be contiguous")
+    _aligned(t, x, w)
+
+
+matvec = Kernel(
+    "matvec", HERE / "matvec.cu",
+    [Out("out", "float32", rank=1), In("x", "float32", rank=2), In("w", "float32", rank=2)],
+    generics=["BN", "BK", "K"], block=256, reference=_matvec_ref, validate=_matvec_check)
+
+
+# -- add -------------------------------------------------------------------------
+
+def _add_ref(g, out, a, b):
+    out[...] = a.astype(np.float64) + b.astype(np.float64)
+
+
+def _add_check(g, out, a, b):
+    B = g["B"]
+    t = out.tensor
+    _need(out.tile_shape == (B,), f"add<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
+    _need(a.shape == t.shape and b.shape == t.shape, f"add: a {a.shape} and b {b.shape} must match out {t.shape}")
+    _need(B % 128 == 0, f"add: B={B} must be a multiple of 128")
+    _aligned(t, a, b)
+
+
+add = Kernel(
+    "add", HERE / "add.cu",
+    [Out("out", "float32", rank=1), In("a", "float32", rank=1), In("b", "float32", rank=1)],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_add_ref, validate=_add_check)
+
+__all__ = ["rms_norm", "matvec", "add"]
