@@ -36,7 +36,7 @@ from kernels import add, matvec, rms_norm  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     device = dop.Device(0)
     if device.is_reference:
@@ -126,7 +126,7 @@ def main() -> int:
         samples["prim"].append(timed(prim_token, args.tokens))
     med = {k: statistics.median(v) for k, v in samples.items()}
 
-    ratio = med["eager"] / med["bare"]
+    ratio = statistics.median([e / b for e, b in zip(samples["eager"], samples["bare"])])  # per-rep pairs
     names = {"eager": "deviceop eager (execute)", "build": "deviceop eager (build the op tree)",
              "bare": "bare cuda.core loop", "prim": "deviceop Function.launch loop"}
     rows, table = [], []

@@ -18,6 +18,7 @@ from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpa
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from .kernel import In, Kernel, KernelLaunch, Out, Scalar
 from . import api
+from .graph import CudaGraph, GraphLaunch, GraphModel, Module, Scope
 
 __version__ = "0.1.0"
 
@@ -33,5 +34,6 @@ __all__ = [
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
     "In", "Kernel", "KernelLaunch", "Out", "Scalar", "api",
+    "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
 ]
 zip = zip_  # dop.zip(...) reads like the seed's zip!; the builtin is untouched outside this namespace

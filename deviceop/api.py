@@ -188,10 +188,20 @@ def _copy(dst: Tensor, src: Tensor, ctx) -> None:
     if dst.data_ptr == src.data_ptr or dst.size == 0:
         return
     if ctx.device.is_reference:
-        dst._array[...] = src._array.reshape(dst.shape)
+        d, s = dst._array, src._array.reshape(dst.shape)
+
+        def step():
+            d[...] = s
+        if ctx.capture is None:
+            step()
+        else:  # recorded, run at each replay
+            step.node = ("memcpy", "memcpy")
+            ctx.capture.tape.append(step)
     else:
         from cuda.bindings import driver as cu
 
         from .runtime.driver import check
         check(cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, dst.nbytes, ctx.stream.handle), "cuMemcpyAsync")
+        if ctx.capture is not None:
+            ctx.capture.keep.append((dst, src))
     stats["copies"] += 1

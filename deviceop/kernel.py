@@ -262,18 +262,30 @@ class KernelLaunch(DeviceOp):
                     kernel._checked.clear()
                 kernel._checked.add(key)
         if ctx.device.is_reference:
-            if kernel.reference is None:
-                raise LaunchError(f"{kernel.name} has no NumPy reference, so the reference device cannot run it")
-            kernel.reference(dict(zip(kernel.generic_names, gen)),
-                             *[t._array if isinstance(t, Tensor) else t for t in launch_args])
+            self._run_reference(ctx, gen, launch_args)
         else:
             plan = kernel._plans.get((ctx.device, gen, part.grid))
             if plan is None:
                 plan = kernel._plans[(ctx.device, gen, part.grid)] = \
                     (kernel.function(ctx.device, gen).launch, kernel.config(part.grid, gen))
             plan[0](ctx.stream, plan[1], *launch_args)
+            if ctx.capture is not None:  # the graph keeps the kernel and the buffers alive
+                ctx.capture.keep.append((kernel.function(ctx.device, gen), launch_args))
         stats["launches"] += 1
         return tuple(values)
+
+    def _run_reference(self, ctx, gen, launch_args) -> None:
+        kernel = self.kernel
+        if kernel.reference is None:
+            raise LaunchError(f"{kernel.name} has no NumPy reference, so the reference device cannot run it")
+        g = dict(zip(kernel.generic_names, gen))
+        arrays = [t._array if isinstance(t, Tensor) else t for t in launch_args]
+        if ctx.capture is None:
+            kernel.reference(g, *arrays)
+            return
+        step = lambda: kernel.reference(g, *arrays)  # recorded, run at each replay
+        step.node = ("kernel", self.describe())
+        ctx.capture.tape.append(step)
 
     def _check(self, values, gen) -> list:
         """Every check of a launch: roles, dtypes, ranks, aliasing, the kernel's own rules."""

@@ -85,13 +85,17 @@ class DeviceOp:
         return ()
 
     def unsafe_for_graphs(self):
-        """The first op in this tree that is not graph-safe, or None."""
-        if not self.graph_safe:
-            return self
-        for child in self.children():
-            bad = child.unsafe_for_graphs()
-            if bad is not None:
-                return bad
+        """The first op in this DAG that is not graph-safe, or None (each node visited once:
+        shared clones make the tree a DAG, and walking it as a tree is exponential)."""
+        stack, seen = [self], set()
+        while stack:
+            op = stack.pop()
+            if id(op) in seen:
+                continue
+            seen.add(id(op))
+            if not op.graph_safe:
+                return op
+            stack.extend(reversed(op.children()))
         return None
 
     def describe(self) -> str:
@@ -131,6 +135,15 @@ class DeviceOp:
     def on(self, stream):
         """An awaitable that executes on ``stream``: ``await op.on(stream)``."""
         return self._await_on(stream)
+
+    def graph_on(self, stream):
+        """Capture this op on ``stream`` into a replayable CudaGraph (see deviceop.graph)."""
+        from .graph import CudaGraph
+        return CudaGraph.capture(self, stream)
+
+    def graph(self):
+        """``graph_on`` the default stream."""
+        return self.graph_on(_default_stream())
 
     # -- combinators -------------------------------------------------------------
     def map(self, f) -> "DeviceOp":
@@ -290,7 +303,7 @@ class Zip(DeviceOp):
         return self.ops
 
     def _execute(self, ctx):
-        return tuple(o._run(ctx) for o in self.ops)
+        return tuple([o._run(ctx) for o in self.ops])
 
 
 def zip_(*ops) -> DeviceOp:
@@ -301,25 +314,32 @@ def zip_(*ops) -> DeviceOp:
 class _SharedCore:
     """The once-cell behind a shared op and all its clones."""
 
-    __slots__ = ("op", "done", "result", "lock", "running")
+    __slots__ = ("op", "done", "result", "lock")
 
     def __init__(self, op):
-        self.op, self.done, self.result, self.running = op, False, None, False
-        self.lock = threading.RLock()
+        self.op, self.done, self.result = op, False, None
+        self.lock = threading.Lock()
 
     def get(self, ctx):
         if self.done:
             return self.result
-        with self.lock:
+        # One thread runs the op; a concurrent clone waits for its result.  A
+        # clone reached again from inside the op itself cannot wait: that is a cycle.
+        if not self.lock.acquire(blocking=False):
+            if getattr(_tls, "executing", None) and self in getattr(_tls, "shared_running", ()):
+                raise StateError(f"shared op {self.op.describe()} depends on its own result")
+            self.lock.acquire()
+        try:
             if not self.done:
-                if self.running:
-                    raise StateError(f"shared op {self.op.describe()} depends on its own result")
-                self.running = True
+                running = _tls.__dict__.setdefault("shared_running", set())
+                running.add(self)
                 try:
                     self.result = self.op._run(ctx)
                     self.done = True
                 finally:
-                    self.running = False
+                    running.discard(self)
+        finally:
+            self.lock.release()
         return self.result
 
 

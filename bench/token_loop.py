@@ -1,0 +1,226 @@
+"""Seed 001's token loop on the GPU: deviceop eager and graphs vs PyTorch eager
+and torch.cuda.CUDAGraph, one process, same weights (shared through DLPack).
+
+Per-token time is the median of many single-token forwards, each ending in a
+synchronization.  The floor is the weight bytes over the measured
+device-to-device copy rate (bytes read + written per second): every token must
+read every weight once.  Also: host time of one GraphModel.forward (enqueue
+only) for 88 and 880 nodes, capture + instantiate time, and seed 001's
+exercise 2 (graph speedup over eager vs n_layers).
+
+    python bench/token_loop.py [--tokens 200]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+import deviceop as dop  # noqa: E402
+from _common import headline, print_table, write_result  # noqa: E402
+from token_model import Config, random_weights  # noqa: E402
+
+
+def _load_example(name: str):
+    """Import examples/<name>.py under another module name (this file is token_loop.py too)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_example = _load_example("token_loop")
+capture_combinators, capture_scope, eager_forward = (_example.capture_combinators, _example.capture_scope,
+                                                     _example.eager_forward)
+
+
+def copy_rate(stream) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read + written."""
+    import cupy
+    n = 1 << 28  # 1 GiB of float32
+    a, b = cupy.ones(n, dtype=cupy.float32), cupy.empty(n, dtype=cupy.float32)
+    with stream.cupy:
+        for _ in range(3):
+            b[...] = a
+        start, end = stream.record_event(), None
+        reps = 20
+        for _ in range(reps):
+            b[...] = a
+        end = stream.record_event()
+    end.synchronize()
+    return 2 * a.nbytes * reps / (start.elapsed_ms(end) / 1e3)
+
+
+def per_token_us(step, tokens: int, sync) -> tuple[float, float, float]:
+    for i in range(5):
+        step(i)
+    sync()
+    times = []
+    for i in range(tokens):
+        t0 = time.perf_counter()
+        step(i)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return statistics.median(times), times[len(times) // 10], times[-len(times) // 10 - 1]
+
+
+def cycled(weights, n_layers):
+    return [weights[i % len(weights)] for i in range(n_layers)]
+
+
+def torch_model(cfg, weights):
+    import torch
+    tw = [(torch.from_dlpack(w.norm_w.tensor), torch.from_dlpack(w.wq.tensor), torch.from_dlpack(w.wo.tensor))
+          for w in weights]
+
+    def forward(h):
+        for norm_w, wq, wo in tw:
+            n = h * torch.rsqrt(torch.mean(h * h) + cfg.eps) * norm_w
+            h = h + torch.mv(wo, torch.mv(wq, n))
+        return h
+    return forward
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=200)
+    args = ap.parse_args()
+    device = dop.Device(0)
+    if device.is_reference:
+        print("token_loop measures a GPU; this machine has only the reference device. Nothing to measure.")
+        return 0
+    import torch
+    stream = device.new_stream()
+    cfg = Config()
+    weights, _ = random_weights(cfg, seed=0, stream=stream)
+    weight_bytes = sum(w.norm_w.tensor.nbytes + w.wq.tensor.nbytes + w.wo.tensor.nbytes for w in weights)
+    rate = copy_rate(stream)
+    floor_us = weight_bytes / rate * 1e6
+    rng = np.random.default_rng(1)
+    emb = [dop.from_numpy(rng.standard_normal(cfg.d).astype(np.float32), stream=stream) for _ in range(8)]
+    raw = [[dop.empty(s, stream=stream) for s in ([1, cfg.d], [cfg.d], [cfg.d], [cfg.d])] for _ in range(cfg.n_layers)]
+    sync = stream.synchronize
+
+    eager_forward(cfg, weights, emb[0], raw, stream)  # warm-up: compile + load
+    sync()
+    t0 = time.perf_counter()
+    combi = capture_combinators(cfg, weights, stream)
+    capture_total_ms = (time.perf_counter() - t0) * 1e3
+    # capture + instantiate alone: graph_on of an already-built forward (median of 5)
+    from token_model import LayerBuffers, build_forward
+    cap_ms = []
+    for _ in range(5):
+        bufs = [LayerBuffers.allocate(cfg.d, stream) for _ in range(cfg.n_layers)]
+        fwd, _out = build_forward(cfg, weights, dop.empty(cfg.d, stream=stream), bufs)
+        t0 = time.perf_counter()
+        g = fwd.graph_on(stream)
+        cap_ms.append((time.perf_counter() - t0) * 1e3)
+        g.close()
+    capture_ms = statistics.median(cap_ms)
+    scope = capture_scope(cfg, weights, stream)
+
+    # correctness: both graphs and torch agree with eager
+    ref = eager_forward(cfg, weights, emb[1], raw, stream).sync_on(stream).numpy(stream=stream)
+    tf = torch_model(cfg, weights)
+    torch_stream = torch.cuda.ExternalStream(int(stream.handle))
+    with torch.cuda.stream(torch_stream):
+        t_out = tf(torch.from_dlpack(emb[1])).cpu().numpy()
+    errs = {"graph (combinators)": combi.forward(emb[1]).numpy(stream=stream),
+            "graph (scope)": scope.forward(emb[1]).numpy(stream=stream), "torch eager": t_out}
+    errs = {k: float(np.linalg.norm(v - ref) / np.linalg.norm(ref)) for k, v in errs.items()}
+    assert all(e < 1e-4 for e in errs.values()), f"outputs disagree: {errs}"
+
+    res = {}
+    res["deviceop eager"] = per_token_us(lambda i: eager_forward(cfg, weights, emb[i % 8], raw, stream), args.tokens, sync)
+    res["deviceop graph (combinators)"] = per_token_us(lambda i: combi.forward(emb[i % 8]), args.tokens, sync)
+    res["deviceop graph (scope)"] = per_token_us(lambda i: scope.forward(emb[i % 8]), args.tokens, sync)
+    temb = [torch.from_dlpack(e) for e in emb]
+    with torch.cuda.stream(torch_stream):
+        res["torch eager"] = per_token_us(lambda i: tf(temb[i % 8]), args.tokens, torch.cuda.synchronize)
+        static_in = temb[0].clone()
+        for _ in range(3):
+            tf(static_in)
+        torch.cuda.synchronize()
+        tg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(tg, stream=torch_stream):
+            static_out = tf(static_in)
+
+        def torch_graph_step(i):
+            static_in.copy_(temb[i % 8])
+            tg.replay()
+        torch_graph_step(1)
+        torch.cuda.synchronize()
+        assert np.linalg.norm(static_out.cpu().numpy() - ref) / np.linalg.norm(ref) < 1e-4
+        res["torch.cuda.CUDAGraph"] = per_token_us(torch_graph_step, args.tokens, torch.cuda.synchronize)
+
+    # host time of one GraphModel.forward (enqueue only), 88 vs 880 nodes
+    def host_forward_us(model, n=300):
+        samples = []
+        for i in range(n):
+            sync()
+            t0 = time.perf_counter()
+            model.forward_async(emb[i % 8])
+            samples.append((time.perf_counter() - t0) * 1e6)
+        sync()
+        return statistics.median(samples)
+    big_cfg = Config(n_layers=220)
+    big = capture_combinators(big_cfg, cycled(weights, 220), stream)
+    host88, host880 = host_forward_us(combi), host_forward_us(big)
+    nodes88, nodes880 = combi.graph.summary()["nodes"], big.graph.summary()["nodes"]
+    big.graph.close()
+
+    # exercise 2: graph speedup over eager vs n_layers
+    sweep = []
+    for n in (1, 2, 4, 8, 22, 44):
+        c = Config(n_layers=n)
+        w = cycled(weights, n)
+        r = [[dop.empty(s, stream=stream) for s in ([1, c.d], [c.d], [c.d], [c.d])] for _ in range(n)]
+        m = capture_combinators(c, w, stream)
+        e_us = per_token_us(lambda i: eager_forward(c, w, emb[i % 8], r, stream), 60, sync)[0]
+        g_us = per_token_us(lambda i: m.forward(emb[i % 8]), 60, sync)[0]
+        sweep.append({"n_layers": n, "eager_us": round(e_us, 1), "graph_us": round(g_us, 1),
+                      "speedup": round(e_us / g_us, 2)})
+        m.graph.close()
+
+    graph_us = min(res["deviceop graph (combinators)"][0], res["deviceop graph (scope)"][0])
+    torch_graph_us = res["torch.cuda.CUDAGraph"][0]
+    rows, table = [], []
+    for name, (med, p10, p90) in res.items():
+        rows.append({"variant": name, "us_per_token": round(med, 1), "p10": round(p10, 1), "p90": round(p90, 1),
+                     "vs_floor": round(med / floor_us, 3)})
+        table.append([name, f"{med:.1f}", f"{p10:.0f}-{p90:.0f}", f"{med / floor_us:.2f}x"])
+    rows.append({"variant": "floor (weights / copy rate)", "us_per_token": round(floor_us, 1),
+                 "weight_bytes": weight_bytes, "copy_rate_TBps": round(rate / 1e12, 3)})
+    heads = [headline("graph_vs_floor", graph_us / floor_us, 1.6, "lower"),
+             headline("speedup_vs_torch_graph", torch_graph_us / graph_us, 1.4, "higher"),
+             headline("forward_host_us_880_nodes", host880, 10, "lower"),
+             headline("capture_ms_88_nodes", capture_ms, 50, "lower")]
+    extra = {"floor_us": round(floor_us, 1), "copy_rate_TBps": round(rate / 1e12, 3),
+             "host_forward_us": {"88_nodes": round(host88, 2), "880_nodes": round(host880, 2),
+                                 "nodes": [nodes88, nodes880]},
+             "capture_ms": {"graph_on_median": round(capture_ms, 2), "alloc_build_capture": round(capture_total_ms, 2)},
+             "rel_err_vs_eager": errs, "exercise2_speedup_vs_layers": sweep}
+    path = write_result("token_loop", device, rows, heads, extra)
+    print_table(f"token loop, 22 layers, d=2048, on {device.name} (us/token, median of {args.tokens})",
+                ["variant", "us/token", "p10-p90", "vs floor"], table)
+    print(f"floor {floor_us:.1f} us ({weight_bytes / 1e6:.0f} MB at {rate / 1e12:.2f} TB/s)")
+    print(f"GraphModel.forward host time: {host88:.2f} us ({nodes88} nodes), {host880:.2f} us ({nodes880} nodes)")
+    print(f"capture + instantiate (88 nodes): {capture_ms:.2f} ms")
+    print("exercise 2 (graph speedup over eager): " + ", ".join(f"{s['n_layers']}L {s['speedup']}x" for s in sweep))
+    for h in heads:
+        print(f"headline {h['metric']} = {h['value']} (target {'<=' if h['better'] == 'lower' else '>='} "
+              f"{h['target']}: {'met' if h['met'] else 'MISSED'})")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

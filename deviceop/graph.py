@@ -1,0 +1,358 @@
+"""CUDA graphs: capture an op once (``op.graph_on(stream)``) or a block of
+imperative code (``CudaGraph.scope``), replay it with one driver call.
+
+Capture, in order: refuse ops that are not graph-safe (by name, before
+anything is recorded); load every kernel's module (loading is not capture
+work); begin a relaxed-mode capture; execute the op — this records, it does
+not compute; *always* end the capture, also when the op raised (the partial
+graph is destroyed and the stream is usable again); instantiate, upload,
+synchronize.  The graph keeps every tensor and kernel it touches alive until
+it is closed or collected.
+
+On the reference device a "graph" is the tape of recorded launches and
+copies; launching it replays them.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+from cuda.bindings import driver as cu
+
+from .errors import CaptureError, CudaError, GraphSafetyError, StateError
+from .op import DeviceOp, ExecutionContext, _tls, executing
+from .runtime.driver import check
+
+
+class Capture:
+    """State of one capture in progress: what the graph must keep alive, and
+    (on the reference device) the tape of work to replay."""
+
+    __slots__ = ("keep", "tape", "label")
+
+    def __init__(self, label: str):
+        self.keep, self.tape, self.label = [], [], label
+
+    def check_graph_safe(self, op: DeviceOp) -> None:
+        bad = op.unsafe_for_graphs()
+        if bad is not None:
+            raise GraphSafetyError(
+                f"{bad.describe()} cannot be recorded into a graph: it allocates (a replay would reuse or free "
+                "an address the graph baked in). Allocate before capturing and pass the buffer in; only kernel "
+                "launches, api.memcpy and values are graph-safe")
+
+
+def _preload(op: DeviceOp, device, seen=None) -> None:
+    """Compile and load every kernel the op tree launches, before capture."""
+    from .kernel import KernelLaunch
+    stack = [op]
+    seen = set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, KernelLaunch) and o._generics is not None:
+            o.kernel.function(device, o._generics)
+        stack.extend(o.children())
+
+
+class CudaGraph:
+    """A captured, instantiated graph, bound to the stream it was captured on."""
+
+    def __init__(self, stream, graph, exec_, output, capture: Capture):
+        self._stream, self._graph, self._exec = stream, graph, exec_
+        self._output, self._has_output = output, True
+        self._keep = capture.keep          # tensors, kernels and modules the graph uses
+        self._tape = capture.tape          # reference device: the recorded work
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- capture -------------------------------------------------------------------
+    @classmethod
+    def capture(cls, op: DeviceOp, stream) -> "CudaGraph":
+        """Capture ``op`` on ``stream`` (what ``op.graph_on(stream)`` does)."""
+        cap = Capture(op.describe())
+        cap.check_graph_safe(op)
+        with executing(f"graph_on({op.describe()})"):
+            device = stream.device
+            if not device.is_reference:
+                _preload(op, device)
+            graph = cls._begin(stream)
+            try:
+                output = op._run(ExecutionContext(stream, cap))
+            except BaseException as exc:
+                cls._abort(stream, graph)
+                if isinstance(exc, CudaError):  # a driver call broke the capture: say which op was captured
+                    raise CaptureError(f"capturing {op.describe()} failed: {exc}") from exc
+                raise  # deviceop errors name their op; user errors and interrupts go on unchanged
+            return cls._finish(stream, output, cap)
+
+    @staticmethod
+    def _begin(stream):
+        if stream.device.is_reference:
+            if stream.is_capturing():
+                raise CaptureError("this stream is already capturing; end that capture first")
+            stream._capturing = True
+            return None
+        stream.begin_capture("relaxed")
+        return True
+
+    @staticmethod
+    def _abort(stream, graph) -> None:
+        """End a failed capture and destroy whatever it recorded."""
+        if stream.device.is_reference:
+            stream._capturing = False
+            return
+        code, g = cu.cuStreamEndCapture(stream.handle)
+        if g is not None and int(g) != 0:
+            cu.cuGraphDestroy(g)
+
+    @classmethod
+    def _finish(cls, stream, output, cap: Capture) -> "CudaGraph":
+        if stream.device.is_reference:
+            stream._capturing = False
+            return cls(stream, None, None, output, cap)
+        code, graph = cu.cuStreamEndCapture(stream.handle)
+        if code:
+            if graph is not None and int(graph) != 0:
+                cu.cuGraphDestroy(graph)
+            name = cu.CUresult(int(code)).name
+            raise CaptureError(f"capturing {cap.label} failed when the capture ended ({name}): something in it "
+                               "broke the capture, e.g. a host synchronization or work on another stream")
+        code, exec_ = cu.cuGraphInstantiate(graph, 0)
+        if code:
+            cu.cuGraphDestroy(graph)
+            check((code,), f"cuGraphInstantiate({cap.label})")
+        try:
+            check(cu.cuGraphUpload(exec_, stream.handle), "cuGraphUpload")
+            stream.synchronize()
+        except BaseException:
+            cu.cuGraphExecDestroy(exec_)
+            cu.cuGraphDestroy(graph)
+            raise
+        return cls(stream, graph, exec_, output, cap)
+
+    @classmethod
+    def scope(cls, stream, body=None):
+        """Imperative capture.  ``CudaGraph.scope(stream, body)`` runs
+        ``body(s)`` and returns the graph; ``with CudaGraph.scope(stream) as s:``
+        leaves it in ``s.graph``.  ``s.record(op)`` records a graph-safe op."""
+        scope = Scope(stream)
+        if body is None:
+            return scope
+        with scope as s:
+            body(s)
+        return scope.graph
+
+    # -- replay --------------------------------------------------------------------
+    @property
+    def stream(self):
+        return self._stream
+
+    def launch(self) -> "GraphLaunch":
+        """The replay as an op: ``graph.launch().sync_on(graph.stream)``, ``.then``, ``await``."""
+        return GraphLaunch(self)
+
+    def update(self, op: DeviceOp):
+        """Run ``op`` on the graph's stream now, before the next replay (e.g.
+        ``api.memcpy(input, x)``); returns its value without waiting."""
+        self._check_open()
+        return op.async_on(self._stream)
+
+    def take_output(self):
+        """The value the op produced during capture (once)."""
+        if not self._has_output:
+            raise StateError("the capture-time output was already taken")
+        out, self._output, self._has_output = self._output, None, False
+        return out
+
+    def _replay(self, stream) -> None:
+        self._check_open()
+        if self._tape is not None and self._graph is None:
+            for step in self._tape:
+                step()
+            return
+        code = cu.cuGraphLaunch(self._exec, stream.handle)[0]
+        if code:
+            check((code,), "cuGraphLaunch")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("this CudaGraph was closed; capture a new one")
+
+    # -- inspection ------------------------------------------------------------------
+    def nodes(self) -> list[dict]:
+        """One dict per node: its type and, for kernels, the kernel's name."""
+        self._check_open()
+        if self._graph is None:
+            return [{"type": "KERNEL" if kind == "kernel" else "MEMCPY", "name": name} for kind, name in
+                    (getattr(step, "node", ("host", "?")) for step in self._tape)]
+        _, _, n = cu.cuGraphGetNodes(self._graph, 0)
+        nodes, _ = check(cu.cuGraphGetNodes(self._graph, n), "cuGraphGetNodes")
+        out = []
+        for node in nodes[:n]:
+            kind = check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+            entry = {"type": kind.name.removeprefix("CU_GRAPH_NODE_TYPE_")}
+            if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+                params = check(cu.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+                name = check(cu.cuFuncGetName(params.func), "cuFuncGetName")
+                entry["name"] = name.decode() if isinstance(name, bytes) else str(name)
+            out.append(entry)
+        return out
+
+    def summary(self) -> dict:
+        """Node counts by type and kernel counts by (mangled) name."""
+        counts, kernels = {}, {}
+        for node in self.nodes():
+            counts[node["type"]] = counts.get(node["type"], 0) + 1
+            if "name" in node:
+                kernels[node["name"]] = kernels.get(node["name"], 0) + 1
+        return {"nodes": sum(counts.values()), "by_type": counts, "kernels": kernels}
+
+    def to_dot(self, path=None, verbose: bool = False) -> str:
+        """The graph as Graphviz DOT (``cuGraphDebugDotPrint``); written to ``path`` if given."""
+        self._check_open()
+        if self._graph is None:
+            text = "digraph deviceop_reference {\n" + "".join(
+                f'  n{i} [label="{n["type"]} {n.get("name", "")}"];\n' + (f"  n{i - 1} -> n{i};\n" if i else "")
+                for i, n in enumerate(self.nodes())) + "}\n"
+        else:
+            flags = cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE if verbose else 0
+            fd, tmp = tempfile.mkstemp(suffix=".dot")
+            os.close(fd)
+            try:
+                check(cu.cuGraphDebugDotPrint(self._graph, tmp.encode(), int(flags)), "cuGraphDebugDotPrint")
+                text = open(tmp).read()
+            finally:
+                os.unlink(tmp)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    # -- lifetime --------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the graph now (idempotent); the buffers it kept are released."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            exec_, graph, self._exec, self._graph = self._exec, self._graph, None, None
+            self._keep, self._tape = [], None
+        if exec_ is not None:
+            check(cu.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
+        if graph is not None:
+            check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"on {self._stream!r}"
+        return f"<CudaGraph {state}>"
+
+
+class GraphLaunch(DeviceOp):
+    """One replay of a graph, as an op."""
+
+    __slots__ = ("graph",)
+    graph_safe = False  # a graph launch is not a node of another capture here
+    op_name = "graph.launch"
+
+    def __init__(self, graph: CudaGraph):
+        super().__init__()
+        self.graph = graph
+
+    def _execute(self, ctx):
+        if ctx.capture is not None:
+            raise GraphSafetyError("a graph launch cannot be recorded into another graph")
+        self.graph._replay(ctx.stream)
+        return None
+
+
+class Scope:
+    """The recorder of ``CudaGraph.scope``: ``record(op)`` runs a graph-safe op
+    on the capture stream at once (recording it) and returns its value."""
+
+    def __init__(self, stream):
+        self.stream, self.graph = stream, None
+        self._cap, self._ctx, self._graph_handle, self._lock_cm = None, None, None, None
+
+    def record(self, op: DeviceOp):
+        if self._ctx is None:
+            raise StateError("record() outside the scope's capture")
+        op = _value(op)
+        self._cap.check_graph_safe(op)
+        if not self.stream.device.is_reference:
+            _preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
+        return op._run(self._ctx)
+
+    def __enter__(self) -> "Scope":
+        self._lock_cm = executing("CudaGraph.scope")
+        self._lock_cm.__enter__()
+        try:
+            self._cap = Capture("CudaGraph.scope")
+            self._graph_handle = CudaGraph._begin(self.stream)
+            self._ctx = ExecutionContext(self.stream, self._cap)
+        except BaseException:
+            self._lock_cm.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._ctx = None
+        try:
+            if exc_type is not None:
+                CudaGraph._abort(self.stream, self._graph_handle)
+                return False
+            self.graph = CudaGraph._finish(self.stream, None, self._cap)
+            return False
+        finally:
+            self._lock_cm.__exit__(None, None, None)
+
+
+def _value(x):
+    from .op import value
+    return value(x)
+
+
+class Module:
+    """A model: ``forward(input) -> output`` (seed 001's Module trait)."""
+
+    def forward(self, x):  # pragma: no cover - protocol
+        raise NotImplementedError
+
+    def __call__(self, x):
+        return self.forward(x)
+
+
+class GraphModel(Module):
+    """A captured forward pass behind ``forward``: copy the input into the
+    buffer the graph reads, replay, return the buffer the graph writes."""
+
+    def __init__(self, graph: CudaGraph, input, output):
+        self.graph, self.input, self.output = graph, input, output
+
+    def forward(self, x):
+        self.forward_async(x)
+        self.graph.stream.synchronize()
+        return self.output
+
+    def forward_async(self, x):
+        """``forward`` without waiting: the output is ready once the graph's stream gets there."""
+        from . import api
+        self.graph.update(api.memcpy(self.input, x))
+        self.graph.launch().async_on(self.graph.stream)
+        return self.output
