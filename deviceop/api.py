@@ -13,10 +13,12 @@ so a seed gives the same numbers on the GPU and on the reference device.
 from __future__ import annotations
 
 import numpy as np
+from cuda.bindings import driver as cu
 
 from .dtypes import dtype as as_dtype
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
 from .op import DeviceOp, resolve, stats
+from .runtime.driver import check
 from .tensor import SharedTensor, Tensor, _shape_tuple
 
 
@@ -198,9 +200,6 @@ def _copy(dst: Tensor, src: Tensor, ctx) -> None:
             step.node = ("memcpy", "memcpy")
             ctx.capture.tape.append(step)
     else:
-        from cuda.bindings import driver as cu
-
-        from .runtime.driver import check
         check(cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, dst.nbytes, ctx.stream.handle), "cuMemcpyAsync")
         if ctx.capture is not None:
             ctx.capture.keep.append((dst, src))
