@@ -70,7 +70,8 @@ def main() -> int:
     fns = {name: k.function(device, tuple(g)) for name, k, g in
            (("rms", rms_norm, cfg.rms_generics()), ("mv", matvec, cfg.mv_generics()), ("add", add, [cfg.block]))}
     kern = {n: cc.Kernel.from_handle(int(f.handle)) for n, f in fns.items()}
-    ccfg = {"rms": cc.LaunchConfig(grid=1, block=cfg.rms_bs), "mv": cc.LaunchConfig(grid=cfg.d // cfg.bn, block=256),
+    ccfg = {"rms": cc.LaunchConfig(grid=1, block=cfg.rms_generics()[1]),
+            "mv": cc.LaunchConfig(grid=cfg.d // cfg.bn, block=32 * cfg.bn),
             "add": cc.LaunchConfig(grid=cfg.d // cfg.block, block=cfg.block // 4)}
     eps = np.float32(cfg.eps)
     plan = []

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
 from _common import headline, print_table, write_result  # noqa: E402
+from _copy import copy_rate  # noqa: E402
 from token_model import Config, random_weights  # noqa: E402
 
 
@@ -39,23 +40,6 @@ def _load_example(name: str):
 _example = _load_example("token_loop")
 capture_combinators, capture_scope, eager_forward = (_example.capture_combinators, _example.capture_scope,
                                                      _example.eager_forward)
-
-
-def copy_rate(stream) -> float:
-    """Device-to-device copy rate in bytes/s, counting bytes read + written."""
-    import cupy
-    n = 1 << 28  # 1 GiB of float32
-    a, b = cupy.ones(n, dtype=cupy.float32), cupy.empty(n, dtype=cupy.float32)
-    with stream.cupy:
-        for _ in range(3):
-            b[...] = a
-        start, end = stream.record_event(), None
-        reps = 20
-        for _ in range(reps):
-            b[...] = a
-        end = stream.record_event()
-    end.synchronize()
-    return 2 * a.nbytes * reps / (start.elapsed_ms(end) / 1e3)
 
 
 def per_token_us(step, tokens: int, sync) -> tuple[float, float, float]:
@@ -171,9 +155,23 @@ def main() -> int:
             samples.append((time.perf_counter() - t0) * 1e6)
         sync()
         return statistics.median(samples)
+    def raw_forward_us(model, n=300):
+        """The same two driver calls with no deviceop code at all: the floor for host time."""
+        from cuda.bindings import driver as cu
+        g, inp, sh = model.graph._exec, model.input, stream.handle
+        samples = []
+        for i in range(n):
+            sync()
+            t0 = time.perf_counter()
+            cu.cuMemcpyAsync(inp.data_ptr, emb[i % 8].data_ptr, inp.nbytes, sh)
+            cu.cuGraphLaunch(g, sh)
+            samples.append((time.perf_counter() - t0) * 1e6)
+        sync()
+        return statistics.median(samples)
     big_cfg = Config(n_layers=220)
     big = capture_combinators(big_cfg, cycled(weights, 220), stream)
     host88, host880 = host_forward_us(combi), host_forward_us(big)
+    raw88, raw880 = raw_forward_us(combi), raw_forward_us(big)
     nodes88, nodes880 = combi.graph.summary()["nodes"], big.graph.summary()["nodes"]
     big.graph.close()
 
@@ -205,6 +203,7 @@ def main() -> int:
              headline("capture_ms_88_nodes", capture_ms, 50, "lower")]
     extra = {"floor_us": round(floor_us, 1), "copy_rate_TBps": round(rate / 1e12, 3),
              "host_forward_us": {"88_nodes": round(host88, 2), "880_nodes": round(host880, 2),
+                                 "raw_driver_88_nodes": round(raw88, 2), "raw_driver_880_nodes": round(raw880, 2),
                                  "nodes": [nodes88, nodes880]},
              "capture_ms": {"graph_on_median": round(capture_ms, 2), "alloc_build_capture": round(capture_total_ms, 2)},
              "rel_err_vs_eager": errs, "exercise2_speedup_vs_layers": sweep}
@@ -212,7 +211,8 @@ def main() -> int:
     print_table(f"token loop, 22 layers, d=2048, on {device.name} (us/token, median of {args.tokens})",
                 ["variant", "us/token", "p10-p90", "vs floor"], table)
     print(f"floor {floor_us:.1f} us ({weight_bytes / 1e6:.0f} MB at {rate / 1e12:.2f} TB/s)")
-    print(f"GraphModel.forward host time: {host88:.2f} us ({nodes88} nodes), {host880:.2f} us ({nodes880} nodes)")
+    print(f"GraphModel.forward host time: {host88:.2f} us ({nodes88} nodes), {host880:.2f} us ({nodes880} nodes); "
+          f"the bare driver calls: {raw88:.2f} / {raw880:.2f} us")
     print(f"capture + instantiate (88 nodes): {capture_ms:.2f} ms")
     print("exercise 2 (graph speedup over eager): " + ", ".join(f"{s['n_layers']}L {s['speedup']}x" for s in sweep))
     for h in heads:

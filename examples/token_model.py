@@ -30,11 +30,11 @@ class Config:
     block: int = 128   # add<B>: elements per tile
     bn: int = 16       # matvec<BN>: output rows per tile
     bk: int = 16       # matvec<BK>: 16-byte loads in flight per lane
-    rms_bs: int = 256  # rms_norm<BS>: threads per row
+    rms_bs: int = 256  # rms_norm<BS>: threads per row (at most d/4: one float4 per thread and up)
     eps: float = 1e-5
 
     def rms_generics(self):
-        return [self.d, self.rms_bs]
+        return [self.d, min(self.rms_bs, self.d // 4)]
 
     def mv_generics(self):
         return [self.bn, self.bk, self.d]

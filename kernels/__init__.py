@@ -4,7 +4,7 @@ Built on deviceop's public API only.  Each kernel's NumPy reference is what
 the reference device runs and what the tests hold the GPU to.
 
 * ``rms_norm<D, BS>(out [R, D] tile [1, D], x [R, D], w [D], eps)``
-* ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``
+* ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``: one warp per output row
 * ``add<B>(out [N] tile [B], a [N], b [N])``
 """
 from pathlib import Path
@@ -42,6 +42,7 @@ def _rms_norm_check(g, out, x, w, eps):
     _need(out.tile_shape == (1, D), f"rms_norm<D={D}> writes one row per block: partition out with [1, {D}]")
     _need(x.shape[0] == t.shape[0], f"rms_norm: x has {x.shape[0]} rows but out has {t.shape[0]}")
     _need(BS % 32 == 0 and 32 <= BS <= 1024, f"rms_norm: BS={BS} must be a multiple of 32 in [32, 1024]")
+    _need(D % (4 * BS) == 0, f"rms_norm: D={D} must be a multiple of 4*BS={4 * BS}")
     _aligned(t, x, w)
 
 
@@ -64,6 +65,7 @@ def _matvec_check(g, out, x, w):
     _need(x.shape[-1] == K and w.shape[1] == K, f"matvec<K={K}>: x {x.shape} and w {w.shape} need K={K} columns")
     _need(w.shape[0] == t.shape[0], f"matvec: w has {w.shape[0]} rows but out has {t.shape[0]}")
     _need(K % (128 * BK) == 0, f"matvec: K={K} must be a multiple of 128*BK={128 * BK}")
+    _need(1 <= BN <= 32, f"matvec: BN={BN} must be in [1, 32] (one warp per output row)")
     _need(x.is_contiguous and w.is_contiguous, "matvec: x and w must be contiguous")
     _aligned(t, x, w)
 
@@ -71,7 +73,7 @@ def _matvec_check(g, out, x, w):
 matvec = Kernel(
     "matvec", HERE / "matvec.cu",
     [Out("out", "float32", rank=1), In("x", "float32", rank=2), In("w", "float32", rank=2)],
-    generics=["BN", "BK", "K"], block=256, reference=_matvec_ref, validate=_matvec_check)
+    generics=["BN", "BK", "K"], block=lambda g: 32 * g["BN"], reference=_matvec_ref, validate=_matvec_check)
 
 
 # -- add -------------------------------------------------------------------------

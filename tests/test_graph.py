@@ -215,3 +215,17 @@ def test_host_sync_inside_a_capture_is_a_capture_error(stream):
 def test_legacy_stream_cannot_capture(device):
     with pytest.raises(dop.CaptureError, match="legacy default stream"):
         dop.value(1).graph_on(dop.CudaStream.legacy(device))
+
+
+def test_graph_model_refuses_a_wrong_input(stream, model):
+    weights, _ = model
+    graph, x, out = capture_forward(stream, weights)
+    m = GraphModel(graph, x, out)
+    with pytest.raises(dop.ShapeError, match="elements"):
+        m.forward(dop.empty(CFG.d + 128, stream=stream))
+    with pytest.raises(dop.DTypeError, match="dtypes must match"):
+        m.forward(dop.empty(CFG.d, "int32", stream=stream))
+    graph.close()
+    with pytest.raises(dop.StateError, match="closed"):
+        m.forward(dop.empty(CFG.d, stream=stream))
+    assert not stream.is_capturing()
