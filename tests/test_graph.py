@@ -229,3 +229,16 @@ def test_graph_model_refuses_a_wrong_input(stream, model):
     with pytest.raises(dop.StateError, match="closed"):
         m.forward(dop.empty(CFG.d, stream=stream))
     assert not stream.is_capturing()
+
+
+def test_a_scope_body_that_raises_leaves_no_capture_open(stream):
+    a, out = dop.empty(128, stream=stream), dop.empty(128, stream=stream)
+
+    def body(s):
+        s.record(add(out.partition([128]), a, a).generics([128]))
+        raise ValueError("body failed")
+
+    with pytest.raises(ValueError, match="body failed"):
+        CudaGraph.scope(stream, body)
+    assert not stream.is_capturing()
+    assert np.all(api.full([4], 5.0).sync_on(stream).numpy() == 5.0)
