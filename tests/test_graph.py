@@ -242,3 +242,18 @@ def test_a_scope_body_that_raises_leaves_no_capture_open(stream):
         CudaGraph.scope(stream, body)
     assert not stream.is_capturing()
     assert np.all(api.full([4], 5.0).sync_on(stream).numpy() == 5.0)
+
+
+def test_the_graph_keeps_its_buffers_alive(stream, rng):
+    import gc
+    host = rng.standard_normal(4096).astype(np.float32)
+    a = dop.from_numpy(host, stream=stream)
+    out = dop.empty(4096, stream=stream)
+    graph = add(out.partition([128]), a, a).generics([128]).graph_on(stream)
+    del a
+    gc.collect()
+    # reuse of a's memory would show here: fill fresh same-size buffers with another value
+    junk = [api.full([4096], 7.0).sync_on(stream) for _ in range(8)]
+    graph.launch().sync_on(stream)
+    np.testing.assert_allclose(out.numpy(), 2 * host, rtol=1e-6)
+    del junk
