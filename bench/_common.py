@@ -76,3 +76,13 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     print("  ".join("-" * w for w in widths))
     for r in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def gpu_device(benchmark: str):
+    """Device(0) if it is a GPU; else None, after saying there is nothing to measure."""
+    import deviceop as dop
+    device = dop.Device(0)
+    if device.is_reference:
+        print(f"{benchmark} measures a GPU; this machine has only the reference device. Nothing to measure.")
+        return None
+    return device

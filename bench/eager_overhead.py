@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import headline, print_table, write_result  # noqa: E402
+from _common import gpu_device, headline, print_table, write_result  # noqa: E402
 from token_model import Config, LayerBuffers, build_forward, numpy_forward, random_weights  # noqa: E402
 from kernels import add, matvec, rms_norm  # noqa: E402
 
@@ -38,9 +38,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
-    device = dop.Device(0)
-    if device.is_reference:
-        print("eager_overhead measures a GPU; this machine has only the reference device. Nothing to measure.")
+    device = gpu_device("eager_overhead")
+    if device is None:
         return 0
     cfg = Config()
     stream = device.new_stream()

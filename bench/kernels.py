@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec  # noqa: E402
-from _common import print_table, write_result  # noqa: E402
+from _common import gpu_device, print_table, write_result  # noqa: E402
 from kernels import add, matvec, rms_norm  # noqa: E402
 
 
@@ -40,9 +40,8 @@ def graph_us_per_launch(make_launch, stream, n=100, reps=20) -> float:
 
 
 def main() -> int:
-    device = dop.Device(0)
-    if device.is_reference:
-        print("kernels measures a GPU; this machine has only the reference device. Nothing to measure.")
+    device = gpu_device("kernels")
+    if device is None:
         return 0
     d = 2048
     stream = device.new_stream()

@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
-from _common import headline, host_us_per_call, print_table, write_result  # noqa: E402
+from _common import gpu_device, headline, host_us_per_call, print_table, write_result  # noqa: E402
 
 SOURCE = r'''
 extern "C" __global__ void saxpy(float* y, const float* x, float a, int n) {
@@ -43,9 +43,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
 
-    device = dop.Device(0)
-    if device.is_reference:
-        print("launch_overhead measures a GPU; this machine has only the reference device. Nothing to measure.")
+    device = gpu_device("launch_overhead")
+    if device is None:
         return 0
     stream = device.new_stream()
     n = 1024

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import headline, print_table, write_result  # noqa: E402
+from _common import gpu_device, headline, print_table, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
 from token_model import Config, random_weights  # noqa: E402
 
@@ -77,9 +77,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=200)
     args = ap.parse_args()
-    device = dop.Device(0)
-    if device.is_reference:
-        print("token_loop measures a GPU; this machine has only the reference device. Nothing to measure.")
+    device = gpu_device("token_loop")
+    if device is None:
         return 0
     import torch
     stream = device.new_stream()
