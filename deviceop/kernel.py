@@ -90,8 +90,7 @@ class Kernel:
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
         self._functions: dict = {}
         self._configs: dict = {}
-        self._checked: set = set()
-        self._plans: dict = {}      # (device, generics, grid) -> (launcher, LaunchConfig)  # launch signatures already checked (see KernelLaunch._execute)
+        self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
         self._tensor_positions = tuple(i for i, p in enumerate(self.params) if p.role != "scalar")
         self._lock = threading.Lock()
 
@@ -182,13 +181,14 @@ def _as_tensor_arg(v):
 class KernelLaunch(DeviceOp):
     """One lazy launch of a kernel; value = the tuple of its arguments."""
 
-    __slots__ = ("kernel", "args", "_generics")
+    __slots__ = ("kernel", "args", "_generics", "_dynamic")
     graph_safe = True
 
     def __init__(self, kernel: Kernel, args):
         super().__init__()
         self.kernel, self.args = kernel, tuple(args)
         self._generics = () if not kernel.generic_names else None
+        self._dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))  # ops to run first
         if len(self.args) != len(kernel.params):
             raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
                               f"({', '.join(p.describe() for p in kernel.params)}), got {len(self.args)}")
@@ -241,36 +241,38 @@ class KernelLaunch(DeviceOp):
                              f"reshape it (e.g. .reshape(...)) first")
 
     def _execute(self, ctx):
-        kernel, gen = self.kernel, self._generics
+        gen = self._generics
         if gen is None:
-            raise LaunchError(f"{kernel.name} needs generics <{', '.join(kernel.generic_names)}>: "
+            raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
                               f"call .generics([...]) on the launch")
-        values = [a._run(ctx) if isinstance(a, DeviceOp) else a for a in self.args]
-        part = values[0]
-        # Checks are cached per kernel: a launch whose generics, tiles, pointers,
-        # shapes, strides and dtypes were all seen before was already checked
-        # (per-token rebuilds of one model hit this every time).
+        values = list(self.args)
+        for i in self._dynamic:
+            values[i] = values[i]._run(ctx)
+        kernel, part, device = self.kernel, values[0], ctx.device
+        # A launch whose device, generics, tiles, pointers, shapes, strides and
+        # dtypes were all seen before was already checked: one dict lookup gives
+        # the verdict and the launch plan (per-token rebuilds of one model hit
+        # this every time).  Anything unexpected takes the full check below.
         try:
-            launch_args = [part.tensor] + [v.tensor if type(v) is SharedTensor else v for v in values[1:]]
-            key = (gen, part.tile_shape, *[launch_args[i]._sig for i in kernel._tensor_positions])
-        except AttributeError:
+            launch_args = [part.tensor, *[v.tensor if type(v) is SharedTensor else v for v in values[1:]]]
+            key = (device, gen, part.tile_shape, *[launch_args[i]._sig for i in kernel._tensor_positions])
+        except AttributeError:  # an argument of the wrong kind: the full check names it
             key = None
-        if key is None or key not in kernel._checked:
+        plan = kernel._verified.get(key) if key is not None else None
+        if plan is None:
             launch_args = self._check(values, gen)
+            plan = (None, None) if device.is_reference else \
+                (kernel.function(device, gen).launch, kernel.config(part.grid, gen))
             if key is not None:
-                if len(kernel._checked) > 65536:
-                    kernel._checked.clear()
-                kernel._checked.add(key)
-        if ctx.device.is_reference:
+                if len(kernel._verified) > 65536:
+                    kernel._verified.clear()
+                kernel._verified[key] = plan
+        if device.is_reference:
             self._run_reference(ctx, gen, launch_args)
         else:
-            plan = kernel._plans.get((ctx.device, gen, part.grid))
-            if plan is None:
-                plan = kernel._plans[(ctx.device, gen, part.grid)] = \
-                    (kernel.function(ctx.device, gen).launch, kernel.config(part.grid, gen))
             plan[0](ctx.stream, plan[1], *launch_args)
             if ctx.capture is not None:  # the graph keeps the kernel and the buffers alive
-                ctx.capture.keep.append((kernel.function(ctx.device, gen), launch_args))
+                ctx.capture.keep.append((kernel.function(device, gen), launch_args))
         stats["launches"] += 1
         return tuple(values)
 

@@ -181,9 +181,7 @@ class DeviceOp:
         return Map(self, _unpartition, name="unpartition")
 
     def reshape(self, *shape) -> "DeviceOp":
-        shape = tuple(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape)
-        return Map(self, lambda t: t.view(shape) if type(t) is Tensor else _reshape(t, shape),
-                   name=f"reshape{list(shape)}")
+        return Reshape(self, tuple(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape))
 
     def unzip(self, n: int | None = None) -> tuple:
         """Split an op producing an n-tuple into n ops; the op runs once."""
@@ -276,6 +274,32 @@ class Map(DeviceOp):
         return f"{self.op.describe()}.{self.name or ('inspect' if self.is_inspect else 'map')}"
 
 
+class Reshape(DeviceOp):
+    """``op.reshape(shape)``: a view of the tensor the op produces (its own node:
+    it sits on the hot path of every model that reshapes between kernels)."""
+
+    __slots__ = ("op", "shape")
+    graph_safe = True
+
+    def __init__(self, op, shape: tuple):
+        super().__init__()
+        self.op, self.shape = value(op), shape
+
+    def children(self):
+        return (self.op,)
+
+    def _execute(self, ctx):
+        t = self.op._run(ctx)
+        if type(t) is Tensor:
+            views = t._views
+            v = views.get(self.shape) if views is not None else None
+            return v if v is not None else t.view(self.shape)
+        return _reshape(t, self.shape)
+
+    def describe(self):
+        return f"{self.op.describe()}.reshape{list(self.shape)}"
+
+
 class Then(DeviceOp):
     __slots__ = ("op", "f")
     graph_safe = True  # what f returns is checked when it runs
@@ -327,31 +351,28 @@ def zip_(*ops) -> DeviceOp:
 class _SharedCore:
     """The once-cell behind a shared op and all its clones."""
 
-    __slots__ = ("op", "done", "result", "lock")
+    __slots__ = ("op", "done", "result", "lock", "owner")
 
     def __init__(self, op):
-        self.op, self.done, self.result = op, False, None
+        self.op, self.done, self.result, self.owner = op, False, None, None
         self.lock = threading.Lock()
 
     def get(self, ctx):
         if self.done:
             return self.result
-        # One thread runs the op; a concurrent clone waits for its result.  A
-        # clone reached again from inside the op itself cannot wait: that is a cycle.
+        # One thread runs the op; a concurrent clone waits for its result.  The
+        # running thread reaching a clone again from inside the op is a cycle.
         if not self.lock.acquire(blocking=False):
-            if getattr(_tls, "executing", None) and self in getattr(_tls, "shared_running", ()):
+            if self.owner == threading.get_ident():
                 raise StateError(f"shared op {self.op.describe()} depends on its own result")
             self.lock.acquire()
         try:
             if not self.done:
-                running = _tls.__dict__.setdefault("shared_running", set())
-                running.add(self)
-                try:
-                    self.result = self.op._run(ctx)
-                    self.done = True
-                finally:
-                    running.discard(self)
+                self.owner = threading.get_ident()
+                self.result = self.op._run(ctx)
+                self.done = True
         finally:
+            self.owner = None
             self.lock.release()
         return self.result
 
@@ -373,7 +394,8 @@ class SharedOp(DeviceOp):
         return () if self.core.done else (self.core.op,)
 
     def _run(self, ctx):  # handles may be executed again: the result is cached
-        return self.core.get(ctx)
+        core = self.core
+        return core.result if core.done else core.get(ctx)
 
     _execute = _run
 

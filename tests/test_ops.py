@@ -271,3 +271,27 @@ def test_walking_a_deep_dag_of_shared_clones_is_linear():
     for _ in range(60):
         x = zip_(x.clone(), x.clone()).map(sum).shared()
     assert x.unsafe_for_graphs() is None
+
+
+def test_a_shared_op_that_needs_its_own_result_is_an_error(stream):
+    holder = []
+    me = dop.value(1).then(lambda _: holder[0].clone()).shared()
+    holder.append(me)
+    with pytest.raises(dop.StateError, match="depends on its own result"):
+        me.sync_on(stream)
+
+
+def test_checks_of_a_repeated_launch_run_once(stream, rng):
+    """Per-token rebuilds of one model pay the launch checks once: the verdict is cached
+    by device, generics, tiles and each tensor's pointer, shape, strides and dtype."""
+    calls = []
+    src = add.source
+    k = dop.Kernel("add_counted", src, add.params, generics=["B"], block=lambda g: g["B"] // 4,
+                   reference=add.reference, validate=lambda *a: calls.append(1), entry="add")
+    a = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
+    out = dop.empty(256)
+    for _ in range(3):
+        k(out.partition([128]), a, a).generics([128]).sync_on(stream)
+    assert len(calls) == 1
+    k(out.partition([128]), a, dop.empty(256)).generics([128]).sync_on(stream)  # a new tensor: checked again
+    assert len(calls) == 2
