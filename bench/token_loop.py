@@ -144,33 +144,31 @@ def main() -> int:
         assert np.linalg.norm(static_out.cpu().numpy() - ref) / np.linalg.norm(ref) < 1e-4
         res["torch.cuda.CUDAGraph"] = per_token_us(torch_graph_step, args.tokens, torch.cuda.synchronize)
 
-    # host time of one GraphModel.forward (enqueue only), 88 vs 880 nodes
-    def host_forward_us(model, n=300):
-        samples = []
+    # host time of one GraphModel.forward (enqueue only), 88 vs 880 nodes, interleaved
+    # sample by sample with the same two driver calls made bare (the floor), so
+    # that drift of the shared host hits both alike
+    from cuda.bindings import driver as cu
+
+    def host_forward_us(model, n=400):
+        g, inp, sh = model.graph._exec, model.input, stream.handle
+        ours, bare = [], []
         for i in range(n):
             sync()
             t0 = time.perf_counter()
             model.forward_async(emb[i % 8])
-            samples.append((time.perf_counter() - t0) * 1e6)
-        sync()
-        return statistics.median(samples)
-    def raw_forward_us(model, n=300):
-        """The same two driver calls with no deviceop code at all: the floor for host time."""
-        from cuda.bindings import driver as cu
-        g, inp, sh = model.graph._exec, model.input, stream.handle
-        samples = []
-        for i in range(n):
+            t1 = time.perf_counter()
             sync()
-            t0 = time.perf_counter()
+            t2 = time.perf_counter()
             cu.cuMemcpyAsync(inp.data_ptr, emb[i % 8].data_ptr, inp.nbytes, sh)
             cu.cuGraphLaunch(g, sh)
-            samples.append((time.perf_counter() - t0) * 1e6)
+            t3 = time.perf_counter()
+            ours.append((t1 - t0) * 1e6)
+            bare.append((t3 - t2) * 1e6)
         sync()
-        return statistics.median(samples)
+        return statistics.median(ours), statistics.median(bare)
     big_cfg = Config(n_layers=220)
     big = capture_combinators(big_cfg, cycled(weights, 220), stream)
-    host88, host880 = host_forward_us(combi), host_forward_us(big)
-    raw88, raw880 = raw_forward_us(combi), raw_forward_us(big)
+    (host88, raw88), (host880, raw880) = host_forward_us(combi), host_forward_us(big)
     nodes88, nodes880 = combi.graph.summary()["nodes"], big.graph.summary()["nodes"]
     big.graph.close()
 
