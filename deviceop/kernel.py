@@ -166,7 +166,10 @@ class _Output(DeviceOp):
     def unpartition(self) -> DeviceOp:
         return _Output(self.launch, True) if not self.as_tensor else super().unpartition()
 
-    def _execute(self, ctx):
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
         part = self.launch._run(ctx)[0]
         return part.tensor if self.as_tensor else part
 
@@ -176,6 +179,8 @@ class _Output(DeviceOp):
 
 def _as_tensor_arg(v):
     return v.tensor if isinstance(v, SharedTensor) else v
+
+    _execute = _run
 
 
 class KernelLaunch(DeviceOp):
@@ -240,14 +245,21 @@ class KernelLaunch(DeviceOp):
             raise ShapeError(f"argument {p.name} of {k} must have rank {p.rank}, got shape {t.shape}; "
                              f"reshape it (e.g. .reshape(...)) first")
 
-    def _execute(self, ctx):
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
         gen = self._generics
         if gen is None:
             raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
                               f"call .generics([...]) on the launch")
-        values = list(self.args)
-        for i in self._dynamic:
-            values[i] = values[i]._run(ctx)
+        dynamic = self._dynamic
+        if dynamic:
+            values = list(self.args)
+            for i in dynamic:
+                values[i] = values[i]._run(ctx)
+        else:
+            values = self.args
         kernel, part, device = self.kernel, values[0], ctx.device
         # A launch whose device, generics, tiles, pointers, shapes, strides and
         # dtypes were all seen before was already checked: one dict lookup gives
@@ -303,3 +315,5 @@ class KernelLaunch(DeviceOp):
         if kernel.validate is not None:
             kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
         return launch_args
+
+    _execute = _run

@@ -88,10 +88,13 @@ class DeviceOp:
 
     def _run(self, ctx: ExecutionContext):
         if self._consumed:
-            raise StateError(f"{self.describe()} was already executed: an op describes one execution. "
-                             "Build it again, or make it .shared() to reuse its result")
+            self._already_executed()
         self._consumed = True
         return self._execute(ctx)
+
+    def _already_executed(self):
+        raise StateError(f"{self.describe()} was already executed: an op describes one execution. "
+                         "Build it again, or make it .shared() to reuse its result")
 
     def children(self) -> tuple:
         """The ops this one executes (for graph-safety checks and module preloading)."""
@@ -263,7 +266,10 @@ class Map(DeviceOp):
     def children(self):
         return (self.op,)
 
-    def _execute(self, ctx):
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
         v = self.op._run(ctx)
         if self.is_inspect:
             self.f(v)
@@ -272,6 +278,8 @@ class Map(DeviceOp):
 
     def describe(self):
         return f"{self.op.describe()}.{self.name or ('inspect' if self.is_inspect else 'map')}"
+
+    _execute = _run
 
 
 class Reshape(DeviceOp):
@@ -288,7 +296,10 @@ class Reshape(DeviceOp):
     def children(self):
         return (self.op,)
 
-    def _execute(self, ctx):
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
         t = self.op._run(ctx)
         if type(t) is Tensor:
             views = t._views
@@ -298,6 +309,8 @@ class Reshape(DeviceOp):
 
     def describe(self):
         return f"{self.op.describe()}.reshape{list(self.shape)}"
+
+    _execute = _run
 
 
 class Then(DeviceOp):
@@ -339,13 +352,18 @@ class Zip(DeviceOp):
     def children(self):
         return self.ops
 
-    def _execute(self, ctx):
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
         return tuple([o._run(ctx) for o in self.ops])
 
 
 def zip_(*ops) -> DeviceOp:
     """Combine ops of any arity into one whose value is the tuple of their values."""
     return Zip(ops)
+
+    _execute = _run
 
 
 class _SharedCore:
@@ -433,11 +451,16 @@ class Boxed(DeviceOp):
     def children(self):
         return (self.op,)
 
-    def _execute(self, ctx):
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
         return self.op._run(ctx)
 
     def describe(self):
         return f"boxed({self.op.describe()})"
+
+    _execute = _run
 
 
 class DeviceOpVec(DeviceOp):
