@@ -62,6 +62,9 @@ def _dims(value, what: str) -> tuple[int, int, int]:
     return dims + (1,) * (3 - len(dims))
 
 
+_MISSING = object()  # an argument the caller did not pass
+
+
 def _as_config(config) -> "LaunchConfig":
     if isinstance(config, tuple) and len(config) in (2, 3):
         return LaunchConfig(*config)
@@ -167,6 +170,9 @@ class Function:
         except DTypeError as exc:
             raise DTypeError(f"argument {index} of {self.name}: {exc}") from None
 
+    def _arity_error_of(self, args):
+        self._arity_error(sum(a is not _MISSING for a in args))
+
     def _arity_error(self, got: int):
         raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
                           f"({', '.join(map(repr, self.signature))}), got {got}")
@@ -186,11 +192,15 @@ class Function:
         env = {"Tensor": Tensor, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
                "cuLaunchKernel": cu.cuLaunchKernel, "handle": self.handle, "raise_error": raise_error,
-               "label": f"cuLaunchKernel({self.name})", "fn": self}
-        body = ["def launch(stream, config, *args):",
-                f"    if len(args) != {n}: fn._arity_error(len(args))"]
+               "label": f"cuLaunchKernel({self.name})", "fn": self, "MISSING": _MISSING}
+        # Arguments are named parameters defaulting to a sentinel: a missing one
+        # is the sentinel, extras land in *extra; both cost one test each.
+        params = "".join(f"{a}=MISSING, " for a in names)
+        body = [f"def launch(stream, config, {params}*extra):"]
         if n:
-            body.append(f"    {', '.join(names)}{',' if n == 1 else ''} = args")
+            body.append(f"    if {names[-1]} is MISSING or extra: fn._arity_error_of(({', '.join(names)},) + extra)")
+        else:
+            body.append("    if extra: fn._arity_error_of(extra)")
         for i, spec in enumerate(self.signature):
             a = names[i]
             if isinstance(spec, ptr):
