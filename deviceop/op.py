@@ -68,10 +68,6 @@ class executing:
         return False
 
 
-def is_executing() -> bool:
-    return bool(getattr(_tls, "executing", None))
-
-
 class DeviceOp:
     """A lazy value.  Subclasses implement ``_execute(ctx)``."""
 
