@@ -86,3 +86,11 @@ def gpu_device(benchmark: str):
         print(f"{benchmark} measures a GPU; this machine has only the reference device. Nothing to measure.")
         return None
     return device
+
+
+def print_headlines(headlines: list, path) -> None:
+    """One line per headline (its ``met`` is the verdict, decided once in ``headline``), then the file."""
+    for h in headlines:
+        op = "<=" if h["better"] == "lower" else ">="
+        print(f"headline {h['metric']} = {h['value']} (target {op} {h['target']}: {'met' if h['met'] else 'MISSED'})")
+    print(f"wrote {path}")

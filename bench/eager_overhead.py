@@ -28,7 +28,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, headline, print_table, write_result  # noqa: E402
+from _common import gpu_device, print_headlines, headline, print_table, write_result  # noqa: E402
 from token_model import Config, LayerBuffers, build_forward, numpy_forward, random_weights  # noqa: E402
 from kernels import add, matvec, rms_norm  # noqa: E402
 
@@ -141,8 +141,7 @@ def main() -> int:
                                     "tokens": args.tokens, "reps": args.reps, "rel_err_vs_float64": err}})
     print_table(f"eager 22-layer forward on {device.name} (host time, median of {args.reps} x {args.tokens} tokens)",
                 ["variant", "us/token", "us/launch", "vs bare"], table)
-    print(f"headline eager_vs_bare_launch_loop = {ratio:.3f} (target <= 1.3: {'met' if ratio <= 1.3 else 'MISSED'})")
-    print(f"wrote {path}")
+    print_headlines(heads, path)
     return 0
 
 

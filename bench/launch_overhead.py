@@ -27,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, headline, host_us_per_call, print_table, write_result  # noqa: E402
+from _common import gpu_device, print_headlines, headline, host_us_per_call, print_table, write_result  # noqa: E402
 
 SOURCE = r'''
 extern "C" __global__ void saxpy(float* y, const float* x, float a, int n) {
@@ -118,8 +118,7 @@ def main() -> int:
                          "per_rep_ratio": [round(r, 3) for r in rep_ratios]})
     print_table(f"launch overhead on {device.name} (host us per launch, median of {args.reps} x {args.calls})",
                 ["variant", "us/launch", "range", "vs cuda.core"], table)
-    print(f"headline deviceop_vs_cuda_core_launch = {ratio:.3f} (target <= 1.2: {'met' if ratio <= 1.2 else 'MISSED'})")
-    print(f"wrote {path}")
+    print_headlines(heads, path)
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, headline, print_table, write_result  # noqa: E402
+from _common import gpu_device, print_headlines, headline, print_table, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
 from token_model import Config, random_weights  # noqa: E402
 
@@ -212,10 +212,7 @@ def main() -> int:
           f"the bare driver calls: {raw88:.2f} / {raw880:.2f} us")
     print(f"capture + instantiate (88 nodes): {capture_ms:.2f} ms")
     print("exercise 2 (graph speedup over eager): " + ", ".join(f"{s['n_layers']}L {s['speedup']}x" for s in sweep))
-    for h in heads:
-        print(f"headline {h['metric']} = {h['value']} (target {'<=' if h['better'] == 'lower' else '>='} "
-              f"{h['target']}: {'met' if h['met'] else 'MISSED'})")
-    print(f"wrote {path}")
+    print_headlines(heads, path)
     return 0
 
 

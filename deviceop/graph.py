@@ -21,8 +21,8 @@ import threading
 from cuda.bindings import driver as cu
 
 from .errors import CaptureError, CudaError, GraphSafetyError, StateError
-from .op import DeviceOp, ExecutionContext, _tls, executing
-from .runtime.driver import check
+from .op import DeviceOp, ExecutionContext, _tls, executing, value
+from .runtime.driver import check, raise_error
 from .tensor import Tensor
 
 
@@ -44,7 +44,7 @@ class Capture:
                 "launches, api.memcpy and values are graph-safe")
 
 
-def _preload(op: DeviceOp, device, seen=None) -> None:
+def _preload(op: DeviceOp, device) -> None:
     """Compile and load every kernel the op tree launches, before capture."""
     from .kernel import KernelLaunch
     stack = [op]
@@ -125,7 +125,7 @@ class CudaGraph:
         code, exec_ = cu.cuGraphInstantiate(graph, 0)
         if code:
             cu.cuGraphDestroy(graph)
-            check((code,), f"cuGraphInstantiate({cap.label})")
+            raise_error(code, f"cuGraphInstantiate({cap.label})")
         try:
             check(cu.cuGraphUpload(exec_, stream.handle), "cuGraphUpload")
             stream.synchronize()
@@ -177,7 +177,7 @@ class CudaGraph:
             return
         code = cu.cuGraphLaunch(self._exec, stream.handle)[0]
         if code:
-            check((code,), "cuGraphLaunch")
+            raise_error(code, "cuGraphLaunch")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -294,7 +294,7 @@ class Scope:
     def record(self, op: DeviceOp):
         if self._ctx is None:
             raise StateError("record() outside the scope's capture")
-        op = _value(op)
+        op = value(op)
         self._cap.check_graph_safe(op)
         if not self.stream.device.is_reference:
             _preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
@@ -322,11 +322,6 @@ class Scope:
             return False
         finally:
             self._lock_cm.__exit__(None, None, None)
-
-
-def _value(x):
-    from .op import value
-    return value(x)
 
 
 class Module:
@@ -368,10 +363,8 @@ class GraphModel(Module):
                 and x._alloc is not inp._alloc and not getattr(_tls, "executing", None) and not graph._closed):
             code = cu.cuMemcpyAsync(inp._ptr, x._ptr, inp.nbytes, stream.handle)[0]
             if code:
-                check((code,), "cuMemcpyAsync")
-            code = cu.cuGraphLaunch(graph._exec, stream.handle)[0]
-            if code:
-                check((code,), "cuGraphLaunch")
+                raise_error(code, "cuMemcpyAsync")
+            graph._replay(stream)
             return self.output
         from . import api
         graph.update(api.memcpy(inp, x))

@@ -23,7 +23,7 @@ from pathlib import Path
 from .compile import compile_cubin
 from .dtypes import DType, dtype as as_dtype
 from .errors import AliasingError, DTypeError, LaunchError, ShapeError
-from .op import DeviceOp, resolve, stats
+from .op import DeviceOp, stats
 from .runtime.launch import LaunchConfig, ptr
 from .runtime.module import load_module
 from .tensor import Partition, SharedTensor, Tensor
@@ -176,11 +176,11 @@ class _Output(DeviceOp):
     def describe(self):
         return f"{self.launch.describe()}.first(){'.unpartition()' if self.as_tensor else ''}"
 
+    _execute = _run
+
 
 def _as_tensor_arg(v):
     return v.tensor if isinstance(v, SharedTensor) else v
-
-    _execute = _run
 
 
 class KernelLaunch(DeviceOp):

@@ -354,12 +354,12 @@ class Zip(DeviceOp):
         self._consumed = True
         return tuple([o._run(ctx) for o in self.ops])
 
+    _execute = _run
+
 
 def zip_(*ops) -> DeviceOp:
     """Combine ops of any arity into one whose value is the tuple of their values."""
     return Zip(ops)
-
-    _execute = _run
 
 
 class _SharedCore:

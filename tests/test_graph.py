@@ -128,7 +128,7 @@ def test_graph_on_refuses_allocations_by_name(stream):
 
 def test_eager_execution_inside_a_scope_is_refused(stream):
     with pytest.raises(dop.ReentrancyError):
-        with CudaGraph.scope(stream) as s:
+        with CudaGraph.scope(stream):
             dop.value(1).sync_on(stream)
     assert not stream.is_capturing()
     assert dop.value(2).sync_on(stream) == 2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
-from deviceop import api, shared, zip_, DeviceOpVec
+from deviceop import api, zip_, DeviceOpVec
 from deviceop.op import stats
 from kernels import add, matvec, rms_norm
 

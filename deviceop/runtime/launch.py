@@ -19,7 +19,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from ..dtypes import DType, dtype as as_dtype
+from ..dtypes import dtype as as_dtype
 from ..errors import DTypeError, LaunchError
 from .driver import check, raise_error
 

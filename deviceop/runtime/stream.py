@@ -11,7 +11,7 @@ import time
 from cuda.bindings import driver as cu
 
 from ..errors import CaptureError, StateError
-from .driver import check
+from .driver import check, raise_error
 
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
 _CAPTURE_MODES = {
@@ -76,7 +76,8 @@ class CudaStream(Stream):
         code = cu.cuStreamQuery(self.handle)[0]
         if code == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        check((code,), "cuStreamQuery")
+        if code:
+            raise_error(code, "cuStreamQuery")
         return True
 
     def wait_event(self, event: "CudaEvent") -> None:
@@ -159,7 +160,8 @@ class CudaEvent:
         code = cu.cuEventQuery(self.handle)[0]
         if code == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        check((code,), "cuEventQuery")
+        if code:
+            raise_error(code, "cuEventQuery")
         return True
 
     def elapsed_ms(self, end: "CudaEvent") -> float:
