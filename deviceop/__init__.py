@@ -10,15 +10,17 @@ from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
                      uint8, uint32, uint64)
 from .errors import (AliasingError, ArchError, CaptureError, CompileError, CudaError, DeviceOpError,
-                     DTypeError, GraphSafetyError, LaunchError, NoDeviceError, OutOfMemoryError,
+                     DTypeError, GraphSafetyError, GraphUpdateError, LaunchError, NoDeviceError, OutOfMemoryError,
                      OwnershipError, ReentrancyError, ShapeError, StateError)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
                       ReferenceStream, Stream, load_module, ptr)
 from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from .kernel import In, Kernel, KernelLaunch, Out, Scalar
+from .nodes import KernelNode
 from . import api
 from .graph import CudaGraph, GraphLaunch, GraphModel, Module, Scope
+from .graph_cache import CacheStats, GraphCache, Workspace, default_sizes
 
 __version__ = "0.1.0"
 
@@ -27,13 +29,14 @@ __all__ = [
     "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
     "int64", "uint8", "uint32", "uint64",
     "AliasingError", "ArchError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
-    "DTypeError", "GraphSafetyError", "LaunchError", "NoDeviceError", "OutOfMemoryError",
+    "DTypeError", "GraphSafetyError", "GraphUpdateError", "LaunchError", "NoDeviceError", "OutOfMemoryError",
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
     "ReferenceStream", "Stream", "load_module", "ptr",
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
-    "In", "Kernel", "KernelLaunch", "Out", "Scalar", "api",
+    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
+    "CacheStats", "GraphCache", "Workspace", "default_sizes",
 ]
 zip = zip_  # dop.zip(...) reads like the seed's zip!; the builtin is untouched outside this namespace

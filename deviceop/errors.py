@@ -74,6 +74,11 @@ class GraphSafetyError(CaptureError):
     """An op that is not graph-safe (an allocation, a host sync) was recorded."""
 
 
+class GraphUpdateError(CaptureError):
+    """An instantiated graph could not be updated in place (e.g. a recapture
+    changed its topology) and re-instantiation was not allowed."""
+
+
 class ReentrancyError(DeviceOpError):
     """An op was executed from inside another op's execution."""
 

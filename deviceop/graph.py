@@ -20,20 +20,23 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .errors import CaptureError, CudaError, GraphSafetyError, StateError
+from .errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, StateError
+from .nodes import KernelNode
 from .op import DeviceOp, ExecutionContext, _tls, executing, value
 from .runtime.driver import check, raise_error
 from .tensor import Tensor
 
 
 class Capture:
-    """State of one capture in progress: what the graph must keep alive, and
-    (on the reference device) the tape of work to replay."""
+    """State of one capture in progress: what the graph must keep alive, the
+    kernel nodes recorded so far, and (on the reference device) the tape of
+    work to replay."""
 
-    __slots__ = ("keep", "tape", "label")
+    __slots__ = ("keep", "tape", "label", "nodes", "by_launch")
 
     def __init__(self, label: str):
         self.keep, self.tape, self.label = [], [], label
+        self.nodes, self.by_launch = [], {}
 
     def check_graph_safe(self, op: DeviceOp) -> None:
         bad = op.unsafe_for_graphs()
@@ -42,6 +45,19 @@ class Capture:
                 f"{bad.describe()} cannot be recorded into a graph: it allocates (a replay would reuse or free "
                 "an address the graph baked in). Allocate before capturing and pass the buffer in; only kernel "
                 "launches, api.memcpy and values are graph-safe")
+
+    @staticmethod
+    def last_node(stream):
+        """The node the stream's last captured launch made (copied out of the
+        driver's array at once), or None when the capture has several tips."""
+        res = cu.cuStreamGetCaptureInfo(stream.handle)
+        if res[0] or res[-1] != 1:
+            return None
+        return cu.CUgraphNode(int(res[4][0]))
+
+    def add_kernel_node(self, launch, node) -> None:
+        self.nodes.append(node)
+        self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
 
 
 def _preload(op: DeviceOp, device) -> None:
@@ -64,16 +80,31 @@ class CudaGraph:
 
     def __init__(self, stream, graph, exec_, output, capture: Capture):
         self._stream, self._graph, self._exec = stream, graph, exec_
+        self._shown = None                 # after an exec update: the graph whose work exec now does
+        self._closed = False
+        self._lock = threading.Lock()
+        self.exec_updates = self.reinstantiations = 0
+        self._adopt(capture, output)
+        self._origin = [n.handle for n in self._nodes]  # the handles that name exec's kernel nodes
+
+    def _adopt(self, capture: Capture, output) -> None:
         self._output, self._has_output = output, True
         self._keep = capture.keep          # tensors, kernels and modules the graph uses
         self._tape = capture.tape          # reference device: the recorded work
-        self._closed = False
-        self._lock = threading.Lock()
+        self._nodes, self._by_launch = capture.nodes, capture.by_launch
+        for i, node in enumerate(self._nodes):
+            node._attach(self, i)
 
     # -- capture -------------------------------------------------------------------
     @classmethod
     def capture(cls, op: DeviceOp, stream) -> "CudaGraph":
         """Capture ``op`` on ``stream`` (what ``op.graph_on(stream)`` does)."""
+        graph, output, cap = cls._record(op, stream)
+        return cls(stream, graph, cls._instantiate(stream, graph, cap.label), output, cap)
+
+    @classmethod
+    def _record(cls, op: DeviceOp, stream):
+        """Capture ``op`` into a new (not instantiated) graph: ``(graph, output, capture)``."""
         cap = Capture(op.describe())
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
@@ -88,7 +119,7 @@ class CudaGraph:
                 if isinstance(exc, CudaError):  # a driver call broke the capture: say which op was captured
                     raise CaptureError(f"capturing {op.describe()} failed: {exc}") from exc
                 raise  # deviceop errors name their op; user errors and interrupts go on unchanged
-            return cls._finish(stream, output, cap)
+            return cls._end(stream, cap), output, cap
 
     @staticmethod
     def _begin(stream):
@@ -110,11 +141,12 @@ class CudaGraph:
         if g is not None and int(g) != 0:
             cu.cuGraphDestroy(g)
 
-    @classmethod
-    def _finish(cls, stream, output, cap: Capture) -> "CudaGraph":
+    @staticmethod
+    def _end(stream, cap: Capture):
+        """End a capture that went well: the captured graph (None on the reference device)."""
         if stream.device.is_reference:
             stream._capturing = False
-            return cls(stream, None, None, output, cap)
+            return None
         code, graph = cu.cuStreamEndCapture(stream.handle)
         if code:
             if graph is not None and int(graph) != 0:
@@ -122,10 +154,17 @@ class CudaGraph:
             name = cu.CUresult(int(code)).name
             raise CaptureError(f"capturing {cap.label} failed when the capture ended ({name}): something in it "
                                "broke the capture, e.g. a host synchronization or work on another stream")
+        return graph
+
+    @staticmethod
+    def _instantiate(stream, graph, label: str):
+        """Instantiate and upload ``graph`` (destroyed if that fails); None on the reference device."""
+        if graph is None:
+            return None
         code, exec_ = cu.cuGraphInstantiate(graph, 0)
         if code:
             cu.cuGraphDestroy(graph)
-            raise_error(code, f"cuGraphInstantiate({cap.label})")
+            raise_error(code, f"cuGraphInstantiate({label})")
         try:
             check(cu.cuGraphUpload(exec_, stream.handle), "cuGraphUpload")
             stream.synchronize()
@@ -133,7 +172,7 @@ class CudaGraph:
             cu.cuGraphExecDestroy(exec_)
             cu.cuGraphDestroy(graph)
             raise
-        return cls(stream, graph, exec_, output, cap)
+        return exec_
 
     @classmethod
     def scope(cls, stream, body=None):
@@ -183,6 +222,80 @@ class CudaGraph:
         if self._closed:
             raise StateError("this CudaGraph was closed; capture a new one")
 
+    # -- kernel nodes and updates ----------------------------------------------------
+    def node(self, launch) -> KernelNode:
+        """The kernel node a launch op became in this graph (see deviceop.nodes)."""
+        self._check_open()
+        node = self._by_launch.get(launch)
+        if node is None:
+            what = launch.describe() if isinstance(launch, DeviceOp) else type(launch).__name__
+            raise StateError(f"{what} was not captured into this graph: pass the launch op itself "
+                             "(the one that was executed), e.g. keep it in a variable before composing")
+        return node
+
+    def kernel_nodes(self) -> list[KernelNode]:
+        """Every kernel node, in capture order."""
+        self._check_open()
+        return list(self._nodes)
+
+    def recapture(self, work, *, reinstantiate: bool = True) -> str:
+        """Capture ``work`` again — an op, or a scope body ``f(s)`` — and update
+        this graph to it in place with ``cuGraphExecUpdate``: no new executable
+        graph when only parameters changed.  When the update is refused (the
+        topology or a node's kind changed) the graph is re-instantiated, or
+        GraphUpdateError is raised with ``reinstantiate=False`` (the graph then
+        keeps its old work).  Returns ``"updated"`` or ``"reinstantiated"``."""
+        self._check_open()
+        stream = self._stream
+        if isinstance(work, DeviceOp):
+            graph, output, cap = CudaGraph._record(work, stream)
+        elif callable(work):
+            scope = Scope(stream, instantiate=False)
+            with scope as s:
+                work(s)
+            (graph, cap), output = scope.recorded, None
+        else:
+            raise StateError(f"recapture() takes an op or a scope body f(s), got {type(work).__name__}")
+        with self._lock:
+            if graph is None:  # reference device: the tape is the graph
+                same = [getattr(t, "node", None) for t in cap.tape] == [getattr(t, "node", None) for t in self._tape]
+                if not same and not reinstantiate:
+                    raise GraphUpdateError(f"recapturing {cap.label} changed the graph's nodes; "
+                                           "pass reinstantiate=True to rebuild it")
+                return self._swap(cap, output, updated=same)
+            code, info = cu.cuGraphExecUpdate(self._exec, graph)
+            if not code and info.result == cu.CUgraphExecUpdateResult.CU_GRAPH_EXEC_UPDATE_SUCCESS:
+                for node, origin in zip(cap.nodes, self._origin):
+                    node.handle = origin  # exec's nodes keep the names of the graph it was instantiated from
+                if self._shown is not None:
+                    cu.cuGraphDestroy(self._shown)
+                self._shown = graph
+                return self._swap(cap, output, updated=True)
+            reason = info.result.name.removeprefix("CU_GRAPH_EXEC_UPDATE_")
+            if not reinstantiate:
+                cu.cuGraphDestroy(graph)
+                raise GraphUpdateError(f"cuGraphExecUpdate refused the recapture of {cap.label} ({reason}): its "
+                                       "topology or node kinds differ; pass reinstantiate=True to rebuild the graph")
+            exec_ = CudaGraph._instantiate(stream, graph, cap.label)
+            old = (self._exec, self._graph, self._shown)
+            self._exec, self._graph, self._shown = exec_, graph, None
+            self._origin = [n.handle for n in cap.nodes]
+            cu.cuGraphExecDestroy(old[0])
+            for g in old[1:]:
+                if g is not None:
+                    cu.cuGraphDestroy(g)
+            return self._swap(cap, output, updated=False)
+
+    def _swap(self, cap: Capture, output, updated: bool) -> str:
+        for node in self._nodes:
+            node._stale = True
+        self._adopt(cap, output)
+        if updated:
+            self.exec_updates += 1
+            return "updated"
+        self.reinstantiations += 1
+        return "reinstantiated"
+
     # -- inspection ------------------------------------------------------------------
     def nodes(self) -> list[dict]:
         """One dict per node: its type and, for kernels, the kernel's name."""
@@ -190,8 +303,9 @@ class CudaGraph:
         if self._graph is None:
             return [{"type": "KERNEL" if kind == "kernel" else "MEMCPY", "name": name} for kind, name in
                     (getattr(step, "node", ("host", "?")) for step in self._tape)]
-        _, _, n = cu.cuGraphGetNodes(self._graph, 0)
-        nodes, _ = check(cu.cuGraphGetNodes(self._graph, n), "cuGraphGetNodes")
+        shown = self._shown if self._shown is not None else self._graph
+        _, _, n = cu.cuGraphGetNodes(shown, 0)
+        nodes, _ = check(cu.cuGraphGetNodes(shown, n), "cuGraphGetNodes")
         out = []
         for node in nodes[:n]:
             kind = check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")
@@ -224,7 +338,8 @@ class CudaGraph:
             fd, tmp = tempfile.mkstemp(suffix=".dot")
             os.close(fd)
             try:
-                check(cu.cuGraphDebugDotPrint(self._graph, tmp.encode(), int(flags)), "cuGraphDebugDotPrint")
+                shown = self._shown if self._shown is not None else self._graph
+                check(cu.cuGraphDebugDotPrint(shown, tmp.encode(), int(flags)), "cuGraphDebugDotPrint")
                 text = open(tmp).read()
             finally:
                 os.unlink(tmp)
@@ -240,12 +355,14 @@ class CudaGraph:
             if self._closed:
                 return
             self._closed = True
-            exec_, graph, self._exec, self._graph = self._exec, self._graph, None, None
-            self._keep, self._tape = [], None
+            exec_, graph, shown = self._exec, self._graph, self._shown
+            self._exec = self._graph = self._shown = None
+            self._keep, self._tape, self._nodes, self._by_launch = [], None, [], {}
         if exec_ is not None:
             check(cu.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
-        if graph is not None:
-            check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+        for g in (graph, shown):
+            if g is not None:
+                check(cu.cuGraphDestroy(g), "cuGraphDestroy")
 
     def __enter__(self):
         return self
@@ -287,9 +404,10 @@ class Scope:
     """The recorder of ``CudaGraph.scope``: ``record(op)`` runs a graph-safe op
     on the capture stream at once (recording it) and returns its value."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, instantiate: bool = True):
         self.stream, self.graph = stream, None
         self._cap, self._ctx, self._graph_handle, self._lock_cm = None, None, None, None
+        self._instantiate, self.recorded = instantiate, None  # recorded: (graph, capture) when not instantiating
 
     def record(self, op: DeviceOp):
         if self._ctx is None:
@@ -318,7 +436,12 @@ class Scope:
             if exc_type is not None:
                 CudaGraph._abort(self.stream, self._graph_handle)
                 return False
-            self.graph = CudaGraph._finish(self.stream, None, self._cap)
+            graph = CudaGraph._end(self.stream, self._cap)
+            if not self._instantiate:
+                self.recorded = (graph, self._cap)
+                return False
+            self.graph = CudaGraph(self.stream, graph, CudaGraph._instantiate(self.stream, graph, self._cap.label),
+                                   None, self._cap)
             return False
         finally:
             self._lock_cm.__exit__(None, None, None)

@@ -23,6 +23,7 @@ from pathlib import Path
 from .compile import compile_cubin
 from .dtypes import DType, dtype as as_dtype
 from .errors import AliasingError, DTypeError, LaunchError, ShapeError
+from .nodes import KernelNode
 from .op import DeviceOp, stats
 from .runtime.launch import LaunchConfig, ptr
 from .runtime.module import load_module
@@ -92,6 +93,7 @@ class Kernel:
         self._configs: dict = {}
         self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
         self._tensor_positions = tuple(i for i, p in enumerate(self.params) if p.role != "scalar")
+        self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
 
     def __call__(self, *args) -> "KernelLaunch":
@@ -186,13 +188,14 @@ def _as_tensor_arg(v):
 class KernelLaunch(DeviceOp):
     """One lazy launch of a kernel; value = the tuple of its arguments."""
 
-    __slots__ = ("kernel", "args", "_generics", "_dynamic")
+    __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "__weakref__")
     graph_safe = True
 
     def __init__(self, kernel: Kernel, args):
         super().__init__()
         self.kernel, self.args = kernel, tuple(args)
         self._generics = () if not kernel.generic_names else None
+        self._mutable = frozenset()  # argument positions a captured node may change (.dynamic)
         self._dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))  # ops to run first
         if len(self.args) != len(kernel.params):
             raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
@@ -215,6 +218,18 @@ class KernelLaunch(DeviceOp):
         self._generics = self.kernel.check_generics(values)
         return self
 
+    def dynamic(self, *names) -> "KernelLaunch":
+        """Mark arguments (by name; none = all) that may change between replays of
+        a graph this launch is captured into: ``graph.node(launch).set(name=...)``.
+        A new output partition changes the grid."""
+        index = self.kernel.param_index
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise LaunchError(f"{self.kernel.name} has no argument(s) {', '.join(map(repr, unknown))}; "
+                              f"its arguments are {', '.join(index)}")
+        self._mutable = frozenset(index[n] for n in names) if names else frozenset(index.values())
+        return self
+
     def children(self):
         return tuple(a for a in self.args if isinstance(a, DeviceOp))
 
@@ -222,28 +237,7 @@ class KernelLaunch(DeviceOp):
         return self.kernel.name_expression(self._generics) if self._generics is not None else self.kernel.name
 
     def _check_arg(self, p: Param, a):
-        k = self.kernel.name
-        if p.role == "out":
-            if not isinstance(a, Partition):
-                hint = " (a plain tensor: pass tensor.partition(tile), or shared.try_partition(tile))" \
-                    if isinstance(a, (Tensor, SharedTensor)) else ""
-                raise LaunchError(f"argument 0 ({p.name}) of {k} must be a Partition{hint}, got {type(a).__name__}")
-            t = a.tensor
-        elif p.role == "in":
-            t = _as_tensor_arg(a)
-            if not isinstance(t, Tensor):
-                raise LaunchError(f"argument {p.name} of {k} must be a Tensor, got {type(a).__name__}")
-        else:
-            try:
-                p.dtype.coerce(a)
-            except DTypeError as exc:
-                raise DTypeError(f"argument {p.name} of {k}: {exc}") from None
-            return
-        if t.dtype is not p.dtype:
-            raise DTypeError(f"argument {p.name} of {k} must be {p.dtype.name}, got a {t.dtype.name} tensor")
-        if p.rank is not None and t.ndim != p.rank:
-            raise ShapeError(f"argument {p.name} of {k} must have rank {p.rank}, got shape {t.shape}; "
-                             f"reshape it (e.g. .reshape(...)) first")
+        check_arg(self.kernel, p, a)
 
     def _run(self, ctx):  # the consumption check inlined: this is the hot path
         if self._consumed:
@@ -280,40 +274,85 @@ class KernelLaunch(DeviceOp):
                     kernel._verified.clear()
                 kernel._verified[key] = plan
         if device.is_reference:
-            self._run_reference(ctx, gen, launch_args)
+            self._run_reference(ctx, gen, launch_args, values)
         else:
             plan[0](ctx.stream, plan[1], *launch_args)
-            if ctx.capture is not None:  # the graph keeps the kernel and the buffers alive
-                ctx.capture.keep.append((kernel.function(device, gen), launch_args))
+            if ctx.capture is not None:  # a node of the graph: its handle, its arguments (kept alive)
+                ctx.capture.add_kernel_node(self, KernelNode(
+                    kernel, gen, self.describe(), values, launch_args, self._mutable,
+                    kernel.function(device, gen), plan[1], ctx.capture.last_node(ctx.stream)))
         stats["launches"] += 1
         return tuple(values)
 
-    def _run_reference(self, ctx, gen, launch_args) -> None:
+    def _run_reference(self, ctx, gen, launch_args, values) -> None:
         kernel = self.kernel
         if kernel.reference is None:
             raise LaunchError(f"{kernel.name} has no NumPy reference, so the reference device cannot run it")
-        g = dict(zip(kernel.generic_names, gen))
-        arrays = [t._array if isinstance(t, Tensor) else t for t in launch_args]
         if ctx.capture is None:
-            kernel.reference(g, *arrays)
+            kernel.reference(dict(zip(kernel.generic_names, gen)), *[t._array if isinstance(t, Tensor) else t
+                                                                      for t in launch_args])
             return
-        step = lambda: kernel.reference(g, *arrays)  # recorded, run at each replay
-        step.node = ("kernel", self.describe())
-        ctx.capture.tape.append(step)
+        node = KernelNode(kernel, gen, self.describe(), values, launch_args, self._mutable)
+        ctx.capture.add_kernel_node(self, node)
+        step = node._replay_reference  # recorded, run at each replay (with the node's current arguments)
+        ctx.capture.tape.append(_TapeStep(step, ("kernel", self.describe())))
 
     def _check(self, values, gen) -> list:
-        """Every check of a launch: roles, dtypes, ranks, aliasing, the kernel's own rules."""
-        kernel, params = self.kernel, self.kernel.params
-        for p, v in zip(params, values):
-            self._check_arg(p, v)
-        launch_args = [values[0].tensor] + [_as_tensor_arg(v) for v in values[1:]]
-        out = launch_args[0]
-        for p, t in zip(params[1:], launch_args[1:]):
-            if p.role == "in" and t.overlaps(out):
-                raise AliasingError(f"{self.describe()} writes {params[0].name} and reads {p.name} from "
-                                    "overlapping memory; write into a separate buffer")
-        if kernel.validate is not None:
-            kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
-        return launch_args
+        return check_launch(self.kernel, values, gen, self.describe())
 
     _execute = _run
+
+
+class _TapeStep:
+    """A recorded step of a reference-device "graph": a callable with its node's (type, name)."""
+
+    __slots__ = ("run", "node")
+
+    def __init__(self, run, node):
+        self.run, self.node = run, node
+
+    def __call__(self):
+        self.run()
+
+
+def check_arg(kernel: Kernel, p: Param, a) -> None:
+    """Is ``a`` a valid value for parameter ``p`` (role, dtype, rank)?"""
+    k = kernel.name
+    if p.role == "out":
+        if not isinstance(a, Partition):
+            hint = " (a plain tensor: pass tensor.partition(tile), or shared.try_partition(tile))" \
+                if isinstance(a, (Tensor, SharedTensor)) else ""
+            raise LaunchError(f"argument 0 ({p.name}) of {k} must be a Partition{hint}, got {type(a).__name__}")
+        t = a.tensor
+    elif p.role == "in":
+        t = _as_tensor_arg(a)
+        if not isinstance(t, Tensor):
+            raise LaunchError(f"argument {p.name} of {k} must be a Tensor, got {type(a).__name__}")
+    else:
+        try:
+            p.dtype.coerce(a)
+        except DTypeError as exc:
+            raise DTypeError(f"argument {p.name} of {k}: {exc}") from None
+        return
+    if t.dtype is not p.dtype:
+        raise DTypeError(f"argument {p.name} of {k} must be {p.dtype.name}, got a {t.dtype.name} tensor")
+    if p.rank is not None and t.ndim != p.rank:
+        raise ShapeError(f"argument {p.name} of {k} must have rank {p.rank}, got shape {t.shape}; "
+                         f"reshape it (e.g. .reshape(...)) first")
+
+
+def check_launch(kernel: Kernel, values, gen, label: str) -> list:
+    """Every check of a launch: roles, dtypes, ranks, aliasing, the kernel's own rules.
+    Returns the launch arguments (tensors for partitions and shared handles)."""
+    params = kernel.params
+    for p, v in zip(params, values):
+        check_arg(kernel, p, v)
+    launch_args = [values[0].tensor] + [_as_tensor_arg(v) for v in values[1:]]
+    out = launch_args[0]
+    for p, t in zip(params[1:], launch_args[1:]):
+        if p.role == "in" and t.overlaps(out):
+            raise AliasingError(f"{label} writes {params[0].name} and reads {p.name} from "
+                                "overlapping memory; write into a separate buffer")
+    if kernel.validate is not None:
+        kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
+    return launch_args

@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec, shared, zip_  # noqa: E402
-from kernels import add, matvec, rms_norm  # noqa: E402
+from kernels import add, batch_tile, matvec, matvec_batched, rms_norm  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,34 @@ def build_forward(cfg: Config, weights, input, buffers):
     return DeviceOpVec(ops), hidden
 
 
+def build_batched_forward(cfg: Config, weights, x, alloc):
+    """The same model for a batch of tokens: ``x`` is [B, d], rows independent.
+
+    ``alloc(shape)`` makes each intermediate buffer (``dop.empty``, or a
+    GraphCache workspace's ``ws.empty``).  The matvecs become
+    ``matvec_batched`` (still one pass over the weights); rms_norm and add
+    already work row by row.  Returns an op producing the [B, d] output."""
+    batch, d = x.shape
+    mb = batch_tile(batch)
+    mv = [cfg.bn, cfg.bk, d, mb]
+    hidden, ops = x, []
+    for w in weights:
+        norm, q, o, res = (alloc([batch, d]) for _ in range(4))
+        ops += [rms_norm(norm.partition([1, d]), hidden, w.norm_w, cfg.eps).generics(cfg.rms_generics()),
+                matvec_batched(q.partition([mb, cfg.bn]), norm, w.wq).generics(mv),
+                matvec_batched(o.partition([mb, cfg.bn]), q, w.wo).generics(mv),
+                add(res.view([batch * d]).partition([cfg.block]), hidden.view([batch * d]), o.view([batch * d]))
+                .generics([cfg.block])]
+        hidden = res
+    return zip_(*ops).map(lambda _, out=hidden: out)
+
+
 def numpy_forward(cfg: Config, host_weights, x: np.ndarray) -> np.ndarray:
-    """The same model in float64 NumPy."""
+    """The same model in float64 NumPy (``x``: [d], or [B, d] for a batch)."""
     h = x.astype(np.float64)
     for norm_w, wq, wo in host_weights:
-        n = h / np.sqrt(np.mean(h * h) + cfg.eps) * norm_w
-        h = h + wo.astype(np.float64) @ (wq.astype(np.float64) @ n)
+        n = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + cfg.eps) * norm_w
+        h = h + (n @ wq.astype(np.float64).T) @ wo.astype(np.float64).T
     return h
 
 
@@ -103,7 +125,7 @@ def main() -> int:
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)
     args = ap.parse_args()
-    cfg = Config(d=args.d, n_layers=args.layers)
+    cfg = Config(d=args.d, n_layers=args.layers, bk=max(1, min(16, args.d // 128)))
     device = dop.Device(0)
     stream = device.new_stream()
     weights, host = random_weights(cfg, stream=stream)

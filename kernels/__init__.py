@@ -6,6 +6,8 @@ the reference device runs and what the tests hold the GPU to.
 * ``rms_norm<D, BS>(out [R, D] tile [1, D], x [R, D], w [D], eps)``
 * ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``: one warp per output row
 * ``add<B>(out [N] tile [B], a [N], b [N])``
+* ``matvec_batched<BN, BK, K, MB>(out [B, N] tile [MB, BN], x [B, K], w [N, K])``: rows = batch
+* ``affine<B>(out [N] tile [B], x [N], alpha, beta)``: out = alpha * x + beta
 """
 from pathlib import Path
 
@@ -96,4 +98,57 @@ add = Kernel(
     [Out("out", "float32", rank=1), In("a", "float32", rank=1), In("b", "float32", rank=1)],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_add_ref, validate=_add_check)
 
-__all__ = ["rms_norm", "matvec", "add"]
+
+# -- matvec_batched ----------------------------------------------------------------
+
+def _matvec_batched_ref(g, out, x, w):
+    out[...] = x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def _matvec_batched_check(g, out, x, w):
+    BN, BK, K, MB = g["BN"], g["BK"], g["K"], g["MB"]
+    t = out.tensor
+    _need(out.tile_shape == (MB, BN), f"matvec_batched<BN={BN}, MB={MB}>: partition out with [{MB}, {BN}], "
+                                      f"not {list(out.tile_shape)}")
+    _need(x.shape[1] == K and w.shape[1] == K, f"matvec_batched<K={K}>: x {x.shape} and w {w.shape} need K={K} columns")
+    _need(x.shape[0] == t.shape[0], f"matvec_batched: x has {x.shape[0]} rows but out has {t.shape[0]}")
+    _need(w.shape[0] == t.shape[1], f"matvec_batched: w has {w.shape[0]} rows but out has {t.shape[1]} columns")
+    _need(K % (128 * BK) == 0, f"matvec_batched: K={K} must be a multiple of 128*BK={128 * BK}")
+    _need(1 <= BN <= 32 and 1 <= MB <= 16, f"matvec_batched: BN={BN} must be in [1, 32] and MB={MB} in [1, 16]")
+    _need(x.is_contiguous and w.is_contiguous and t.is_contiguous, "matvec_batched: out, x and w must be contiguous")
+    _aligned(t, x, w)
+
+
+matvec_batched = Kernel(
+    "matvec_batched", HERE / "matvec_batched.cu",
+    [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "float32", rank=2)],
+    generics=["BN", "BK", "K", "MB"], block=lambda g: 32 * g["BN"], reference=_matvec_batched_ref,
+    validate=_matvec_batched_check)
+
+
+def batch_tile(batch: int) -> int:
+    """The MB (batch rows per tile) for a batch: the largest of 8, 4, 2, 1 dividing it."""
+    return next(mb for mb in (8, 4, 2, 1) if batch % mb == 0)
+
+
+# -- affine ----------------------------------------------------------------------
+
+def _affine_ref(g, out, x, alpha, beta):
+    out[...] = np.float64(alpha) * x.astype(np.float64) + np.float64(beta)
+
+
+def _affine_check(g, out, x, alpha, beta):
+    B = g["B"]
+    t = out.tensor
+    _need(out.tile_shape == (B,), f"affine<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
+    _need(x.shape == t.shape, f"affine: x {x.shape} must match out {t.shape}")
+    _need(B % 128 == 0, f"affine: B={B} must be a multiple of 128")
+    _aligned(t, x)
+
+
+affine = Kernel(
+    "affine", HERE / "affine.cu",
+    [Out("out", "float32", rank=1), In("x", "float32", rank=1), Scalar("alpha", "float32"), Scalar("beta", "float32")],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_affine_ref, validate=_affine_check)
+
+__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine"]

@@ -125,6 +125,7 @@ class Function:
             align = "P" if isinstance(spec, ptr) else spec.pack
             offsets.append(struct.calcsize(prefix + "0" + align))
         self._verify_layout(offsets)
+        self.offsets = tuple(offsets)  # byte offset of each parameter in the packed buffer
         self._struct = struct.Struct(fmt)
         self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
         base = ctypes.addressof(self._buffer)
@@ -237,6 +238,14 @@ class Function:
         launcher = env["launch"]
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
+
+    def param_buffer(self):
+        """A fresh parameter buffer for this signature: ``(buffer, void** address)``
+        (what a graph kernel node's ``kernelParams`` points at)."""
+        buf = ctypes.create_string_buffer(max(self._struct.size, 1))
+        base = ctypes.addressof(buf)
+        ptrs = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
+        return buf, ptrs
 
     def pack(self, *args) -> bytes:
         """The parameter bytes a launch with ``args`` would pass (checked like a launch)."""

@@ -1,0 +1,381 @@
+"""A cache of CUDA graphs keyed by shape, for work whose batch changes per call
+(seed 003; what serving engines do for decode steps).
+
+    def forward(ws, x):                        # x: [size, d], size = a captured batch size
+        h = ws.empty([ws.size, d])             # scratch, shared between the cached graphs
+        return some_kernel(h.partition(...), x, ...).first().unpartition()
+
+    cache = GraphCache(forward, stream=stream, max_size=64)
+    y = cache(x)                               # x: [5, d] -> replays the size-8 graph, y: [5, d]
+
+* A call with batch ``b`` (axis 0 of every input) replays the graph captured
+  for the smallest size >= b: the inputs are copied into that graph's input
+  buffers, rows b.. are padded (zeros by default), and the outputs come back
+  sliced to b rows — padded rows are never visible.  Every output must keep
+  the batch axis; rows must not depend on each other (padding would leak).
+* Sizes come from ``sizes``, or ``default_sizes(max_size)``: 1, 2, 4, then
+  steps of 8, coarser above 64, as serving engines capture them.
+* Beyond the largest size (or with ``eager=True``) the call runs eagerly
+  instead (``fallback=False`` makes it a ShapeError).
+* ``key(*inputs)`` names what else selects a graph (default: the inputs'
+  shapes without the batch axis, and their dtypes) — e.g. a sequence length.
+* Graphs are captured on first use, or all at once, largest first, by
+  ``warmup``.  With ``share_buffers`` (the default) the buffers of
+  ``ws.empty`` are views of one arena sized by the largest capture, so the
+  whole cache costs about one graph's memory; they are scratch — state that
+  must persist between calls belongs outside (pass it in, or close over it).
+* Bounded by ``max_graphs`` and/or ``max_bytes``: the least recently used
+  graph is evicted (closed, its private buffers released).
+* Outputs are the graph's own buffers: valid until the next call on the cache
+  (``copy=True`` returns fresh copies).  Calls are serialized by a lock, so
+  the cache may be shared between threads.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cuda.bindings import driver as cu
+
+from .dtypes import dtype as as_dtype
+from .errors import AliasingError, DTypeError, ShapeError, StateError
+from .op import DeviceOp
+from .runtime.driver import raise_error
+from .tensor import Partition, SharedTensor, Tensor, empty
+
+
+def default_sizes(max_size: int = 64) -> tuple[int, ...]:
+    """1, 2, 4, then every 8 up to 64, every 16 to 128, every 32 to 256, every 64 beyond; max_size last."""
+    if max_size < 1:
+        raise ShapeError(f"max_size must be >= 1, got {max_size}")
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 257, 32))
+    sizes += list(range(320, max_size + 1, 64))
+    sizes = [s for s in sizes if s <= max_size]
+    if sizes[-1] != max_size:
+        sizes.append(max_size)
+    return tuple(sizes)
+
+
+@dataclass
+class CacheStats:
+    """Counters of a GraphCache (a snapshot: ``cache.stats``)."""
+    hits: int = 0
+    misses: int = 0           # calls that had to capture a graph first
+    captures: int = 0
+    fallbacks: int = 0        # calls run eagerly (beyond the largest size, or asked for)
+    evictions: int = 0
+    graphs: int = 0           # graphs held now
+    bytes: int = 0            # device bytes held now (inputs, scratch)
+    capture_seconds: float = 0.0
+
+
+class Workspace:
+    """What the cache's function receives first: the padded ``size`` it builds
+    for, the cache ``key``, and ``empty(shape, dtype)`` for its buffers."""
+
+    def __init__(self, cache: "GraphCache", size: int, key, eager: bool):
+        self.cache, self.size, self.key, self.eager = cache, size, key, eager
+        self._count = 0
+        self.buffers: list = []   # (slot key, tensor) of every buffer handed out
+
+    def empty(self, shape, dtype="float32") -> Tensor:
+        """A buffer for this build: fresh when eager, else scratch of the cache."""
+        dt = as_dtype(dtype)
+        shape = tuple(int(d) for d in (shape if not isinstance(shape, int) else (shape,)))
+        index, self._count = self._count, self._count + 1
+        if self.eager:
+            return empty(shape, dt, device=self.cache.stream.device, stream=self.cache.stream)
+        t, slot = self.cache._scratch(("scratch", index, dt), shape, dt)
+        self.buffers.append(slot)
+        return t
+
+
+class _Entry:
+    __slots__ = ("key", "size", "graph", "inputs", "outputs", "single", "slots", "views", "row_bytes")
+
+    def __init__(self, key, size, graph, inputs, outputs, single, slots):
+        self.key, self.size, self.graph = key, size, graph
+        self.inputs, self.outputs, self.single, self.slots = inputs, outputs, single, slots
+        self.views = {}  # batch -> the outputs sliced to it (made once)
+        self.row_bytes = [t.nbytes // size for t in inputs]
+
+
+class GraphCache:
+    """Graphs of ``fn(ws, *inputs) -> op`` keyed by padded batch size and ``key`` (see the module docstring)."""
+
+    def __init__(self, fn, *, stream, sizes=None, max_size: int = 64, key=None, max_graphs: int | None = None,
+                 max_bytes: int | None = None, fallback: bool = True, share_buffers: bool = True,
+                 pad_value: float | None = 0, copy: bool = False):
+        self.fn, self.stream, self.key_fn = fn, stream, key
+        sizes = default_sizes(max_size) if sizes is None else tuple(sorted(set(int(s) for s in sizes)))
+        if not sizes or sizes[0] < 1:
+            raise ShapeError(f"capture sizes must be positive ints, got {sizes}")
+        self.sizes = sizes
+        if max_graphs is not None and max_graphs < 1:
+            raise StateError(f"max_graphs must be >= 1 (or None), got {max_graphs}")
+        self.max_graphs, self.max_bytes = max_graphs, max_bytes
+        self.fallback, self.share_buffers, self.pad_value, self.copy = fallback, share_buffers, pad_value, copy
+        self._entries: OrderedDict = OrderedDict()  # (size, key) -> _Entry, least recently used first
+        self._arena: dict = {}                      # slot key -> the largest buffer made for it
+        self._lock = threading.RLock()
+        self._stats = CacheStats()
+        self._closed = False
+
+    # -- public --------------------------------------------------------------------
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            s = CacheStats(**vars(self._stats))
+            s.graphs, s.bytes = len(self._entries), self._held_bytes()
+            return s
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def size_for(self, batch: int) -> int | None:
+        """The captured size a batch is padded to, or None above the largest."""
+        i = bisect.bisect_left(self.sizes, batch)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def __call__(self, *inputs, eager: bool = False):
+        """Run for ``inputs`` (batch on axis 0); returns the output tensor(s), enqueued on the cache's stream."""
+        with self._lock:
+            self._check_open()
+            batch = self._batch_of(inputs)
+            size = self.size_for(batch)
+            if eager or size is None:
+                if not eager and not self.fallback:
+                    raise ShapeError(f"batch {batch} is above every captured size (largest {self.sizes[-1]}) and "
+                                     "fallback is off; raise max_size/sizes, or pass fallback=True")
+                self._stats.fallbacks += 1
+                return self._eager(batch, inputs)
+            key = (size, self._key_of(inputs))
+            entry = self._entries.get(key)
+            if entry is None:
+                self._stats.misses += 1
+                entry = self._capture(size, key, inputs)
+            else:
+                self._stats.hits += 1
+                self._entries.move_to_end(key)
+            return self._replay(entry, batch, inputs)
+
+    def warmup(self, *inputs, sizes=None) -> int:
+        """Capture the graphs for ``inputs``' key at every size (or ``sizes``), largest
+        first, so smaller ones share the largest one's buffers; returns how many were captured."""
+        with self._lock:
+            self._check_open()
+            self._batch_of(inputs)
+            key = self._key_of(inputs)
+            n = 0
+            for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
+                if size not in self.sizes:
+                    raise ShapeError(f"size {size} is not one of the cache's sizes {self.sizes}")
+                if (size, key) not in self._entries:
+                    self._capture(size, (size, key), inputs)
+                    n += 1
+            return n
+
+    def clear(self) -> None:
+        """Close every graph and release every buffer."""
+        with self._lock:
+            while self._entries:
+                self._evict()
+            self._arena.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self.clear()
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<GraphCache {len(self._entries)} graphs, sizes {self.sizes[0]}..{self.sizes[-1]}>"
+
+    # -- inputs and keys -----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StateError("this GraphCache was closed; make a new one")
+
+    @staticmethod
+    def _batch_of(inputs) -> int:
+        if not inputs:
+            raise ShapeError("a GraphCache call needs at least one input tensor (the batch is its axis 0)")
+        for i, t in enumerate(inputs):
+            if not isinstance(t, Tensor):
+                raise DTypeError(f"GraphCache input {i} must be a deviceop Tensor, got {type(t).__name__}")
+            if t.ndim == 0 or not t.is_contiguous:
+                raise ShapeError(f"GraphCache input {i} (shape {t.shape}) must be contiguous with a batch axis 0")
+        batch = inputs[0].shape[0]
+        if batch < 1 or any(t.shape[0] != batch for t in inputs):
+            raise ShapeError(f"GraphCache inputs must share a batch (axis 0) >= 1; got shapes "
+                             f"{[t.shape for t in inputs]}")
+        return batch
+
+    def _key_of(self, inputs):
+        if self.key_fn is None:
+            return tuple((t.shape[1:], t.dtype.name) for t in inputs)
+        try:
+            key = self.key_fn(*inputs)
+            hash(key)
+        except Exception as exc:
+            raise StateError(f"the GraphCache key function failed on inputs of shapes "
+                             f"{[t.shape for t in inputs]}: {exc!r}; it must return a hashable key") from exc
+        return key
+
+    # -- buffers -------------------------------------------------------------------
+    def _scratch(self, slot_key, shape, dt):
+        """A buffer of ``shape`` for a capture: a view of the arena slot (grown if too small)."""
+        n = 1
+        for d in shape:
+            n *= d
+        slot = self._arena.get(slot_key) if self.share_buffers else None
+        if slot is None or slot.size < n:
+            slot = empty([max(n, 1)], dt, device=self.stream.device, stream=self.stream)
+            if self.share_buffers:
+                self._arena[slot_key] = slot
+        return slot[:n].view(shape), slot
+
+    def _held_bytes(self) -> int:
+        seen = {}
+        for s in self._arena.values():
+            seen[id(s)] = s.nbytes
+        for e in self._entries.values():
+            for s in e.slots:
+                seen[id(s)] = s.nbytes
+        return sum(seen.values())
+
+    # -- capture, replay, eager ----------------------------------------------------
+    def _capture(self, size, key, inputs) -> _Entry:
+        t0 = time.perf_counter()
+        ws = Workspace(self, size, key[1], eager=False)
+        static, slots = [], []
+        for i, x in enumerate(inputs):
+            t, slot = self._scratch(("input", i, x.dtype), (size, *x.shape[1:]), x.dtype)
+            static.append(t)
+            slots.append(slot)
+        try:
+            op = self.fn(ws, *static)
+            if not isinstance(op, DeviceOp):
+                raise StateError(f"the GraphCache function must return a DeviceOp, got {type(op).__name__}")
+            graph = op.graph_on(self.stream)
+        except BaseException as exc:
+            exc.add_note(f"(while GraphCache captured size {size}, key {key[1]!r})")
+            self._trim_arena()
+            raise
+        try:
+            outputs, single = _outputs_of(graph.take_output(), size)
+        except BaseException:
+            graph.close()
+            self._trim_arena()
+            raise
+        entry = _Entry(key, size, graph, static, outputs, single, slots + [s for s in ws.buffers])
+        self._entries[key] = entry
+        self._stats.captures += 1
+        self._stats.capture_seconds += time.perf_counter() - t0
+        self._enforce_bounds(keep=entry)
+        return entry
+
+    def _replay(self, entry: _Entry, batch: int, inputs):
+        stream = self.stream
+        for x, t, row in zip(inputs, entry.inputs, entry.row_bytes):
+            if x.shape[1:] != t.shape[1:] or x.dtype is not t.dtype:
+                raise ShapeError(f"the key function put inputs of shape {x.shape} ({x.dtype.name}) on the graph "
+                                 f"captured for {t.shape} ({t.dtype.name}); include every shape and dtype that "
+                                 "differs in the key")
+            self._copy_in(t, x, batch * row, (entry.size - batch) * row)
+        entry.graph._replay(stream)
+        views = entry.views.get(batch)
+        if views is None:
+            views = entry.views[batch] = tuple(o if batch == entry.size else o[:batch] for o in entry.outputs)
+        if self.copy:
+            views = tuple(_copy_of(v, stream) for v in views)
+        return views[0] if entry.single else views
+
+    def _copy_in(self, dst: Tensor, src: Tensor, nbytes: int, pad_bytes: int) -> None:
+        if src.data_ptr == dst.data_ptr:
+            pass  # the input already is the graph's buffer
+        elif src.overlaps(dst):
+            raise AliasingError("a GraphCache input overlaps the graph's own input buffer; pass a separate tensor")
+        elif self.stream.device.is_reference:
+            dst._array.reshape(-1).view("u1")[:nbytes] = src._array.reshape(-1).view("u1")
+        else:
+            code = cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, nbytes, self.stream.handle)[0]
+            if code:
+                raise_error(code, "cuMemcpyAsync (GraphCache input)")
+        if pad_bytes and self.pad_value is not None:
+            pad = dst._array.reshape(-1).view("u1")[nbytes:] if self.stream.device.is_reference else None
+            if pad is not None:
+                pad.view(dst.dtype.np)[...] = self.pad_value
+            elif self.pad_value == 0:
+                code = cu.cuMemsetD8Async(dst.data_ptr + nbytes, 0, pad_bytes, self.stream.handle)[0]
+                if code:
+                    raise_error(code, "cuMemsetD8Async (GraphCache padding)")
+            else:
+                with self.stream.cupy:
+                    dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:] = self.pad_value
+
+    def _eager(self, batch, inputs):
+        ws = Workspace(self, batch, self._key_of(inputs), eager=True)
+        op = self.fn(ws, *inputs)
+        if not isinstance(op, DeviceOp):
+            raise StateError(f"the GraphCache function must return a DeviceOp, got {type(op).__name__}")
+        outputs, single = _outputs_of(op.async_on(self.stream), batch)
+        return outputs[0] if single else outputs
+
+    # -- bounds --------------------------------------------------------------------
+    def _enforce_bounds(self, keep: _Entry) -> None:
+        while len(self._entries) > 1 and (
+                (self.max_graphs is not None and len(self._entries) > self.max_graphs)
+                or (self.max_bytes is not None and self._held_bytes() > self.max_bytes)):
+            if next(iter(self._entries.values())) is keep:
+                break
+            self._evict()
+
+    def _evict(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        entry.graph.close()
+        entry.inputs = entry.outputs = entry.views = entry.slots = None
+        self._stats.evictions += 1
+        self._trim_arena()
+
+    def _trim_arena(self) -> None:
+        """Drop arena slots no live graph uses (they are re-made by the next capture)."""
+        used = {id(s) for e in self._entries.values() for s in e.slots}
+        for k in [k for k, s in self._arena.items() if id(s) not in used]:
+            del self._arena[k]
+
+
+def _outputs_of(value, batch: int):
+    """The op's value as a tuple of tensors, each with ``batch`` rows on axis 0."""
+    single = not isinstance(value, (tuple, list))
+    items = (value,) if single else tuple(value)
+    out = []
+    for i, v in enumerate(items):
+        t = v.tensor if isinstance(v, (SharedTensor, Partition)) else v
+        if not isinstance(t, Tensor):
+            raise StateError(f"the GraphCache function's op must produce tensors (or a tuple of them); "
+                             f"output {i} is a {type(v).__name__}")
+        if t.ndim == 0 or t.shape[0] != batch:
+            raise ShapeError(f"GraphCache output {i} has shape {t.shape}: every output must keep the batch axis "
+                             f"(axis 0 = {batch} rows) so padded rows can be sliced away")
+        out.append(t)
+    return tuple(out), single
+
+
+def _copy_of(t: Tensor, stream) -> Tensor:
+    c = empty(t.shape, t.dtype, device=t.device, stream=stream)
+    if t.device.is_reference:
+        c._array[...] = t._array
+    else:
+        code = cu.cuMemcpyAsync(c.data_ptr, t.data_ptr, t.nbytes, stream.handle)[0]
+        if code:
+            raise_error(code, "cuMemcpyAsync (GraphCache output copy)")
+    return c

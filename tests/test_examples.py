@@ -1,0 +1,23 @@
+"""Every example runs to completion (exit 0: its own checks passed).
+
+Here they run on the reference device, forced with DEVICEOP_DEVICE=reference
+(small configurations: seconds); ``scripts/gpu-check`` runs them full size on
+the H100.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs_on_the_reference_device(path):
+    env = dict(os.environ, DEVICEOP_DEVICE="reference")
+    args = {"token_model.py": ["--d", "256", "--layers", "2"], "token_loop.py": ["--tokens", "8"],
+            "variable_batch.py": ["--steps", "12"], "dynamic_params.py": ["--iters", "50"]}.get(path.name, [])
+    proc = subprocess.run([sys.executable, str(path), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,237 @@
+"""GraphCache: graphs keyed by padded batch size, eager fallback, LRU bounds.
+
+The function under test is one batched matvec, y[b] = W x[b] (rows are
+independent, as padding requires).  Device-agnostic: on the reference device
+the graphs are tapes; under gpu-check they are CUDA graphs.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import deviceop as dop
+from deviceop import GraphCache, default_sizes
+from kernels import batch_tile, matvec_batched
+
+K, N, BN, BK = 256, 128, 16, 2
+
+
+@pytest.fixture
+def weights(stream, rng):
+    w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+    return w, dop.from_numpy(w, stream=stream)
+
+
+def make_forward(w, calls=None):
+    def forward(ws, x):
+        if calls is not None:
+            calls.append(ws.size)
+        y = ws.empty([ws.size, N])
+        mb = batch_tile(ws.size)
+        return matvec_batched(y.partition([mb, BN]), x, w).generics([BN, BK, K, mb]).first().unpartition()
+    return forward
+
+
+def batch_of(rng, b, stream):
+    xs = rng.standard_normal((b, K)).astype(np.float32)
+    return xs, dop.from_numpy(xs, stream=stream)
+
+
+def close(got, xs, w):
+    ref = xs.astype(np.float64) @ w.astype(np.float64).T
+    return got.shape == ref.shape and np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref))
+
+
+def test_default_sizes_are_fine_at_small_batches_and_coarse_at_large():
+    assert default_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert default_sizes(256)[-6:] == (112, 128, 160, 192, 224, 256)
+    assert default_sizes(300)[-1] == 300 and default_sizes(3) == (1, 2, 3)
+
+
+def test_batches_are_padded_to_a_captured_size_and_sliced_back(stream, weights, rng):
+    w, wt = weights
+    calls = []
+    cache = GraphCache(make_forward(wt, calls), stream=stream, max_size=16)
+    for b in [1, 3, 5, 8, 3, 13, 16, 5]:
+        xs, x = batch_of(rng, b, stream)
+        y = cache(x)
+        assert y.shape == (b, N)                        # padded rows are never visible
+        assert close(y.numpy(), xs, w)
+    assert calls == [1, 4, 8, 16]                       # one capture per size used
+    s = cache.stats
+    assert (s.captures, s.misses, s.hits, s.fallbacks, s.graphs) == (4, 4, 4, 0, 4)
+
+
+def test_padding_rows_are_zeroed_in_the_graphs_input(stream, weights, rng):
+    _, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[8])
+    xs, x = batch_of(rng, 8, stream)
+    cache(x)
+    xs, x = batch_of(rng, 3, stream)
+    cache(x)
+    (entry,) = cache._entries.values()
+    staged = entry.inputs[0].numpy()
+    assert np.array_equal(staged[:3], xs) and np.all(staged[3:] == 0)
+
+
+def test_eager_fallback_above_the_largest_size_or_on_request(stream, weights, rng):
+    w, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[1, 2, 4])
+    xs, x = batch_of(rng, 6, stream)
+    assert close(cache(x).numpy(), xs, w)
+    xs, x = batch_of(rng, 2, stream)
+    assert close(cache(x, eager=True).numpy(), xs, w)
+    assert cache.stats.fallbacks == 2 and cache.stats.captures == 0
+    strict = GraphCache(make_forward(wt), stream=stream, sizes=[1, 2, 4], fallback=False)
+    with pytest.raises(dop.ShapeError, match="batch 6 is above every captured size .largest 4."):
+        strict(batch_of(rng, 6, stream)[1])
+
+
+def test_lru_eviction_by_count_closes_the_graph(stream, weights, rng):
+    w, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[1, 2, 4], max_graphs=2, share_buffers=False)
+    for b in (1, 2):
+        cache(batch_of(rng, b, stream)[1])
+    first = next(e.graph for k, e in cache._entries.items() if k[0] == 1)
+    second = next(e.graph for k, e in cache._entries.items() if k[0] == 2)
+    cache(batch_of(rng, 1, stream)[1])                  # size 1 is now the most recently used
+    cache(batch_of(rng, 4, stream)[1])                  # evicts size 2
+    assert sorted(k[0] for k in cache._entries) == [1, 4] and cache.stats.evictions == 1
+    assert second._closed and not first._closed        # the evicted graph is closed, the used one kept
+    xs, x = batch_of(rng, 2, stream)
+    assert close(cache(x).numpy(), xs, w)               # recaptured on demand
+    assert cache.stats.captures == 4 and len(cache) == 2
+
+
+def test_eviction_by_bytes(stream, weights, rng):
+    _, wt = weights
+    one = (4 * K + 4 * N) * 4                         # bytes of the size-4 graph's buffers
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[4], key=lambda x: x.shape[1:],
+                       max_bytes=one, share_buffers=False)
+    cache(batch_of(rng, 4, stream)[1])
+    assert cache.stats.bytes == one
+    cache2 = GraphCache(make_forward(wt), stream=stream, sizes=[2, 4], max_bytes=one, share_buffers=False)
+    cache2(batch_of(rng, 4, stream)[1])
+    cache2(batch_of(rng, 2, stream)[1])                 # together over the bound: size 4 goes
+    assert [k[0] for k in cache2._entries] == [2] and cache2.stats.bytes <= one
+
+
+def test_warmup_captures_largest_first_into_shared_buffers(stream, weights, rng):
+    w, wt = weights
+    calls = []
+    shared = GraphCache(make_forward(wt, calls), stream=stream, max_size=32)
+    x = batch_of(rng, 1, stream)[1]
+    assert shared.warmup(x) == len(shared.sizes)
+    assert calls == sorted(shared.sizes, reverse=True)
+    largest_alone = (32 * K + 32 * N) * 4
+    assert shared.stats.bytes == largest_alone         # every graph views the largest one's buffers
+    private = GraphCache(make_forward(wt), stream=stream, max_size=32, share_buffers=False)
+    private.warmup(x)
+    assert private.stats.bytes == sum((s * K + s * N) * 4 for s in private.sizes)
+    for b in (1, 7, 32, 19):                             # shared buffers are still correct
+        xs, xb = batch_of(rng, b, stream)
+        assert close(shared(xb).numpy(), xs, w)
+
+
+def test_key_function_selects_graphs_and_mismatches_are_caught(stream, rng):
+    calls = []
+    by_width = {}
+    for k in (256, 512):
+        wk = (rng.standard_normal((N, k)) / np.sqrt(k)).astype(np.float32)
+        by_width[k] = (wk, dop.from_numpy(wk, stream=stream))
+
+    def forward(ws, x):
+        calls.append((ws.size, ws.key))
+        k = x.shape[1]
+        y = ws.empty([ws.size, N])
+        return matvec_batched(y.partition([1, BN]), x, by_width[k][1]).generics([BN, 2, k, 1]).first().unpartition()
+
+    cache = GraphCache(forward, stream=stream, sizes=[4], key=lambda x: ("seq", x.shape[1]))
+    for k in (256, 512, 256):
+        xs = rng.standard_normal((3, k)).astype(np.float32)
+        assert close(cache(dop.from_numpy(xs, stream=stream)).numpy(), xs, by_width[k][0])
+    assert calls == [(4, ("seq", 256)), (4, ("seq", 512))]
+    lax = GraphCache(forward, stream=stream, sizes=[4], key=lambda x: "one graph")
+    lax(dop.from_numpy(np.ones((2, 256), np.float32), stream=stream))
+    with pytest.raises(dop.ShapeError, match="include every shape and dtype"):
+        lax(dop.from_numpy(np.ones((2, 512), np.float32), stream=stream))
+    bad = GraphCache(forward, stream=stream, sizes=[4], key=lambda x: [x.shape])
+    with pytest.raises(dop.StateError, match="hashable"):
+        bad(dop.from_numpy(np.ones((2, 256), np.float32), stream=stream))
+
+
+def test_a_function_that_cannot_handle_a_key_leaves_the_cache_usable(stream, weights, rng):
+    w, wt = weights
+    forward = make_forward(wt)
+
+    def picky(ws, x):
+        if ws.size > 4:
+            raise ValueError("this model is only defined up to 4 rows")
+        return forward(ws, x)
+
+    cache = GraphCache(picky, stream=stream, sizes=[2, 8])
+    with pytest.raises(ValueError, match="only defined") as info:
+        cache(batch_of(rng, 5, stream)[1])
+    assert any("GraphCache captured size 8" in n for n in info.value.__notes__)
+    assert len(cache) == 0 and cache.stats.bytes == 0
+    xs, x = batch_of(rng, 2, stream)
+    assert close(cache(x).numpy(), xs, w)
+
+
+def test_bad_inputs_and_outputs(stream, weights, rng):
+    _, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[4])
+    with pytest.raises(dop.DTypeError, match="must be a deviceop Tensor"):
+        cache(np.ones((2, K), np.float32))
+    with pytest.raises(dop.ShapeError, match="at least one input"):
+        cache()
+    with pytest.raises(dop.ShapeError, match="share a batch"):
+        cache(batch_of(rng, 2, stream)[1], batch_of(rng, 3, stream)[1])
+
+    def reduces(ws, x):  # an output without the batch axis cannot be sliced back
+        return make_forward(wt)(ws, x).reshape([-1])
+
+    with pytest.raises(dop.ShapeError, match="keep the batch axis"):
+        GraphCache(reduces, stream=stream, sizes=[4])(batch_of(rng, 2, stream)[1])
+    cache.close()
+    with pytest.raises(dop.StateError, match="closed"):
+        cache(batch_of(rng, 2, stream)[1])
+
+
+def test_threads_share_one_cache(stream, weights, rng):
+    w, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, max_size=16, copy=True)
+    inputs = [batch_of(rng, b, stream) for b in (1, 3, 5, 9, 16, 2, 7, 12)]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            for j in range(i, len(inputs), 4):
+                results[j] = cache(inputs[j][1])        # a fresh copy: later calls cannot touch it
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    stream.synchronize()
+    assert all(close(results[j].numpy(), inputs[j][0], w) for j in range(len(inputs)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mb", [1, 2, 4, 8])
+def test_matvec_batched_at_model_size(stream, rng, mb, device):
+    """The token model's shape (K = N = 2048): float64-exact to 1e-5, and no register spills."""
+    k = n = 2048
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    xs = rng.standard_normal((8, k)).astype(np.float32)
+    y = dop.empty([8, n], stream=stream)
+    gen = [16, 16, k, mb]
+    matvec_batched(y.partition([mb, 16]), dop.from_numpy(xs, stream=stream), dop.from_numpy(w, stream=stream)) \
+        .generics(gen).sync_on(stream)
+    ref = xs.astype(np.float64) @ w.astype(np.float64).T
+    assert np.max(np.abs(y.numpy() - ref)) / np.max(np.abs(ref)) < 1e-5
+    assert matvec_batched.function(device, tuple(gen)).attributes["local_bytes"] == 0
