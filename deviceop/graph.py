@@ -271,7 +271,9 @@ class CudaGraph:
                     cu.cuGraphDestroy(self._shown)
                 self._shown = graph
                 return self._swap(cap, output, updated=True)
-            reason = info.result.name.removeprefix("CU_GRAPH_EXEC_UPDATE_")
+            # the bindings return no result info when the update fails: the error code says enough
+            reason = info.result.name.removeprefix("CU_GRAPH_EXEC_UPDATE_") if info is not None \
+                else cu.CUresult(int(code)).name
             if not reinstantiate:
                 cu.cuGraphDestroy(graph)
                 raise GraphUpdateError(f"cuGraphExecUpdate refused the recapture of {cap.label} ({reason}): its "

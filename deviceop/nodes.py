@@ -27,7 +27,7 @@ import weakref
 
 from cuda.bindings import driver as cu
 
-from .errors import LaunchError, StateError
+from .errors import DTypeError, LaunchError, StateError
 from .runtime.driver import raise_error
 from .tensor import Tensor
 
@@ -36,32 +36,41 @@ class KernelNode:
     """One kernel node of a captured graph (see the module docstring)."""
 
     __slots__ = ("kernel", "generics", "label", "index", "handle", "mutable", "values", "launch_args",
-                 "_function", "_params", "_buf", "_ptrs", "_scalar_slots", "_graph", "_ref_args", "_stale")
+                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_graph", "_ref_args", "_stale")
 
     def __init__(self, kernel, generics, label, values, launch_args, mutable, function=None, config=None,
                  handle=None):
+        # capture pays only for these attributes: the parameter buffer is made on the first set()
         self.kernel, self.generics, self.label = kernel, generics, label
         self.index, self.handle, self.mutable = -1, handle, mutable
         self.values, self.launch_args = list(values), list(launch_args)
-        self._function, self._graph, self._stale = function, None, False
-        self._params = self._buf = self._ptrs = None
-        self._scalar_slots = {}
-        self._ref_args = None
-        if function is not None:
-            self._buf, self._ptrs = function.param_buffer()
-            packed = function.pack(*self.launch_args)
-            self._buf[:len(packed)] = packed
-            p = self._params = cu.CUDA_KERNEL_NODE_PARAMS()
-            p.func = function.handle
-            p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
-            p.blockDimX, p.blockDimY, p.blockDimZ = config.block
-            p.sharedMemBytes = config.shared_mem
-            p.kernelParams = ctypes.addressof(self._ptrs)
-            for i, prm in enumerate(kernel.params):
-                if prm.role == "scalar":
-                    self._scalar_slots[i] = (function.offsets[i], struct.Struct("@" + prm.dtype.pack).pack_into)
-        else:
-            self._ref_args = [t._array if isinstance(t, Tensor) else t for t in self.launch_args]
+        self._function, self._config, self._graph, self._stale = function, config, None, False
+        self._params = self._buf = self._ptrs = self._fast = None
+        self._ref_args = None if function is not None else \
+            [t._array if isinstance(t, Tensor) else t for t in self.launch_args]
+
+    def _prepare(self) -> None:
+        """The node's own parameter buffer and CUDA_KERNEL_NODE_PARAMS (what the driver reads on set)."""
+        fn, config = self._function, self._config
+        self._buf, self._ptrs = fn.param_buffer()
+        packed = fn.pack(*self.launch_args)
+        self._buf[:len(packed)] = packed
+        p = cu.CUDA_KERNEL_NODE_PARAMS()
+        p.func = fn.handle
+        p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = config.block
+        p.sharedMemBytes = config.shared_mem
+        p.kernelParams = ctypes.addressof(self._ptrs)
+        self._params = p
+        # the short path of set(): dynamic float/int scalars given as Python floats/ints
+        fast = {}
+        for i in self.mutable:
+            prm = self.kernel.params[i]
+            if prm.role == "scalar" and (prm.dtype.kind == "f" and prm.dtype.pack in "fd" or prm.dtype.kind in "iu"):
+                kind = float if prm.dtype.kind == "f" else int
+                lo, hi = prm.dtype.bounds if kind is int else (None, None)
+                fast[prm.name] = (i, fn.offsets[i], struct.Struct("@" + prm.dtype.pack).pack_into, kind, lo, hi)
+        self._fast = fast
 
     # -- inspection ------------------------------------------------------------------
     @property
@@ -83,6 +92,11 @@ class KernelNode:
 
         Only arguments marked with ``.dynamic(...)`` on the launch before capture
         may change.  The graph is not recaptured or re-instantiated."""
+        fast = self._fast
+        if fast is not None and not args and not self._stale:
+            graph = self._graph()
+            if graph is not None and not graph._closed and self._set_fast(graph, fast, changes):
+                return
         graph = self._live_graph()
         kernel, params = self.kernel, self.kernel.params
         if args and changes:
@@ -111,6 +125,8 @@ class KernelNode:
         if not changed:
             return
         fn = self._function
+        if fn is not None and self._params is None:
+            self._prepare()
         if all(params[i].role == "scalar" for i in changed):
             coerced = {i: _coerce(params[i], new[i], self.label) for i in changed}
             launch_args = list(self.launch_args)
@@ -119,8 +135,12 @@ class KernelNode:
             if fn is not None:
                 saved = self._buf.raw
                 for i, v in coerced.items():
-                    off, pack_into = self._scalar_slots[i]
-                    pack_into(self._buf, off, v)
+                    try:
+                        struct.pack_into("@" + params[i].dtype.pack, self._buf, fn.offsets[i], v)
+                    except (struct.error, OverflowError) as exc:
+                        self._buf[:len(saved)] = saved
+                        raise DTypeError(f"argument {params[i].name} of {self.label}: {new[i]!r} does not fit "
+                                         f"a {params[i].dtype.name} ({exc})") from None
                 self._commit(graph, saved)
         else:
             from .kernel import check_launch
@@ -129,7 +149,7 @@ class KernelNode:
                 p = self._params
                 saved, grid = self._buf.raw, (p.gridDimX, p.gridDimY, p.gridDimZ)
                 packed = fn.pack(*launch_args)
-                config = kernel.config(new[0].grid, self.generics)
+                config = kernel.config(new[0].grid, self.generics)  # may refuse the grid: before any change
                 self._buf[:len(packed)] = packed
                 p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
                 try:
@@ -140,6 +160,36 @@ class KernelNode:
         self.values, self.launch_args = new, launch_args  # the graph keeps the new buffers alive
         if fn is None:
             self._ref_args = [t._array if isinstance(t, Tensor) else t for t in launch_args]
+
+    def _set_fast(self, graph, fast, changes) -> bool:
+        """Scalars only, each a float (int) for a float (int) parameter: pack them and
+        set the node; False (nothing changed) when anything needs the full path."""
+        if self.handle is None:
+            return False
+        buf, values = self._buf, self.values
+        done = []
+        try:
+            for name, v in changes.items():
+                i, off, pack_into, kind, lo, hi = fast[name]
+                if type(v) is not kind or (lo is not None and not lo <= v <= hi):
+                    raise KeyError(name)
+                pack_into(buf, off, v)
+                done.append(i)
+        except (KeyError, struct.error, OverflowError):
+            for i in done:  # put back what was packed; the full path will say what is wrong
+                prm = self.kernel.params[i]
+                struct.pack_into("@" + prm.dtype.pack, buf, self._function.offsets[i], prm.dtype.coerce(values[i]))
+            return False
+        code = cu.cuGraphExecKernelNodeSetParams(graph._exec, self.handle, self._params)[0]
+        if code:
+            for i in done:
+                prm = self.kernel.params[i]
+                struct.pack_into("@" + prm.dtype.pack, buf, self._function.offsets[i], prm.dtype.coerce(values[i]))
+            raise_error(code, f"cuGraphExecKernelNodeSetParams({self.label})")
+        args = self.launch_args
+        for i in done:
+            values[i] = args[i] = changes[self.kernel.params[i].name]
+        return True
 
     def _commit(self, graph, saved: bytes) -> None:
         if self.handle is None:
@@ -169,7 +219,6 @@ class KernelNode:
 
 
 def _coerce(param, value, label):
-    from .errors import DTypeError
     try:
         return param.dtype.coerce(value)
     except DTypeError as exc:
