@@ -144,6 +144,24 @@ def main() -> int:
         assert np.linalg.norm(static_out.cpu().numpy() - ref) / np.linalg.norm(ref) < 1e-4
         res["torch.cuda.CUDAGraph"] = per_token_us(torch_graph_step, args.tokens, torch.cuda.synchronize)
 
+    # issue 7: the fused model (2 kernels a layer), fp32 and bf16 weights, with and without PDL
+    from token_model import bf16_weights, build_fused_forward, fused_buffers
+    wbf = bf16_weights(weights)
+    bf16_bytes = sum(w.norm_w.tensor.nbytes + w.wq.tensor.nbytes + w.wo.tensor.nbytes for w in wbf)
+    bf16_floor_us = bf16_bytes / rate * 1e6
+    fused = {}
+    for label, ws, pdl in [("fused fp32", weights, False), ("fused fp32 + PDL", weights, True),
+                           ("fused bf16", wbf, False), ("fused bf16 + PDL", wbf, True)]:
+        x_in = dop.empty(cfg.d, stream=stream)
+        g = build_fused_forward(cfg, ws, x_in, fused_buffers(cfg, stream), pdl=pdl).graph_on(stream)
+        model = dop.GraphModel(g, x_in, g.take_output())
+        got = model.forward(emb[1]).numpy(stream=stream)
+        err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+        assert err < (1e-4 if ws is weights else 2e-2), f"{label} disagrees with eager: {err}"
+        errs[label] = err
+        res[f"deviceop graph, {label}"] = per_token_us(lambda i, m=model: m.forward(emb[i % 8]), args.tokens, sync)
+        fused[label] = res[f"deviceop graph, {label}"][0]
+
     # host time of one GraphModel.forward (enqueue only), 88 vs 880 nodes, interleaved
     # sample by sample with the same two driver calls made bare (the floor), so
     # that drift of the shared host hits both alike
@@ -194,7 +212,14 @@ def main() -> int:
         table.append([name, f"{med:.1f}", f"{p10:.0f}-{p90:.0f}", f"{med / floor_us:.2f}x"])
     rows.append({"variant": "floor (weights / copy rate)", "us_per_token": round(floor_us, 1),
                  "weight_bytes": weight_bytes, "copy_rate_TBps": round(rate / 1e12, 3)})
+    rows.append({"variant": "bf16 floor (weights / copy rate)", "us_per_token": round(bf16_floor_us, 1),
+                 "weight_bytes": bf16_bytes})
+    fp32_fused = min(fused["fused fp32"], fused["fused fp32 + PDL"])
+    bf16_fused = min(fused["fused bf16"], fused["fused bf16 + PDL"])
     heads = [headline("graph_vs_floor", graph_us / floor_us, 1.6, "lower"),
+             headline("fused_graph_vs_floor", fp32_fused / floor_us, 1.15, "lower"),
+             headline("fused_speedup_vs_torch_graph", torch_graph_us / fp32_fused, 2.0, "higher"),
+             headline("bf16_graph_vs_floor", bf16_fused / bf16_floor_us, 1.2, "lower"),
              headline("speedup_vs_torch_graph", torch_graph_us / graph_us, 1.4, "higher"),
              headline("forward_host_us_880_nodes", host880, 10, "lower"),
              headline("capture_ms_88_nodes", capture_ms, 50, "lower")]
@@ -203,11 +228,17 @@ def main() -> int:
                                  "raw_driver_88_nodes": round(raw88, 2), "raw_driver_880_nodes": round(raw880, 2),
                                  "nodes": [nodes88, nodes880]},
              "capture_ms": {"graph_on_median": round(capture_ms, 2), "alloc_build_capture": round(capture_total_ms, 2)},
-             "rel_err_vs_eager": errs, "exercise2_speedup_vs_layers": sweep}
+             "rel_err_vs_eager": errs, "exercise2_speedup_vs_layers": sweep,
+             "bf16_floor_us": round(bf16_floor_us, 1),
+             "pdl_gain": {"fp32": round(fused["fused fp32"] / fused["fused fp32 + PDL"], 3),
+                          "bf16": round(fused["fused bf16"] / fused["fused bf16 + PDL"], 3)}}
     path = write_result("token_loop", device, rows, heads, extra)
     print_table(f"token loop, 22 layers, d=2048, on {device.name} (us/token, median of {args.tokens})",
                 ["variant", "us/token", "p10-p90", "vs floor"], table)
-    print(f"floor {floor_us:.1f} us ({weight_bytes / 1e6:.0f} MB at {rate / 1e12:.2f} TB/s)")
+    print(f"floor {floor_us:.1f} us ({weight_bytes / 1e6:.0f} MB at {rate / 1e12:.2f} TB/s); bf16 floor "
+          f"{bf16_floor_us:.1f} us ({bf16_bytes / 1e6:.0f} MB)")
+    print(f"PDL: fp32 {fused['fused fp32']:.1f} -> {fused['fused fp32 + PDL']:.1f} us, "
+          f"bf16 {fused['fused bf16']:.1f} -> {fused['fused bf16 + PDL']:.1f} us")
     print(f"GraphModel.forward host time: {host88:.2f} us ({nodes88} nodes), {host880:.2f} us ({nodes880} nodes); "
           f"the bare driver calls: {raw88:.2f} / {raw880:.2f} us")
     print(f"capture + instantiate (88 nodes): {capture_ms:.2f} ms")

@@ -188,7 +188,7 @@ def _as_tensor_arg(v):
 class KernelLaunch(DeviceOp):
     """One lazy launch of a kernel; value = the tuple of its arguments."""
 
-    __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "__weakref__")
+    __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "_pdl", "__weakref__")
     graph_safe = True
 
     def __init__(self, kernel: Kernel, args):
@@ -196,6 +196,7 @@ class KernelLaunch(DeviceOp):
         self.kernel, self.args = kernel, tuple(args)
         self._generics = () if not kernel.generic_names else None
         self._mutable = frozenset()  # argument positions a captured node may change (.dynamic)
+        self._pdl = False
         self._dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))  # ops to run first
         if len(self.args) != len(kernel.params):
             raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
@@ -230,6 +231,14 @@ class KernelLaunch(DeviceOp):
         self._mutable = frozenset(index[n] for n in names) if names else frozenset(index.values())
         return self
 
+    def pdl(self, enabled: bool = True) -> "KernelLaunch":
+        """Launch with programmatic dependent launch: the kernel may start while the
+        previous kernel on the stream is still running (in a graph: a programmatic
+        edge).  Only for kernels that execute ``griddepcontrol.wait`` before reading
+        anything the previous kernels wrote (kernels/fused.cu does)."""
+        self._pdl = bool(enabled)
+        return self
+
     def children(self):
         return tuple(a for a in self.args if isinstance(a, DeviceOp))
 
@@ -261,14 +270,15 @@ class KernelLaunch(DeviceOp):
         # this every time).  Anything unexpected takes the full check below.
         try:
             launch_args = [part.tensor, *[v.tensor if type(v) is SharedTensor else v for v in values[1:]]]
-            key = (device, gen, part.tile_shape, *[launch_args[i]._sig for i in kernel._tensor_positions])
+            key = (device, gen, part.tile_shape, self._pdl, *[launch_args[i]._sig for i in kernel._tensor_positions])
         except AttributeError:  # an argument of the wrong kind: the full check names it
             key = None
         plan = kernel._verified.get(key) if key is not None else None
         if plan is None:
             launch_args = self._check(values, gen)
-            plan = (None, None) if device.is_reference else \
-                (kernel.function(device, gen).launch, kernel.config(part.grid, gen))
+            fn = None if device.is_reference else kernel.function(device, gen)
+            plan = (None, None) if fn is None else \
+                (fn.launch_pdl if self._pdl else fn.launch, kernel.config(part.grid, gen))
             if key is not None:
                 if len(kernel._verified) > 65536:
                     kernel._verified.clear()

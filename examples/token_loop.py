@@ -8,7 +8,7 @@ Warm-up, capture, a check of each graph against eager execution (max abs
 difference printed), then tokens/s for eager and for each graph.  Without a
 GPU it runs a small configuration on the reference device and says so.
 
-    python examples/token_loop.py [--d 2048] [--layers 22] [--tokens 512]
+    python examples/token_loop.py [--d 2048] [--layers 22] [--tokens 512] [--fused]
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
 from deviceop import CudaGraph, GraphModel, api  # noqa: E402
 from kernels import add, matvec, rms_norm  # noqa: E402
-from token_model import Config, LayerBuffers, build_forward, random_weights  # noqa: E402
+from token_model import (Config, LayerBuffers, bf16_weights, build_forward, build_fused_forward,  # noqa: E402
+                         fused_buffers, numpy_forward, random_weights)
 
 
 def capture_combinators(cfg, weights, stream):
@@ -62,11 +63,33 @@ def eager_forward(cfg, weights, x, raw, stream):
     return out
 
 
+def capture_fused(cfg, weights, host, embeddings, stream):
+    """The fused model as graphs with PDL: fp32 weights, and bf16 weights (checked
+    against float64 NumPy over the same bf16-rounded weights)."""
+    import ml_dtypes
+    models = {}
+    for name, ws in [("graph fused fp32 + PDL", weights), ("graph fused bf16 + PDL", bf16_weights(weights))]:
+        x = dop.empty(cfg.d, stream=stream)
+        graph = build_fused_forward(cfg, ws, x, fused_buffers(cfg, stream), pdl=True).graph_on(stream)
+        models[name] = GraphModel(graph, x, graph.take_output())
+    hb = [(n, wq.astype(ml_dtypes.bfloat16), wo.astype(ml_dtypes.bfloat16)) for n, wq, wo in host]
+    e = embeddings[0].numpy()
+    ref = numpy_forward(cfg, hb, e)
+    got = models["graph fused bf16 + PDL"].forward(embeddings[0]).numpy(stream=stream)
+    err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+    print(f"graph fused bf16 + PDL: max |graph - float64 ref with bf16 weights| / max |ref| = {err:.2e}")
+    if err > 1e-5:
+        raise SystemExit("FAILED: the bf16 fused graph does not match its reference")
+    return models
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=None)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--fused", action="store_true",
+                    help="also the fused model (2 kernels a layer, PDL), fp32 and bf16 weights")
     args = ap.parse_args()
     device = dop.Device(0)
     if device.is_reference:
@@ -75,7 +98,7 @@ def main() -> int:
     tokens = args.tokens or (64 if device.is_reference else 512)
     cfg = Config(d=d, n_layers=args.layers, bk=min(16, d // 128))
     stream = device.new_stream()
-    weights, _ = random_weights(cfg, seed=0, stream=stream)
+    weights, host = random_weights(cfg, seed=0, stream=stream)
     rng = np.random.default_rng(1)
     embeddings = [dop.from_numpy(rng.standard_normal(d).astype(np.float32), stream=stream) for _ in range(8)]
     raw = [[dop.empty(s, stream=stream) for s in ([1, d], [d], [d], [d])] for _ in range(cfg.n_layers)]
@@ -86,8 +109,13 @@ def main() -> int:
     models = {"graph (combinators)": capture_combinators(cfg, weights, stream),
               "graph (scope)": capture_scope(cfg, weights, stream)}
 
+    if args.fused:
+        models.update(capture_fused(cfg, weights, host, embeddings, stream))
+
     # each graph against eager execution on the same inputs
     for name, model in models.items():
+        if "bf16" in name:
+            continue  # checked against its own reference in capture_fused
         worst = 0.0
         for e in embeddings[:3]:
             ref = eager_forward(cfg, weights, e, raw, stream).sync_on(stream).numpy(stream=stream)
@@ -111,7 +139,8 @@ def main() -> int:
     for name, model in models.items():
         results[name] = rate(lambda i, m=model: m.forward(embeddings[i % 8]))
     where = "reference device" if device.is_reference else device.name
-    print(f"{cfg.n_layers} layers, d={d}, {4 * cfg.n_layers} launches per token, {tokens} tokens on {where}:")
+    print(f"{cfg.n_layers} layers, d={d}, {4 * cfg.n_layers} launches per token ({2 * cfg.n_layers} fused), "
+          f"{tokens} tokens on {where}:")
     for name, r in results.items():
         print(f"  {name:<20} {r:10.1f} tokens/s  ({1e6 / r:8.1f} us/token, {r / results['eager']:.2f}x eager)")
     return 0

@@ -20,7 +20,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec, shared, zip_  # noqa: E402
-from kernels import add, batch_tile, matvec, matvec_batched, rms_norm  # noqa: E402
+from kernels import (add, batch_tile, matvec, matvec_add, matvec_add_bf16, matvec_batched, rms_matvec,  # noqa: E402
+                     rms_matvec_bf16, rms_norm)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,38 @@ def build_batched_forward(cfg: Config, weights, x, alloc):
                 add(res.view([batch * d]).partition([cfg.block]), hidden.view([batch * d]), o.view([batch * d]))
                 .generics([cfg.block])]
         hidden = res
+    return zip_(*ops).map(lambda _, out=hidden: out)
+
+
+def bf16_weights(weights) -> list[LayerWeights]:
+    """The same layers with bfloat16 projection weights (the norm weights stay fp32)."""
+    import ml_dtypes
+    out = []
+    for w in weights:
+        wq, wo = (dop.from_numpy(t.numpy().astype(ml_dtypes.bfloat16)).into_shared() for t in (w.wq, w.wo))
+        out.append(LayerWeights(w.norm_w, wq, wo))
+    return out
+
+
+def fused_buffers(cfg: Config, stream=None) -> list:
+    """Per layer: the Q output and the new hidden state (each [d])."""
+    return [(dop.empty([cfg.d], stream=stream), dop.empty([cfg.d], stream=stream)) for _ in range(cfg.n_layers)]
+
+
+def build_fused_forward(cfg: Config, weights, x, buffers, pdl: bool = False):
+    """The model in 2 kernels a layer: rms_matvec (RMSNorm folded into Q) and
+    matvec_add (O plus the residual).  ``weights`` fp32 or bfloat16 (bf16_weights);
+    ``pdl`` launches each kernel with programmatic dependent launch.  Returns an op
+    producing the output hidden state [d]."""
+    d = cfg.d
+    bf16 = weights[0].wq.dtype is dop.bfloat16
+    first, second = (rms_matvec_bf16, matvec_add_bf16) if bf16 else (rms_matvec, matvec_add)
+    gen = [cfg.bn, max(1, cfg.bk // 2) if bf16 else cfg.bk, d]  # bf16: 8 weights per 16-byte load
+    hidden, ops = x, []
+    for w, (q, h) in zip(weights, buffers):
+        ops += [first(q.partition([cfg.bn]), hidden.view([1, d]), w.norm_w, w.wq, cfg.eps).generics(gen).pdl(pdl),
+                second(h.partition([cfg.bn]), q.view([1, d]), w.wo, hidden).generics(gen).pdl(pdl)]
+        hidden = h
     return zip_(*ops).map(lambda _, out=hidden: out)
 
 

@@ -8,6 +8,9 @@ the reference device runs and what the tests hold the GPU to.
 * ``add<B>(out [N] tile [B], a [N], b [N])``
 * ``matvec_batched<BN, BK, K, MB>(out [B, N] tile [MB, BN], x [B, K], w [N, K])``: rows = batch
 * ``affine<B>(out [N] tile [B], x [N], alpha, beta)``: out = alpha * x + beta
+* ``rms_matvec<BN, BK, K>(out [N] tile [BN], x [1, K], g [K], w [N, K], eps)``: RMSNorm folded into a matvec
+* ``matvec_add<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K], residual [N])``: matvec + residual
+  (both also ``_bf16``: bfloat16 weights, fp32 everything else; both PDL-ready: ``.pdl()``)
 """
 from pathlib import Path
 
@@ -151,4 +154,54 @@ affine = Kernel(
     [Out("out", "float32", rank=1), In("x", "float32", rank=1), Scalar("alpha", "float32"), Scalar("beta", "float32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_affine_ref, validate=_affine_check)
 
-__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine"]
+
+# -- fused layer kernels (kernels/fused.cu) ---------------------------------------
+
+def _rms_matvec_ref(g, out, x, gamma, w, eps):
+    x64 = x[0].astype(np.float64)
+    out[...] = (w.astype(np.float64) @ (x64 * gamma.astype(np.float64))) / np.sqrt(np.mean(x64 * x64) + eps)
+
+
+def _matvec_add_ref(g, out, x, w, residual):
+    out[...] = residual.astype(np.float64) + w.astype(np.float64) @ x[0].astype(np.float64)
+
+
+def _fused_check(name, per_load):
+    def check(g, out, x, *rest):
+        BN, BK, K = g["BN"], g["BK"], g["K"]
+        t = out.tensor
+        w = rest[1] if name.startswith("rms") else rest[0]
+        _need(out.tile_shape == (BN,), f"{name}<BN={BN}>: partition out with [{BN}], not {list(out.tile_shape)}")
+        _need(x.shape == (1, K) and w.shape == (t.shape[0], K),
+              f"{name}<K={K}>: x {x.shape} must be [1, {K}] and w {w.shape} [{t.shape[0]}, {K}]")
+        _need(K % (32 * BK * per_load) == 0, f"{name}: K={K} must be a multiple of 32*BK*{per_load}="
+                                             f"{32 * BK * per_load}")
+        _need(1 <= BN <= 32, f"{name}: BN={BN} must be in [1, 32] (one warp per output row)")
+        _need(4 * K <= 48 * 1024, f"{name}: K={K} does not fit the 48 KB shared-memory copy of x")
+        others = [r for r in rest if hasattr(r, "shape")]
+        _need(all(r.is_contiguous for r in [x, *others]), f"{name}: x, w and the vectors must be contiguous")
+        if name.startswith("rms"):
+            _need(rest[0].shape == (K,), f"{name}: g {rest[0].shape} must be [{K}]")
+        else:
+            _need(rest[1].shape == t.shape, f"{name}: residual {rest[1].shape} must match out {t.shape}")
+            _need(not rest[1].overlaps(t), f"{name}: residual and out overlap; write into a separate buffer")
+        _aligned(t, x, *others)
+    return check
+
+
+def _fused(name, entry, wdtype, per_load, norm):
+    params = [Out("out", "float32", rank=1), In("x", "float32", rank=2)]
+    params += [In("g", "float32", rank=1), In("w", wdtype, rank=2), Scalar("eps", "float32")] if norm else \
+        [In("w", wdtype, rank=2), In("residual", "float32", rank=1)]
+    return Kernel(name, HERE / "fused.cu", params, entry=entry, generics=["BN", "BK", "K"],
+                  block=lambda g: 32 * g["BN"], reference=_rms_matvec_ref if norm else _matvec_add_ref,
+                  validate=_fused_check(name, per_load))
+
+
+rms_matvec = _fused("rms_matvec", "rms_matvec_f32", "float32", 4, True)
+rms_matvec_bf16 = _fused("rms_matvec_bf16", "rms_matvec_bf16", "bfloat16", 8, True)
+matvec_add = _fused("matvec_add", "matvec_add_f32", "float32", 4, False)
+matvec_add_bf16 = _fused("matvec_add_bf16", "matvec_add_bf16", "bfloat16", 8, False)
+
+__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine",
+           "rms_matvec", "rms_matvec_bf16", "matvec_add", "matvec_add_bf16"]

@@ -21,6 +21,8 @@ class FakeDriver:
     """Answers cuFuncGetParamInfo from a C layout and records cuLaunchKernel calls."""
 
     CUfunction_attribute = real_cu.CUfunction_attribute
+    CUlaunchConfig, CUlaunchAttribute = real_cu.CUlaunchConfig, real_cu.CUlaunchAttribute
+    CUlaunchAttributeID = real_cu.CUlaunchAttributeID
 
     def __init__(self, layout):
         self.layout, self.launches = layout, []
@@ -35,6 +37,12 @@ class FakeDriver:
         addrs = (ctypes.c_void_p * n).from_address(params)
         raw = [ctypes.string_at(addrs[i], self.layout[i][1]) for i in range(n)]
         self.launches.append(((gx, gy, gz), (bx, by, bz), smem, raw))
+        return (0,)
+
+    def cuLaunchKernelEx(self, config, handle, params, extra):
+        self.cuLaunchKernel(handle, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                            config.blockDimY, config.blockDimZ, config.sharedMemBytes, config.hStream, params, extra)
+        self.ex_configs = getattr(self, "ex_configs", []) + [config]
         return (0,)
 
 
@@ -109,3 +117,17 @@ def test_half_and_bfloat16_scalars(monkeypatch):
 def test_pack_shows_the_bytes(monkeypatch):
     fn, _ = make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
     assert fn.pack(16, 32, 1.0, 2) == struct.pack("@PPfi", 16, 32, 1.0, 2)
+
+
+def test_pdl_launches_carry_the_programmatic_serialization_attribute(monkeypatch, rng):
+    fn, fake = make_function(monkeypatch, [dop.ptr("float32"), dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    y, x = dop.from_numpy(rng.standard_normal(4).astype(np.float32)), dop.empty(4)
+    config, stream = dop.LaunchConfig(4, 256), FakeStream()
+    fn.launch_pdl(stream, config, y, x, 2.5, 3)
+    fn.launch_pdl(stream, config, y, x, 2.5, 3)
+    grid, block, _, raw = fake.launches[-1]
+    assert grid == (4, 1, 1) and block == (256, 1, 1) and struct.unpack("<f", raw[2])[0] == 2.5
+    c = fake.ex_configs[-1]
+    assert c is fake.ex_configs[0]               # one CUlaunchConfig per (config, stream), reused
+    assert c.numAttrs == 1 and c.attrs[0].value.programmaticStreamSerializationAllowed == 1
+    assert c.attrs[0].id == real_cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION

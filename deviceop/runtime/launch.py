@@ -133,7 +133,9 @@ class Function:
         self._params_addr = ctypes.addressof(self._param_ptrs)
         self._lock = threading.Lock()
         self._smem_limit = 48 * 1024
+        self._pdl_configs: dict = {}  # (LaunchConfig, stream) -> CUlaunchConfig with the PDL attribute
         self.launch = self._build_launcher()
+        self.launch_pdl = self._build_launcher(pdl=True)
 
     def _verify_layout(self, offsets) -> None:
         """Compare the declared signature with the CUBIN's parameter layout."""
@@ -178,7 +180,27 @@ class Function:
         raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
                           f"({', '.join(map(repr, self.signature))}), got {got}")
 
-    def _build_launcher(self):
+    def _pdl_config(self, config: "LaunchConfig", stream):
+        """The cuLaunchKernelEx configuration of a launch with programmatic stream
+        serialization (PDL): the kernel may start before the previous one on the
+        stream ends; it must ``griddepcontrol.wait`` before reading that one's output."""
+        key = (config, stream)
+        c = self._pdl_configs.get(key)
+        if c is None:
+            c = cu.CUlaunchConfig()
+            c.gridDimX, c.gridDimY, c.gridDimZ = config.grid
+            c.blockDimX, c.blockDimY, c.blockDimZ = config.block
+            c.sharedMemBytes, c.hStream = config.shared_mem, stream.handle
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            c.attrs, c.numAttrs = [attr], 1
+            if len(self._pdl_configs) > 4096:
+                self._pdl_configs.clear()
+            self._pdl_configs[key] = c
+        return c
+
+    def _build_launcher(self, pdl: bool = False):
         """Generate ``launch(stream, config, *args)`` for this signature.
 
         The generated code checks each argument with one ``type(...) is``
@@ -192,8 +214,8 @@ class Function:
         names = [f"a{i}" for i in range(n)]
         env = {"Tensor": Tensor, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
-               "cuLaunchKernel": cu.cuLaunchKernel, "handle": self.handle, "raise_error": raise_error,
-               "label": f"cuLaunchKernel({self.name})", "fn": self, "MISSING": _MISSING}
+               "cuLaunchKernel": cu.cuLaunchKernel, "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
+               "label": f"{'cuLaunchKernelEx' if pdl else 'cuLaunchKernel'}({self.name})", "fn": self, "MISSING": _MISSING}
         # Arguments are named parameters defaulting to a sentinel: a missing one
         # is the sentinel, extras land in *extra; both cost one test each.
         params = "".join(f"{a}=MISSING, " for a in names)
@@ -229,13 +251,15 @@ class Function:
             "    acquire()",
             "    try:",
             f"        pack_into(buf, 0{''.join(', ' + a for a in names)})",
-            "        code = cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem, stream.handle, params, 0)[0]",
+            ("        code = cuLaunchKernelEx(fn._pdl_config(config, stream), handle, params, 0)[0]" if pdl else
+             "        code = cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem, stream.handle, params, 0)[0]"),
             "    finally:",
             "        release()",
             "    if code: raise_error(code, label)",
         ]
         exec(compile("\n".join(body), f"<deviceop launcher {self.name}>", "exec"), env)
         launcher = env["launch"]
+        launcher.__name__ = "launch_pdl" if pdl else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
 

@@ -1,0 +1,130 @@
+// The token model's layer in two kernels instead of four (issue 7):
+//
+//   rms_matvec:  out[n] = rsqrt(mean(x^2) + eps) * dot(w[n, :], x * g)   (RMSNorm folded into Q)
+//   matvec_add:  out[n] = residual[n] + dot(w[n, :], x)                  (residual add folded into O)
+//
+// Memory-bound on the weights (d = 2048: 16 MB fp32 or 8 MB bf16 per call), so
+// the structure is the one of matvec: one warp per weight row, BN rows per
+// block, each lane issuing BK independent 16-byte weight loads before it uses
+// any.  The weights never depend on the previous kernel, so they are loaded
+// *before* griddepcontrol.wait: launched with programmatic dependent launch
+// (PDL), a kernel streams its weights while the previous one finishes.  Its
+// inputs (x, residual) are read only after the wait, through L2 (ld.cg), into
+// shared memory once per block.  Without PDL the wait is a no-op.
+//
+// The RMSNorm scale costs no extra pass: every warp sees all of x while it
+// computes its dot product, so it sums x^2 on the way.
+#include <cuda_bf16.h>
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// A 16-byte vector of weights and its elements as floats.
+template <typename W> struct WeightVec;
+template <> struct WeightVec<float> {
+    using T = float4;
+    static constexpr int N = 4;
+    __device__ static void unpack(const float4& v, float* f) { f[0] = v.x; f[1] = v.y; f[2] = v.z; f[3] = v.w; }
+};
+template <> struct WeightVec<__nv_bfloat16> {
+    using T = uint4;
+    static constexpr int N = 8;
+    __device__ static void unpack(const uint4& v, float* f) {
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) { const float2 p = __bfloat1622float2(h[i]); f[2 * i] = p.x; f[2 * i + 1] = p.y; }
+    }
+};
+
+template <typename W, int BN, int BK, int K, bool NORM, bool RESIDUAL>
+__device__ __forceinline__ void fused_matvec(float* __restrict__ out, const float* __restrict__ x,
+                                             const float* __restrict__ g, const W* __restrict__ w,
+                                             const float* __restrict__ residual, float eps) {
+    using V = WeightVec<W>;
+    using VT = typename V::T;
+    constexpr int E = V::N;          // weights per 16-byte load
+    constexpr int STEP = 32 * BK;    // loads per warp step
+    static_assert(K % (E * STEP) == 0, "K must be a multiple of 32 * BK * (16 / sizeof(W))");
+    static_assert(BN >= 1 && BN <= 32, "BN must be in [1, 32] (one warp per row)");
+    __shared__ float4 xs[K / 4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t row = (size_t)blockIdx.x * BN + warp;
+    const VT* wv = reinterpret_cast<const VT*>(w + row * K);
+
+    pdl_launch_dependents();         // the next kernel may start streaming its own weights
+    VT wr[BK];
+    #pragma unroll
+    for (int j = 0; j < BK; ++j) wr[j] = __ldcs(wv + j * 32 + lane);   // in flight across the wait
+    pdl_wait();                      // the previous kernel's output (x, residual) is complete from here on
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    for (int i = threadIdx.x; i < K / 4; i += 32 * BN) xs[i] = __ldcg(x4 + i);
+    __syncthreads();
+
+    float acc = 0.f, ss = 0.f;
+    #pragma unroll 1
+    for (int base = 0; base < K / E; base += STEP) {
+        if (base) {
+            #pragma unroll
+            for (int j = 0; j < BK; ++j) wr[j] = __ldcs(wv + base + j * 32 + lane);
+        }
+        #pragma unroll
+        for (int j = 0; j < BK; ++j) {
+            float wf[E];
+            V::unpack(wr[j], wf);
+            const int e0 = (base + j * 32 + lane) * E;  // first element of this load
+            #pragma unroll
+            for (int q = 0; q < E; q += 4) {
+                float4 xv = xs[(e0 + q) / 4];
+                if (NORM) {
+                    ss += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
+                    const float4 gv = __ldg(reinterpret_cast<const float4*>(g + e0 + q));
+                    xv = make_float4(xv.x * gv.x, xv.y * gv.y, xv.z * gv.z, xv.w * gv.w);
+                }
+                acc += wf[q] * xv.x + wf[q + 1] * xv.y + wf[q + 2] * xv.z + wf[q + 3] * xv.w;
+            }
+        }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (NORM) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    }
+    if (lane == 0) {
+        float r = NORM ? acc * rsqrtf(ss / K + eps) : acc;
+        if (RESIDUAL) r += __ldcg(residual + row);
+        out[row] = r;
+    }
+}
+
+template <int BN, int BK, int K>
+__global__ void __launch_bounds__(32 * BN, 1)
+rms_matvec_f32(float* out, const float* x, const float* g, const float* w, float eps) {
+    fused_matvec<float, BN, BK, K, true, false>(out, x, g, w, nullptr, eps);
+}
+
+template <int BN, int BK, int K>
+__global__ void __launch_bounds__(32 * BN, 1)
+rms_matvec_bf16(float* out, const float* x, const float* g, const __nv_bfloat16* w, float eps) {
+    fused_matvec<__nv_bfloat16, BN, BK, K, true, false>(out, x, g, w, nullptr, eps);
+}
+
+template <int BN, int BK, int K>
+__global__ void __launch_bounds__(32 * BN, 1)
+matvec_add_f32(float* out, const float* x, const float* w, const float* residual) {
+    fused_matvec<float, BN, BK, K, false, true>(out, x, nullptr, w, residual, 0.f);
+}
+
+template <int BN, int BK, int K>
+__global__ void __launch_bounds__(32 * BN, 1)
+matvec_add_bf16(float* out, const float* x, const __nv_bfloat16* w, const float* residual) {
+    fused_matvec<__nv_bfloat16, BN, BK, K, false, true>(out, x, nullptr, w, residual, 0.f);
+}
