@@ -208,6 +208,11 @@ class CudaGraph:
         out, self._output, self._has_output = self._output, None, False
         return out
 
+    def replay(self, stream=None) -> None:
+        """Enqueue one replay now on ``stream`` (default: the graph's own), without
+        building an op: the loop form of ``graph.launch().async_on(stream)``."""
+        self._replay(stream if stream is not None else self._stream)
+
     def _replay(self, stream) -> None:
         self._check_open()
         if self._tape is not None and self._graph is None:

@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -79,7 +80,7 @@ class Workspace:
     def __init__(self, cache: "GraphCache", size: int, key, eager: bool):
         self.cache, self.size, self.key, self.eager = cache, size, key, eager
         self._count = 0
-        self.buffers: list = []   # (slot key, tensor) of every buffer handed out
+        self.buffers: list = []   # the arena slot behind every buffer handed out
 
     def empty(self, shape, dtype="float32") -> Tensor:
         """A buffer for this build: fresh when eager, else scratch of the cache."""
@@ -233,9 +234,7 @@ class GraphCache:
     # -- buffers -------------------------------------------------------------------
     def _scratch(self, slot_key, shape, dt):
         """A buffer of ``shape`` for a capture: a view of the arena slot (grown if too small)."""
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         slot = self._arena.get(slot_key) if self.share_buffers else None
         if slot is None or slot.size < n:
             slot = empty([max(n, 1)], dt, device=self.stream.device, stream=self.stream)
@@ -285,11 +284,13 @@ class GraphCache:
 
     def _replay(self, entry: _Entry, batch: int, inputs):
         stream = self.stream
+        if self.key_fn is not None:  # the default key already holds every shape and dtype
+            for x, t in zip(inputs, entry.inputs):
+                if x.shape[1:] != t.shape[1:] or x.dtype is not t.dtype:
+                    raise ShapeError(f"the key function put inputs of shape {x.shape} ({x.dtype.name}) on the "
+                                     f"graph captured for {t.shape} ({t.dtype.name}); include every shape and "
+                                     "dtype that differs in the key")
         for x, t, row in zip(inputs, entry.inputs, entry.row_bytes):
-            if x.shape[1:] != t.shape[1:] or x.dtype is not t.dtype:
-                raise ShapeError(f"the key function put inputs of shape {x.shape} ({x.dtype.name}) on the graph "
-                                 f"captured for {t.shape} ({t.dtype.name}); include every shape and dtype that "
-                                 "differs in the key")
             self._copy_in(t, x, batch * row, (entry.size - batch) * row)
         entry.graph._replay(stream)
         views = entry.views.get(batch)
@@ -300,27 +301,28 @@ class GraphCache:
         return views[0] if entry.single else views
 
     def _copy_in(self, dst: Tensor, src: Tensor, nbytes: int, pad_bytes: int) -> None:
-        if src.data_ptr == dst.data_ptr:
-            pass  # the input already is the graph's buffer
-        elif src.overlaps(dst):
+        """Copy ``src`` into the first ``nbytes`` of the graph's input ``dst``; pad the rest."""
+        if src.data_ptr != dst.data_ptr and src.overlaps(dst):
             raise AliasingError("a GraphCache input overlaps the graph's own input buffer; pass a separate tensor")
-        elif self.stream.device.is_reference:
-            dst._array.reshape(-1).view("u1")[:nbytes] = src._array.reshape(-1).view("u1")
-        else:
-            code = cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, nbytes, self.stream.handle)[0]
+        pad = pad_bytes and self.pad_value is not None
+        if self.stream.device.is_reference:
+            flat = dst._array.reshape(-1).view("u1")
+            flat[:nbytes] = src._array.reshape(-1).view("u1")
+            if pad:
+                flat[nbytes:].view(dst.dtype.np)[...] = self.pad_value
+            return
+        handle = self.stream.handle
+        if src.data_ptr != dst.data_ptr:  # else the input already is the graph's buffer
+            code = cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, nbytes, handle)[0]
             if code:
                 raise_error(code, "cuMemcpyAsync (GraphCache input)")
-        if pad_bytes and self.pad_value is not None:
-            pad = dst._array.reshape(-1).view("u1")[nbytes:] if self.stream.device.is_reference else None
-            if pad is not None:
-                pad.view(dst.dtype.np)[...] = self.pad_value
-            elif self.pad_value == 0:
-                code = cu.cuMemsetD8Async(dst.data_ptr + nbytes, 0, pad_bytes, self.stream.handle)[0]
-                if code:
-                    raise_error(code, "cuMemsetD8Async (GraphCache padding)")
-            else:
-                with self.stream.cupy:
-                    dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:] = self.pad_value
+        if pad and self.pad_value == 0:
+            code = cu.cuMemsetD8Async(dst.data_ptr + nbytes, 0, pad_bytes, handle)[0]
+            if code:
+                raise_error(code, "cuMemsetD8Async (GraphCache padding)")
+        elif pad:
+            with self.stream.cupy:
+                dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:] = self.pad_value
 
     def _eager(self, batch, inputs):
         ws = Workspace(self, batch, self._key_of(inputs), eager=True)

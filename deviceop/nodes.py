@@ -167,7 +167,7 @@ class KernelNode:
         if self.handle is None:
             return False
         buf, values = self._buf, self.values
-        done = []
+        done = []  # scalars packed so far
         try:
             for name, v in changes.items():
                 i, off, pack_into, kind, lo, hi = fast[name]
@@ -176,20 +176,22 @@ class KernelNode:
                 pack_into(buf, off, v)
                 done.append(i)
         except (KeyError, struct.error, OverflowError):
-            for i in done:  # put back what was packed; the full path will say what is wrong
-                prm = self.kernel.params[i]
-                struct.pack_into("@" + prm.dtype.pack, buf, self._function.offsets[i], prm.dtype.coerce(values[i]))
+            self._repack_scalars(done)  # the full path will say what is wrong
             return False
         code = cu.cuGraphExecKernelNodeSetParams(graph._exec, self.handle, self._params)[0]
         if code:
-            for i in done:
-                prm = self.kernel.params[i]
-                struct.pack_into("@" + prm.dtype.pack, buf, self._function.offsets[i], prm.dtype.coerce(values[i]))
+            self._repack_scalars(done)
             raise_error(code, f"cuGraphExecKernelNodeSetParams({self.label})")
         args = self.launch_args
         for i in done:
             values[i] = args[i] = changes[self.kernel.params[i].name]
         return True
+
+    def _repack_scalars(self, indices) -> None:
+        """Put the current values of these scalar arguments back into the parameter buffer."""
+        for i in indices:
+            prm = self.kernel.params[i]
+            struct.pack_into("@" + prm.dtype.pack, self._buf, self._function.offsets[i], prm.dtype.coerce(self.values[i]))
 
     def _commit(self, graph, saved: bytes) -> None:
         if self.handle is None:

@@ -82,7 +82,7 @@ def run_recapture(wf: Workflow, iters: int, graph=None):
     graph = graph or wf.op(0).graph_on(wf.stream)
     for i in range(iters):
         graph.recapture(wf.op(i))
-        graph._replay(wf.stream)
+        graph.replay()
     return graph
 
 
@@ -92,11 +92,10 @@ def run_node_updates(wf: Workflow, iters: int, graph_and_nodes=None):
         graph = dop.zip_(*ops).graph_on(wf.stream)
         graph_and_nodes = graph, [graph.node(s) for s in dynamic]
     graph, nodes = graph_and_nodes
-    stream = wf.stream
     for i in range(iters):
         for node, a in zip(nodes, alphas(i)):
             node.set(alpha=a)
-        graph._replay(stream)
+        graph.replay()
     return graph_and_nodes
 
 

@@ -193,3 +193,18 @@ def test_every_captured_kernel_keeps_its_driver_node(stream, data):
     handles = [n.handle for n in graph.kernel_nodes()]
     assert all(h is not None for h in handles) and len({int(h) for h in handles}) == 2
     assert [n["type"] for n in graph.nodes()] == ["KERNEL", "KERNEL"]
+
+
+def test_replay_enqueues_without_building_an_op(stream, data):
+    xs, x, y = data
+    step = affine(y.partition([B]), x, 2.0, 1.0).generics([B]).dynamic("alpha")
+    graph = step.graph_on(stream)
+    node = graph.node(step)
+    for alpha in (4.0, -1.0):  # the loop of seed 004: set, replay, set, replay
+        node.set(alpha=alpha)
+        graph.replay()
+    stream.synchronize()
+    assert close(y.numpy(), affine_ref(xs, -1.0, 1.0))
+    graph.close()
+    with pytest.raises(dop.StateError, match="closed"):
+        graph.replay()

@@ -133,7 +133,7 @@ class Function:
         self._params_addr = ctypes.addressof(self._param_ptrs)
         self._lock = threading.Lock()
         self._smem_limit = 48 * 1024
-        self._pdl_configs: dict = {}  # (LaunchConfig, stream) -> CUlaunchConfig with the PDL attribute
+        self._pdl_configs: dict = {}  # (LaunchConfig, stream handle) -> CUlaunchConfig with the PDL attribute
         self.launch = self._build_launcher()
         self.launch_pdl = self._build_launcher(pdl=True)
 
@@ -184,7 +184,7 @@ class Function:
         """The cuLaunchKernelEx configuration of a launch with programmatic stream
         serialization (PDL): the kernel may start before the previous one on the
         stream ends; it must ``griddepcontrol.wait`` before reading that one's output."""
-        key = (config, stream)
+        key = (config, int(stream.handle))  # not the stream object: the cache must not keep streams alive
         c = self._pdl_configs.get(key)
         if c is None:
             c = cu.CUlaunchConfig()
