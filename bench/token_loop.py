@@ -6,7 +6,8 @@ synchronization.  The floor is the weight bytes over the measured
 device-to-device copy rate (bytes read + written per second): every token must
 read every weight once.  Also: host time of one GraphModel.forward (enqueue
 only) for 88 and 880 nodes, capture + instantiate time, and seed 001's
-exercise 2 (graph speedup over eager vs n_layers).
+exercise 2 (graph speedup over eager vs n_layers); 512 tokens in one launch
+(a device loop) vs 512 graph launches.
 
     python bench/token_loop.py [--tokens 200]
 """
@@ -162,10 +163,53 @@ def main() -> int:
         res[f"deviceop graph, {label}"] = per_token_us(lambda i, m=model: m.forward(emb[i % 8]), args.tokens, sync)
         fused[label] = res[f"deviceop graph, {label}"][0]
 
+    # issue 7, part 3: 512 tokens in one graph launch (dop.loop: a conditional WHILE
+    # node) vs 512 launches of the per-token graph (row in, replay, row out: bare driver calls)
+    from cuda.bindings import driver as cu
+    from token_model import build_device_loop
+    T = 512
+    inputs = dop.from_numpy(rng.standard_normal((T, cfg.d)).astype(np.float32), stream=stream)
+    loop_out, launch_out = (dop.from_numpy(np.zeros((T, cfg.d), np.float32), stream=stream) for _ in range(2))
+    index = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+    loop_graph = build_device_loop(cfg, weights, inputs, loop_out, index, T, fused_buffers(cfg, stream), pdl=True,
+                                   stream=stream).graph_on(stream)
+    x_tok = dop.empty(cfg.d, stream=stream)
+    tok_graph = build_fused_forward(cfg, weights, x_tok, fused_buffers(cfg, stream), pdl=True).graph_on(stream)
+    h_tok, row_bytes = tok_graph.take_output(), cfg.d * 4
+
+    def launches():
+        sh, ex = stream.handle, tok_graph._exec
+        for t in range(T):
+            cu.cuMemcpyAsync(x_tok.data_ptr, inputs.data_ptr + t * row_bytes, row_bytes, sh)
+            cu.cuGraphLaunch(ex, sh)
+            cu.cuMemcpyAsync(launch_out.data_ptr + t * row_bytes, h_tok.data_ptr, row_bytes, sh)
+
+    loop_runs, launch_runs = [], []
+    for rep in range(6):  # interleaved; the first of each is a warm-up
+        for run, out in ((loop_graph.replay, loop_runs), (launches, launch_runs)):
+            sync()
+            t0 = time.perf_counter()
+            run()
+            t1 = time.perf_counter()
+            sync()
+            if rep:
+                out.append(((t1 - t0) * 1e6, (time.perf_counter() - t0) * 1e6 / T))
+    assert np.array_equal(loop_out.numpy(stream=stream), launch_out.numpy(stream=stream)), \
+        "the device loop and the per-token launches disagree"
+    loop_host = statistics.median(h for h, _ in loop_runs)
+    loop_tok = statistics.median(t for _, t in loop_runs)
+    launch_host = statistics.median(h for h, _ in launch_runs)
+    launch_tok = statistics.median(t for _, t in launch_runs)
+    res["deviceop device loop (512 tokens, 1 launch), fused fp32 + PDL"] = (loop_tok, min(t for _, t in loop_runs),
+                                                                           max(t for _, t in loop_runs))
+    res["deviceop 512 graph launches, fused fp32 + PDL"] = (launch_tok, min(t for _, t in launch_runs),
+                                                            max(t for _, t in launch_runs))
+    loop_graph.close()
+    tok_graph.close()
+
     # host time of one GraphModel.forward (enqueue only), 88 vs 880 nodes, interleaved
     # sample by sample with the same two driver calls made bare (the floor), so
     # that drift of the shared host hits both alike
-    from cuda.bindings import driver as cu
 
     def host_forward_us(model, n=400):
         g, inp, sh = model.graph._exec, model.input, stream.handle
@@ -223,7 +267,9 @@ def main() -> int:
              headline("bf16_graph_vs_floor", bf16_fused / bf16_floor_us, 1.2, "lower"),
              headline("speedup_vs_torch_graph", torch_graph_us / graph_us, 1.4, "higher"),
              headline("forward_host_us_880_nodes", host880, 10, "lower"),
-             headline("capture_ms_88_nodes", capture_ms, 50, "lower")]
+             headline("capture_ms_88_nodes", capture_ms, 50, "lower"),
+             headline("device_loop_host_us_512_tokens", loop_host, 100, "lower"),
+             headline("device_loop_vs_graph_launches_per_token", loop_tok / launch_tok, 1.0, "lower")]
     extra = {"floor_us": round(floor_us, 1), "copy_rate_TBps": round(rate / 1e12, 3),
              "host_forward_us": {"88_nodes": round(host88, 2), "880_nodes": round(host880, 2),
                                  "raw_driver_88_nodes": round(raw88, 2), "raw_driver_880_nodes": round(raw880, 2),
@@ -231,6 +277,10 @@ def main() -> int:
              "capture_ms": {"graph_on_median": round(capture_ms, 2), "alloc_build_capture": round(capture_total_ms, 2)},
              "rel_err_vs_eager": errs, "exercise2_speedup_vs_layers": sweep,
              "bf16_floor_us": round(bf16_floor_us, 1),
+             "device_loop_512_tokens": {"host_us_one_launch": round(loop_host, 1),
+                                        "us_per_token": round(loop_tok, 2),
+                                        "graph_launches_host_us": round(launch_host, 1),
+                                        "graph_launches_us_per_token": round(launch_tok, 2)},
              "pdl_gain": {"fp32": round(fused["fused fp32"] / fused["fused fp32 + PDL"], 3),
                           "bf16": round(fused["fused bf16"] / fused["fused bf16 + PDL"], 3)}}
     path = write_result("token_loop", device, rows, heads, extra)
@@ -243,6 +293,8 @@ def main() -> int:
     print(f"GraphModel.forward host time: {host88:.2f} us ({nodes88} nodes), {host880:.2f} us ({nodes880} nodes); "
           f"the bare driver calls: {raw88:.2f} / {raw880:.2f} us")
     print(f"capture + instantiate (88 nodes): {capture_ms:.2f} ms")
+    print(f"512 tokens: device loop {loop_tok:.1f} us/token, {loop_host:.1f} us of host time for one launch; "
+          f"512 graph launches {launch_tok:.1f} us/token, {launch_host:.0f} us of host time")
     print("exercise 2 (graph speedup over eager): " + ", ".join(f"{s['n_layers']}L {s['speedup']}x" for s in sweep))
     print_headlines(heads, path)
     return 0

@@ -9,7 +9,7 @@ from . import dtypes
 from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
                      uint8, uint32, uint64)
-from .errors import (AliasingError, ArchError, CaptureError, CompileError, CudaError, DeviceOpError,
+from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError, DeviceOpError,
                      DTypeError, GraphSafetyError, GraphUpdateError, LaunchError, NoDeviceError, OutOfMemoryError,
                      OwnershipError, ReentrancyError, ShapeError, StateError)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
@@ -21,6 +21,7 @@ from .nodes import KernelNode
 from . import api
 from .graph import CudaGraph, GraphLaunch, GraphModel, Module, Scope
 from .graph_cache import CacheStats, GraphCache, Workspace, default_sizes
+from .loop import loop, while_
 
 __version__ = "0.1.0"
 
@@ -28,7 +29,7 @@ __all__ = [
     "dtypes", "CompiledProgram", "cache_dir", "compile_cubin", "nvrtc_version",
     "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
     "int64", "uint8", "uint32", "uint64",
-    "AliasingError", "ArchError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
+    "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
     "DTypeError", "GraphSafetyError", "GraphUpdateError", "LaunchError", "NoDeviceError", "OutOfMemoryError",
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
@@ -37,6 +38,6 @@ __all__ = [
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
     "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
-    "CacheStats", "GraphCache", "Workspace", "default_sizes",
+    "CacheStats", "GraphCache", "Workspace", "default_sizes", "loop", "while_",
 ]
 zip = zip_  # dop.zip(...) reads like the seed's zip!; the builtin is untouched outside this namespace

@@ -41,6 +41,11 @@ class CompileError(DeviceOpError):
         super().__init__(message)
 
 
+class CapabilityError(DeviceOpError):
+    """The driver or device lacks a feature the operation needs (e.g. CUDA
+    conditional graph nodes for a captured loop); the message names it."""
+
+
 class ArchError(DeviceOpError):
     """A requested GPU architecture is unknown or unsupported by this NVRTC."""
 

@@ -308,7 +308,8 @@ class CudaGraph:
         """One dict per node: its type and, for kernels, the kernel's name."""
         self._check_open()
         if self._graph is None:
-            return [{"type": "KERNEL" if kind == "kernel" else "MEMCPY", "name": name} for kind, name in
+            kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL"}
+            return [{"type": kinds.get(kind, "MEMCPY"), "name": name} for kind, name in
                     (getattr(step, "node", ("host", "?")) for step in self._tape)]
         shown = self._shown if self._shown is not None else self._graph
         _, _, n = cu.cuGraphGetNodes(shown, 0)
@@ -329,7 +330,7 @@ class CudaGraph:
         counts, kernels = {}, {}
         for node in self.nodes():
             counts[node["type"]] = counts.get(node["type"], 0) + 1
-            if "name" in node:
+            if node["type"] == "KERNEL":
                 kernels[node["name"]] = kernels.get(node["name"], 0) + 1
         return {"nodes": sum(counts.values()), "by_type": counts, "kernels": kernels}
 

@@ -8,7 +8,13 @@ Warm-up, capture, a check of each graph against eager execution (max abs
 difference printed), then tokens/s for eager and for each graph.  Without a
 GPU it runs a small configuration on the reference device and says so.
 
-    python examples/token_loop.py [--d 2048] [--layers 22] [--tokens 512] [--fused]
+``--device-loop``: all the tokens in one graph launch (``dop.loop``: a
+conditional WHILE node runs the fused forward once per token, reading token t's
+embedding from a preloaded [T, d] buffer and writing its output row), checked
+row by row against the unfused eager path and timed against one graph launch
+per token.
+
+    python examples/token_loop.py [--d 2048] [--layers 22] [--tokens 512] [--fused] [--device-loop]
 """
 from __future__ import annotations
 
@@ -24,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
 from deviceop import CudaGraph, GraphModel, api  # noqa: E402
 from kernels import add, matvec, rms_norm  # noqa: E402
-from token_model import (Config, LayerBuffers, bf16_weights, build_forward, build_fused_forward,  # noqa: E402
-                         fused_buffers, numpy_forward, random_weights)
+from token_model import (Config, LayerBuffers, bf16_weights, build_device_loop, build_forward,  # noqa: E402
+                         build_fused_forward, fused_buffers, numpy_forward, random_weights)
 
 
 def capture_combinators(cfg, weights, stream):
@@ -83,6 +89,62 @@ def capture_fused(cfg, weights, host, embeddings, stream):
     return models
 
 
+def run_device_loop(cfg, weights, raw, stream, tokens: int) -> int:
+    """All ``tokens`` tokens in one graph launch, vs one graph launch per token."""
+    d = cfg.d
+    rng = np.random.default_rng(2)
+    inputs = dop.from_numpy(rng.standard_normal((tokens, d)).astype(np.float32), stream=stream)
+    outputs = dop.from_numpy(np.zeros((tokens, d), np.float32), stream=stream)
+    index = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+    loop = build_device_loop(cfg, weights, inputs, outputs, index, tokens, fused_buffers(cfg, stream), pdl=True,
+                             stream=stream)
+    graph = loop.graph_on(stream)
+    t0 = time.perf_counter()
+    graph.replay()
+    host_us = (time.perf_counter() - t0) * 1e6
+    stream.synchronize()
+    wall = time.perf_counter() - t0
+    got = outputs.numpy(stream=stream)
+    worst = 0.0
+    for t in sorted({0, 1, tokens // 2, tokens - 1}):  # rows checked against the unfused eager path
+        ref = eager_forward(cfg, weights, inputs.view([tokens * d])[t * d:(t + 1) * d], raw, stream)
+        ref = ref.sync_on(stream).numpy(stream=stream)
+        worst = max(worst, float(np.max(np.abs(got[t] - ref)) / np.max(np.abs(ref))))
+    print(f"device loop: max |row - eager| / max |eager| over 4 rows = {worst:.2e}")
+    if worst > 1e-5:
+        print("FAILED: the device loop does not reproduce eager execution")
+        return 1
+
+    # one graph launch per token: copy the row in, replay, copy the row out
+    x = dop.empty(d, stream=stream)
+    per_token = build_fused_forward(cfg, weights, x, fused_buffers(cfg, stream), pdl=True).graph_on(stream)
+    h = per_token.take_output()
+    rows_in = [inputs.view([tokens * d])[t * d:(t + 1) * d] for t in range(tokens)]
+    rows_out = [outputs.view([tokens * d])[t * d:(t + 1) * d] for t in range(tokens)]
+
+    def launches():
+        for t in range(tokens):
+            per_token.update(dop.api.memcpy(x, rows_in[t]))
+            per_token.replay()
+            per_token.update(dop.api.memcpy(rows_out[t], h))
+
+    launches()
+    stream.synchronize()
+    if not np.array_equal(outputs.numpy(stream=stream), got):
+        print("FAILED: one launch per token and the device loop disagree")
+        return 1
+    t0 = time.perf_counter()
+    launches()
+    stream.synchronize()
+    per_launch = time.perf_counter() - t0
+    print(f"{tokens} tokens, fused + PDL: device loop {wall / tokens * 1e6:.1f} us/token "
+          f"(one launch, {host_us:.0f} us of host time), one graph launch per token "
+          f"{per_launch / tokens * 1e6:.1f} us/token")
+    graph.close()
+    per_token.close()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=None)
@@ -90,6 +152,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--fused", action="store_true",
                     help="also the fused model (2 kernels a layer, PDL), fp32 and bf16 weights")
+    ap.add_argument("--device-loop", action="store_true",
+                    help="also every token in one graph launch (a device-side loop), vs a launch per token")
     args = ap.parse_args()
     device = dop.Device(0)
     if device.is_reference:
@@ -138,6 +202,8 @@ def main() -> int:
     results = {"eager": rate(lambda i: eager_forward(cfg, weights, embeddings[i % 8], raw, stream))}
     for name, model in models.items():
         results[name] = rate(lambda i, m=model: m.forward(embeddings[i % 8]))
+    if args.device_loop and run_device_loop(cfg, weights, raw, stream, tokens):
+        return 1
     where = "reference device" if device.is_reference else device.name
     print(f"{cfg.n_layers} layers, d={d}, {4 * cfg.n_layers} launches per token ({2 * cfg.n_layers} fused), "
           f"{tokens} tokens on {where}:")

@@ -20,8 +20,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec, shared, zip_  # noqa: E402
-from kernels import (add, batch_tile, matvec, matvec_add, matvec_add_bf16, matvec_batched, rms_matvec,  # noqa: E402
-                     rms_matvec_bf16, rms_norm)
+from kernels import (add, batch_tile, load_row, matvec, matvec_add, matvec_add_bf16, matvec_batched,  # noqa: E402
+                     rms_matvec, rms_matvec_bf16, rms_norm, store_row)
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,25 @@ def build_fused_forward(cfg: Config, weights, x, buffers, pdl: bool = False):
                 second(h.partition([cfg.bn]), q.view([1, d]), w.wo, hidden).generics(gen).pdl(pdl)]
         hidden = h
     return zip_(*ops).map(lambda _, out=hidden: out)
+
+
+def build_device_loop(cfg: Config, weights, inputs, outputs, index, count, buffers, pdl: bool = False,
+                      stream=None):
+    """T tokens in one op: ``inputs`` [T, d] holds every token's embedding,
+    ``outputs`` [T, d] receives every token's output.  Each iteration loads row
+    ``index`` into the model's input, runs the fused forward and stores its
+    output at row ``index``; captured (``graph_on``) it is one conditional WHILE
+    node, so one graph launch runs all ``count`` tokens.  ``count``: an int or
+    an int32 [1] device tensor (change it between replays)."""
+    rows, d = inputs.shape
+    x = dop.empty([d], stream=stream)  # the model's input: each iteration loads its row here
+
+    def token(i):
+        forward = build_fused_forward(cfg, weights, x, buffers, pdl=pdl)
+        return zip_(load_row(x.partition([cfg.block]), inputs, i, rows).generics([cfg.block]).pdl(pdl),
+                    forward.then(lambda h: store_row(outputs.partition([rows, cfg.block]), h, i, rows)
+                                 .generics([cfg.block]).pdl(pdl)))
+    return dop.loop(count, index, token)
 
 
 def numpy_forward(cfg: Config, host_weights, x: np.ndarray) -> np.ndarray:

@@ -11,6 +11,9 @@ the reference device runs and what the tests hold the GPU to.
 * ``rms_matvec<BN, BK, K>(out [N] tile [BN], x [1, K], g [K], w [N, K], eps)``: RMSNorm folded into a matvec
 * ``matvec_add<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K], residual [N])``: matvec + residual
   (both also ``_bf16``: bfloat16 weights, fp32 everything else; both PDL-ready: ``.pdl()``)
+* ``load_row<B>(out [D] tile [B], table [R, D], index int32 [1], rows)``: out = table[index]
+* ``store_row<B>(table [R, D] tile [R, B], x [D], index int32 [1], rows)``: table[index] = x
+  (the row number is read on the device: a device loop's index, see ``deviceop.loop``; PDL-ready)
 """
 from pathlib import Path
 
@@ -203,5 +206,55 @@ rms_matvec_bf16 = _fused("rms_matvec_bf16", "rms_matvec_bf16", "bfloat16", 8, Tr
 matvec_add = _fused("matvec_add", "matvec_add_f32", "float32", 4, False)
 matvec_add_bf16 = _fused("matvec_add_bf16", "matvec_add_bf16", "bfloat16", 8, False)
 
+
+
+# -- rows addressed by a device-side index (kernels/rows.cu) -------------------------
+
+def _row(index) -> int:
+    return int(index[0])
+
+
+def _load_row_ref(g, out, table, index, rows):
+    r = _row(index)
+    if 0 <= r < rows:
+        out[...] = table[r]
+
+
+def _store_row_ref(g, table, x, index, rows):
+    r = _row(index)
+    if 0 <= r < rows:
+        table[r] = x
+
+
+def _rows_check(name, load):
+    def check(g, out, a, index, rows):
+        B = g["B"]
+        t = out.tensor
+        table, vec = (a, t) if load else (t, a)
+        d = vec.shape[0]
+        _need(table.ndim == 2 and table.shape[1] == d,
+              f"{name}: the table {table.shape} must be [rows, {d}] to match the vector {vec.shape}")
+        _need(rows == table.shape[0], f"{name}: rows={rows} but the table has {table.shape[0]} rows; pass "
+                                      f"table.shape[0]")
+        tile = (B,) if load else (table.shape[0], B)
+        _need(out.tile_shape == tile, f"{name}<B={B}>: partition out with {list(tile)}, not {list(out.tile_shape)}")
+        _need(B % 128 == 0 and B <= 4096, f"{name}: B={B} must be a multiple of 128, at most 4096")
+        _need(table.is_contiguous and vec.is_contiguous, f"{name}: the table and the vector must be contiguous")
+        _aligned(table, vec)
+    return check
+
+
+load_row = Kernel(
+    "load_row", HERE / "rows.cu",
+    [Out("out", "float32", rank=1), In("table", "float32", rank=2), In("index", "int32", rank=1),
+     Scalar("rows", "int32")],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_load_row_ref, validate=_rows_check("load_row", True))
+
+store_row = Kernel(
+    "store_row", HERE / "rows.cu",
+    [Out("table", "float32", rank=2), In("x", "float32", rank=1), In("index", "int32", rank=1),
+     Scalar("rows", "int32")],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_store_row_ref, validate=_rows_check("store_row", False))
+
 __all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine",
-           "rms_matvec", "rms_matvec_bf16", "matvec_add", "matvec_add_bf16"]
+           "rms_matvec", "rms_matvec_bf16", "matvec_add", "matvec_add_bf16", "load_row", "store_row"]

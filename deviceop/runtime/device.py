@@ -121,6 +121,11 @@ class CudaDevice(Device):
         from .stream import CudaStream
         return CudaStream(self, priority=priority)
 
+    def conditional_nodes(self) -> tuple[bool, str]:
+        """``(supported, why not)``: can graphs captured here hold conditional
+        (WHILE) nodes, which captured loops become?  (CUDA 12.4 drivers and up.)"""
+        return driver.conditional_nodes_support()
+
     def synchronize(self) -> None:
         self.bind()
         check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
@@ -169,6 +174,10 @@ class ReferenceDevice(Device):
 
     def bind(self) -> None:
         pass
+
+    def conditional_nodes(self) -> tuple[bool, str]:
+        """Always ``(True, "")``: a captured loop replays its body's tape on the host."""
+        return True, ""
 
     def new_stream(self, priority: int = 0):
         from .stream import ReferenceStream

@@ -105,3 +105,16 @@ def driver_version() -> str | None:
         return None
     v = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
     return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def conditional_nodes_support() -> tuple[bool, str]:
+    """``(supported, why not)``: can graphs hold conditional (WHILE) nodes?
+    They need a CUDA 12.4 driver and bindings that expose the calls."""
+    if not driver_available():
+        return False, "this process has no CUDA driver"
+    if not hasattr(cu, "cuGraphConditionalHandleCreate"):
+        return False, "these cuda-bindings lack cuGraphConditionalHandleCreate"
+    v = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
+    if v < 12040:
+        return False, f"the driver supports CUDA {v // 1000}.{(v % 1000) // 10} (conditional nodes need 12.4)"
+    return True, ""

@@ -1,0 +1,306 @@
+"""Loops that stay on the device: ``loop(count, index, body)`` and ``while_(cond, body)``.
+
+Executed eagerly, a loop is a host loop (the body rebuilt and run each
+iteration).  Captured into a graph it becomes one CUDA *conditional WHILE
+node*: the body is captured once into the node's child graph, and the loop
+runs entirely on the GPU — T iterations, one graph launch, no host round trip.
+
+How the capture is wired (driver API, CUDA >= 12.4):
+
+* a conditional handle is created on the graph being captured;
+* a one-thread control kernel, captured before the node, sets the handle
+  (``loop``: writes ``index = 0`` and tests ``0 < count``; ``while_``: tests
+  ``cond != 0``), and the WHILE node is added after it by hand, becoming the
+  capturing stream's new dependency;
+* the body is captured into the node's child graph on a second stream
+  (``cuStreamBeginCaptureToGraph``), followed by the control kernel again
+  (``loop``: ``index += 1``, test ``index < count``).
+
+``count`` is an int (baked into the graph) or an int32 device tensor of one
+element, read by the control kernel at every test: change it between replays
+and the same graph runs a different number of iterations.  After a ``loop``
+the index holds the number of iterations run, in every mode.
+
+On the reference device a captured loop is a tape step that replays the
+body's recorded tape with the same control logic.
+"""
+from __future__ import annotations
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from .compile import compile_cubin
+from .errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
+from .op import DeviceOp, ExecutionContext, value
+from .runtime.driver import check
+from .runtime.launch import LaunchConfig, ptr
+from .runtime.module import load_module
+from .tensor import SharedTensor, Tensor
+
+_CONTROL_SOURCE = r"""
+// Declared as cuda_device_runtime_api.h does (that header drags in internal
+// ones NVRTC warns about); the driver resolves it when the module loads.
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
+                                                                      unsigned int value);
+
+// The control step of loop(count, index, body): one thread.  start=1 before
+// the loop (index = 0), start=0 after each iteration (index += 1); then the
+// WHILE node's condition = index < count (count from memory when given).
+extern "C" __global__ void deviceop_loop_for(cudaGraphConditionalHandle h, int* index,
+                                             const int* count_ptr, int count, int start) {
+    int i = start ? 0 : *index + 1;
+    *index = i;
+    int n = count_ptr ? *count_ptr : count;
+    cudaGraphSetConditional(h, i < n ? 1u : 0u);
+}
+
+// The control step of while_(cond, body): the condition is cond != 0.
+extern "C" __global__ void deviceop_loop_while(cudaGraphConditionalHandle h, const int* cond) {
+    cudaGraphSetConditional(h, *cond != 0 ? 1u : 0u);
+}
+"""
+_ONE_THREAD = LaunchConfig(1, 1)
+_control: dict = {}  # device ordinal -> (loop_for, loop_while) Functions
+
+
+def _control_functions(device):
+    fns = _control.get(device.ordinal)
+    if fns is None:
+        mod = load_module(compile_cubin(_CONTROL_SOURCE, arch=device.arch, filename="deviceop_loop.cu"), device)
+        fns = _control[device.ordinal] = (
+            mod.get_function("deviceop_loop_for", ["uint64", ptr("int32"), ptr("int32"), "int32", "int32"]),
+            mod.get_function("deviceop_loop_while", ["uint64", ptr("int32")]))
+    return fns
+
+
+def _int32_cell(x, what: str, example: str) -> Tensor:
+    """``x`` as the one-element int32 device tensor a loop reads or writes."""
+    t = x.tensor if isinstance(x, SharedTensor) else x
+    if not isinstance(t, Tensor):
+        raise DTypeError(f"{what} must be an int32 device tensor of one element (e.g. {example}), "
+                         f"got {type(x).__name__}: the GPU reads it at every iteration, so it must live there")
+    if t.dtype.name != "int32":
+        raise DTypeError(f"{what} must be int32 (the loop's control kernel reads a 32-bit int), got {t.dtype.name}; "
+                         f"e.g. {example}")
+    if t.size != 1:
+        raise ShapeError(f"{what} must hold exactly one element, got shape {list(t.shape)}")
+    return t
+
+
+def _body_builder(body):
+    if isinstance(body, DeviceOp) or not callable(body):
+        raise LaunchError("a loop body is a function that builds the body op (an op runs once, and the body "
+                          f"runs many times): pass e.g. lambda i: kernel(...), not {type(body).__name__}")
+    return body
+
+
+class _Loop(DeviceOp):
+    """The shared machinery of ``loop`` and ``while_``: eager host loop,
+    conditional WHILE node when captured, tape loop on the reference device."""
+
+    __slots__ = ("_body", "_label")
+    graph_safe = True
+
+    def __init__(self, body, label: str):
+        super().__init__()
+        self._body, self._label = _body_builder(body), label
+
+    def describe(self) -> str:
+        return self._label
+
+    # -- what subclasses define -----------------------------------------------------
+    def _body_args(self) -> tuple:
+        return ()
+
+    def _eager_iterations(self, ctx):
+        """Yield once per iteration, on the host (eager execution)."""
+        raise NotImplementedError
+
+    def _reference_iterations(self):
+        """Yield once per iteration of a captured loop replayed on the reference device."""
+        raise NotImplementedError
+
+    def _launch_control(self, stream, handle, start: bool) -> None:
+        raise NotImplementedError
+
+    def _keep(self) -> tuple:
+        return ()
+
+    # -- execution ----------------------------------------------------------------------
+    def _build_body(self, capturing: bool) -> DeviceOp:
+        op = value(self._body(*self._body_args()))
+        bad = op.unsafe_for_graphs()
+        if bad is not None:
+            where = "captured" if capturing else "run"
+            raise GraphSafetyError(f"the body of {self._label} contains {bad.describe()}, which allocates or "
+                                   f"synchronizes; a loop body may only launch kernels and copy (it is {where} "
+                                   "as one conditional graph node): allocate before the loop and pass buffers in")
+        return op
+
+    def _execute(self, ctx: ExecutionContext):
+        if ctx.capture is None:
+            for _ in self._eager_iterations(ctx):
+                self._build_body(False)._run(ctx)
+        else:
+            supported, why = ctx.device.conditional_nodes()
+            if not supported:
+                raise CapabilityError(f"capturing {self._label} needs CUDA conditional graph nodes, and {why}. "
+                                      "Run the loop eagerly instead (sync_on/async_on: a host loop), or update "
+                                      "the driver to CUDA 12.4 or newer")
+            if ctx.device.is_reference:
+                self._capture_reference(ctx)
+            else:
+                self._capture_conditional(ctx)
+        return None
+
+    def _capture_reference(self, ctx) -> None:
+        from .kernel import _TapeStep
+        cap, body = ctx.capture, []
+        outer, cap.tape = cap.tape, body
+        try:
+            self._build_body(True)._run(ctx)
+        finally:
+            cap.tape = outer
+
+        def replay():
+            for _ in self._reference_iterations():
+                for step in body:
+                    step()
+        cap.tape.append(_TapeStep(replay, ("loop", self._label)))
+
+    def _capture_conditional(self, ctx) -> None:
+        stream = ctx.stream
+        info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
+        graph = info[2]
+        context = stream.device.context
+        handle = check(cu.cuGraphConditionalHandleCreate(graph, context, 0, 0), "cuGraphConditionalHandleCreate")
+        self._launch_control(stream, handle, start=True)
+
+        info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
+        deps, ndeps = info[3], info[-1]
+        params = cu.CUgraphNodeParams()
+        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
+        params.conditional.size = 1
+        params.conditional.ctx = context
+        node = check(cu.cuGraphAddNode(graph, list(deps[:ndeps]), None, ndeps, params), "cuGraphAddNode(WHILE)")
+        body_graph = params.conditional.phGraph_out[0]
+        check(cu.cuStreamUpdateCaptureDependencies(
+            stream.handle, [node], None, 1,
+            cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
+            "cuStreamUpdateCaptureDependencies")
+
+        # The body goes into the node's own graph, captured on a stream of its
+        # own (the outer stream stays in its capture); the node owns that graph.
+        body_stream = stream.device.new_stream()
+        check(cu.cuStreamBeginCaptureToGraph(body_stream.handle, body_graph, None, None, 0,
+                                             cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+              "cuStreamBeginCaptureToGraph")
+        try:
+            self._build_body(True)._run(ExecutionContext(body_stream, ctx.capture))
+            self._launch_control(body_stream, handle, start=False)
+        finally:
+            code = cu.cuStreamEndCapture(body_stream.handle)[0]
+        check((code,), f"cuStreamEndCapture(body of {self._label})")
+        ctx.capture.keep.append((body_stream, *self._keep()))
+
+
+class Loop(_Loop):
+    """``loop(count, index, body)``; see the module docstring."""
+
+    __slots__ = ("count", "count_tensor", "index")
+
+    def __init__(self, count, index, body):
+        self.index = _int32_cell(index, "the loop index", "dop.from_numpy(np.zeros(1, np.int32))")
+        if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
+            if count < 0 or count > 2**31 - 1:
+                raise ShapeError(f"a loop count must be in [0, 2^31), got {count}")
+            self.count, self.count_tensor = int(count), None
+            label = f"loop({count})"
+        else:
+            self.count_tensor = _int32_cell(count, "the loop count", "dop.from_numpy(np.array([T], np.int32))")
+            self.count, label = 0, "loop(count tensor)"
+        if self.count_tensor is not None and self.count_tensor.overlaps(self.index):
+            raise LaunchError("the loop's count and index are the same buffer; give the index its own")
+        super().__init__(body, label)
+
+    def _body_args(self) -> tuple:
+        return (self.index,)
+
+    def _count_now(self, ctx) -> int:
+        if self.count_tensor is None:
+            return self.count
+        return int(self.count_tensor.numpy(stream=ctx.stream)[0])  # eager: the host reads it once
+
+    def _set_index(self, ctx, i: int) -> None:
+        if ctx.device.is_reference:
+            self.index._array[0] = i
+        else:
+            check(cu.cuMemsetD32Async(self.index.data_ptr, i, 1, ctx.stream.handle), "cuMemsetD32Async")
+
+    def _eager_iterations(self, ctx):
+        n = self._count_now(ctx)
+        for i in range(n):
+            self._set_index(ctx, i)
+            yield i
+        self._set_index(ctx, n)
+
+    def _reference_iterations(self):
+        idx = self.index._array
+        idx[0] = 0
+        while idx[0] < (self.count if self.count_tensor is None else self.count_tensor._array[0]):
+            yield
+            idx[0] += 1
+
+    def _launch_control(self, stream, handle, start: bool) -> None:
+        fn = _control_functions(stream.device)[0]
+        fn.launch(stream, _ONE_THREAD, int(handle), self.index, self.count_tensor, self.count, int(start))
+
+    def _keep(self) -> tuple:
+        return (self.index, self.count_tensor)
+
+
+class While(_Loop):
+    """``while_(cond, body)``; see the module docstring."""
+
+    __slots__ = ("cond",)
+
+    def __init__(self, cond, body):
+        self.cond = _int32_cell(cond, "the loop condition", "dop.from_numpy(np.ones(1, np.int32))")
+        super().__init__(body, "while_")
+
+    def _flag(self, ctx) -> bool:
+        if ctx.device.is_reference:
+            return bool(self.cond._array[0])
+        return bool(self.cond.numpy(stream=ctx.stream)[0])  # eager: one host round trip per test
+
+    def _eager_iterations(self, ctx):
+        while self._flag(ctx):
+            yield
+
+    def _reference_iterations(self):
+        while self.cond._array[0]:
+            yield
+
+    def _launch_control(self, stream, handle, start: bool) -> None:
+        _control_functions(stream.device)[1].launch(stream, _ONE_THREAD, int(handle), self.cond)
+
+    def _keep(self) -> tuple:
+        return (self.cond,)
+
+
+def loop(count, index, body) -> DeviceOp:
+    """Run ``body(index)`` ``count`` times; ``index`` (int32 [1] on the device)
+    holds the iteration number, for the body's kernels to read.  ``count``: an
+    int, or an int32 [1] device tensor read at run time (captured: at every
+    test, so the same graph runs any count).  Captured, the whole loop is one
+    conditional node: one graph launch runs every iteration."""
+    return Loop(count, index, body)
+
+
+def while_(cond, body) -> DeviceOp:
+    """Run ``body()`` while ``cond`` (int32 [1] on the device) is non-zero; the
+    body's kernels are what change ``cond``.  Eagerly the host reads ``cond``
+    before each iteration; captured, the GPU does."""
+    return While(cond, body)
