@@ -21,6 +21,13 @@
 // 2 blocks (64 registers, so the next kernel's blocks could sit beside this
 // one's) -> fp32 308-403, bf16 248-275: fewer loads in flight cost more than
 // the overlap gained.  -DFUSED_MIN_BLOCKS=2 reproduces it.
+//
+// Also measured (H100, 2026-11-21, same bench): weights streamed into shared
+// memory by the copy engine (one cp.async.bulk per row, an mbarrier per block,
+// BN = 8 fp32 / 16 bf16 rows, ~72 KB a block so three blocks share an SM and
+// the next kernel's blocks can start their copies early): fp32 411 -> 347
+// us/token with PDL, bf16 359 -> 418, against 306 and 222 for the kernels
+// below in the same run.  Dropped.
 #ifndef FUSED_MIN_BLOCKS
 #define FUSED_MIN_BLOCKS 1
 #endif
