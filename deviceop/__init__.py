@@ -10,8 +10,8 @@ from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
                      uint8, uint32, uint64)
 from .errors import (AliasingError, ArchError, CaptureError, CompileError, CudaError, DeviceOpError,
-                     DTypeError, GraphSafetyError, GraphUpdateError, LaunchError, NoDeviceError, OutOfMemoryError,
-                     OwnershipError, ReentrancyError, ShapeError, StateError)
+                     DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError, NoDeviceError,
+                     OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
                       ReferenceStream, Stream, load_module, ptr)
 from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
@@ -29,7 +29,8 @@ __all__ = [
     "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
     "int64", "uint8", "uint32", "uint64",
     "AliasingError", "ArchError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
-    "DTypeError", "GraphSafetyError", "GraphUpdateError", "LaunchError", "NoDeviceError", "OutOfMemoryError",
+    "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
+    "OutOfMemoryError",
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
     "ReferenceStream", "Stream", "load_module", "ptr",

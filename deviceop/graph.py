@@ -20,7 +20,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, StateError
+from .errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, KernelFaultError, StateError
 from .nodes import KernelNode
 from .op import DeviceOp, ExecutionContext, _tls, executing, value
 from .runtime.driver import check, raise_error
@@ -489,7 +489,10 @@ class GraphModel(Module):
 
     def forward(self, x):
         self.forward_async(x)
-        self.graph.stream.synchronize()
+        try:
+            self.graph.stream.synchronize()
+        except KernelFaultError as exc:
+            raise exc.naming("GraphModel.forward", [n.label for n in self.graph._nodes]) from None
         return self.output
 
     def forward_async(self, x):
