@@ -19,8 +19,8 @@ exactly on a machine without a GPU and to float32 rounding on the GPU; 4
 agrees with 5 to float32 rounding.  Every step runs exactly once per
 execution, however many clones read it.
 
-``DEVICEOP_HYPOTHESIS_PROFILE=long`` (scripts/gpu-check) draws 300 programs
-instead of CI's 30.
+Each property draws 30 examples in CI, 100 under scripts/gpu-check and 1000
+with ``DEVICEOP_HYPOTHESIS_PROFILE=long`` (tests/conftest.py).
 """
 from __future__ import annotations
 
