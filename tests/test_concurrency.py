@@ -141,6 +141,41 @@ def test_a_thread_that_only_replays(device, rng):
         np.testing.assert_array_equal(got[i], expected(xs, 2.0))
 
 
+@pytest.mark.gpu
+def test_a_context_wide_sync_on_another_thread_is_refused_while_a_capture_is_open(device):
+    """What relaxed mode does not allow: waiting on the whole context (device.synchronize(),
+    Tensor.numpy() without a stream) while any stream captures.  The other thread gets a
+    CudaError; stream-ordered waits on its own stream work; whatever becomes of the capture,
+    the stream is usable afterwards."""
+    stream = device.new_stream()
+    x, y = dop.empty(N, stream=stream), dop.empty(N, stream=stream)
+    seen = {}
+
+    def other():
+        own = device.new_stream()
+        dop.empty(N, stream=own).numpy(stream=own)  # stream-ordered: fine
+        seen["stream-ordered"] = "ok"
+        try:
+            device.synchronize()
+            seen["context"] = "CUDA_SUCCESS"
+        except dop.CudaError as exc:
+            seen["context"] = exc.code_name
+
+    op = zip_(dop.value(None).inspect(lambda _: run_threads(other)),
+              affine(y.partition([128]), x, 2.0, 0.0).generics([128]))
+    try:
+        op.graph_on(stream).close()
+        seen["capture"] = "completed"
+    except dop.CaptureError:
+        seen["capture"] = "broken (CaptureError)"
+    print(f"\ncontext-wide sync during another thread's capture: {seen}")
+    assert seen["stream-ordered"] == "ok" and seen["context"] == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"
+    assert not stream.is_capturing()
+    api.memcpy(x, dop.from_numpy(np.ones(N, dtype=np.float32), stream=stream)).sync_on(stream)
+    affine(y.partition([128]), x, 2.0, 0.0).generics([128]).sync_on(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), np.full(N, 2.0, np.float32))
+
+
 # -- capture modes, measured on the GPU ---------------------------------------------------
 
 def _alloc_code(device):

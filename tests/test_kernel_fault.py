@@ -75,40 +75,16 @@ def test_a_fault_during_a_graph_replay_names_the_graphs_kernels(stream, rng):
     graph.close()
 
 
-POKE = r'''
-import json, sys
-import deviceop as dop
-from deviceop import GraphModel
-from deviceop.kernel import In, Kernel, Out, Scalar
-from kernels import add
-
-SOURCE = 'extern "C" __global__ void poke(float* out, const float* x, long long at) { out[at] = x[0]; }'
-poke = Kernel("poke", SOURCE, [Out("out", "float32"), In("x", "float32"), Scalar("at", "int64")], block=32)
-stream = dop.Device().new_stream()
-out, x, y = (dop.empty(128, stream=stream) for _ in range(3))
-far = 1 << 40  # 4 TiB past the buffer: never mapped
-try:
-    if sys.argv[1] == "eager":
-        dop.zip_(add(y.partition([128]), x, x).generics([128]), poke(out.partition([128]), x, far)).sync_on(stream)
-    elif sys.argv[1] == "graph":
-        poke(out.partition([128]), x, far).graph_on(stream).launch().sync_on(stream)
-    else:
-        graph = poke(out.partition([128]), x, far).graph_on(stream)
-        GraphModel(graph, x, out).forward(y)
-except dop.KernelFaultError as exc:
-    print(json.dumps({"type": type(exc).__name__, "kernels": list(exc.kernels), "code": exc.code_name,
-                      "message": str(exc)}))
-'''
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("how, kernels", [("eager", ["add<128>", "poke"]), ("graph", ["poke"]),
                                           ("model", ["poke"])])
 def test_a_real_illegal_address_is_reported_naming_the_kernel(how, kernels):
-    """In a subprocess: the fault poisons that process's context, not this one's."""
+    """scripts/planted_fault.py, in a subprocess: the fault poisons that process's context, not this one's."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", POKE, how], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "planted_fault.py"), how], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no KernelFaultError reported (rc {run.returncode}):\n{run.stdout}\n{run.stderr[-2000:]}"
     report = json.loads(lines[-1])
