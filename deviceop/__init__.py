@@ -9,9 +9,9 @@ from . import dtypes
 from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
                      uint8, uint32, uint64)
-from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError, DeviceOpError,
-                     DTypeError, GraphSafetyError, GraphUpdateError, LaunchError, NoDeviceError, OutOfMemoryError,
-                     OwnershipError, ReentrancyError, ShapeError, StateError)
+from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError,
+                     DeviceOpError, DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
+                     NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
                       ReferenceStream, Stream, load_module, ptr)
 from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
@@ -21,7 +21,7 @@ from .nodes import KernelNode
 from . import api
 from .graph import CudaGraph, GraphLaunch, GraphModel, Module, Scope
 from .graph_cache import CacheStats, GraphCache, Workspace, default_sizes
-from .loop import loop, while_
+from .loops import loop, while_
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,8 @@ __all__ = [
     "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
     "int64", "uint8", "uint32", "uint64",
     "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
-    "DTypeError", "GraphSafetyError", "GraphUpdateError", "LaunchError", "NoDeviceError", "OutOfMemoryError",
+    "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
+    "OutOfMemoryError",
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
     "ReferenceStream", "Stream", "load_module", "ptr",

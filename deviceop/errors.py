@@ -29,6 +29,30 @@ class OutOfMemoryError(CudaError):
     """The device could not satisfy an allocation."""
 
 
+KERNEL_FAULT_ADVICE = ("The CUDA context is now unusable (the error is sticky): restart the process, and find the "
+                       "faulting access with `compute-sanitizer --tool memcheck python ...`")
+
+
+class KernelFaultError(CudaError):
+    """A kernel faulted on the device (an illegal or misaligned address, a trap).
+    The driver reports it at a later call; ``kernels`` names the kernels the
+    execution that was being waited for launched (empty when unknown).  The
+    process's CUDA context stays unusable."""
+
+    def __init__(self, call: str, code: int, code_name: str, description: str = "", hint: str = "",
+                 kernels=()):
+        self.kernels = tuple(kernels)
+        super().__init__(call, code, code_name, description, hint)
+
+    def naming(self, what: str, kernels) -> "KernelFaultError":
+        """This error, saying which execution and kernels it came from."""
+        kernels = list(dict.fromkeys(kernels))
+        names = ", ".join(kernels) if kernels else "none recorded"
+        return KernelFaultError(self.call, self.code, self.code_name, self.description,
+                                f"A kernel launched by {what} faulted; its kernel(s): {names}. {KERNEL_FAULT_ADVICE}",
+                                kernels)
+
+
 class NoDeviceError(DeviceOpError):
     """An operation needs a CUDA device and this process has none."""
 

@@ -20,7 +20,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, StateError
+from .errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, KernelFaultError, StateError
 from .nodes import KernelNode
 from .op import DeviceOp, ExecutionContext, _tls, executing, value
 from .runtime.driver import check, raise_error
@@ -111,7 +111,7 @@ class CudaGraph:
             device = stream.device
             if not device.is_reference:
                 _preload(op, device)
-            graph = cls._begin(stream)
+            graph = cls._begin_or_abort(stream)
             try:
                 output = op._run(ExecutionContext(stream, cap))
             except BaseException as exc:
@@ -130,6 +130,18 @@ class CudaGraph:
             return None
         stream.begin_capture("relaxed")
         return True
+
+    @staticmethod
+    def _begin_or_abort(stream):
+        """``_begin``, ending the capture again if anything interrupts it — also a
+        KeyboardInterrupt that lands after the driver began it, before it returned."""
+        if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
+            raise CaptureError("this stream is already capturing; end that capture first")
+        try:
+            return CudaGraph._begin(stream)
+        except BaseException:
+            CudaGraph._abort(stream, None)
+            raise
 
     @staticmethod
     def _abort(stream, graph) -> None:
@@ -431,7 +443,7 @@ class Scope:
         self._lock_cm.__enter__()
         try:
             self._cap = Capture("CudaGraph.scope")
-            self._graph_handle = CudaGraph._begin(self.stream)
+            self._graph_handle = CudaGraph._begin_or_abort(self.stream)
             self._ctx = ExecutionContext(self.stream, self._cap)
         except BaseException:
             self._lock_cm.__exit__(None, None, None)
@@ -478,7 +490,10 @@ class GraphModel(Module):
 
     def forward(self, x):
         self.forward_async(x)
-        self.graph.stream.synchronize()
+        try:
+            self.graph.stream.synchronize()
+        except KernelFaultError as exc:
+            raise exc.naming("GraphModel.forward", [n.label for n in self.graph._nodes]) from None
         return self.output
 
     def forward_async(self, x):

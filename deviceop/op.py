@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from .errors import ReentrancyError, ShapeError, StateError
+from .errors import KernelFaultError, ReentrancyError, ShapeError, StateError
 from .tensor import Partition, SharedTensor, Tensor
 
 _tls = threading.local()
@@ -120,7 +120,10 @@ class DeviceOp:
         """Execute on ``stream`` and wait for the device; returns the op's value."""
         with executing(lambda: f"sync_on({self.describe()})"):
             out = self._run(ExecutionContext(stream))
-            stream.synchronize()
+            try:
+                stream.synchronize()
+            except KernelFaultError as exc:  # the driver cannot say which kernel: name the ones this op launched
+                raise exc.naming(self.describe(), launched_kernels(self)) from None
         return out
 
     def sync(self):
@@ -195,6 +198,24 @@ class DeviceOp:
 
     def boxed(self) -> "DeviceOp":
         return Boxed(self)
+
+
+def launched_kernels(op) -> list:
+    """The kernels an op tree launches, in order (a graph launch: its graph's kernel nodes).
+    Kernels that a ``then`` callback returned are not in the tree and are not listed."""
+    names, stack, seen = [], [op], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        graph = getattr(o, "graph", None)
+        if getattr(o, "kernel", None) is not None:
+            names.append(o.describe())
+        elif graph is not None and hasattr(graph, "_nodes"):
+            names.extend(n.label for n in graph._nodes)
+        stack.extend(reversed((o.core.op,) if isinstance(o, SharedOp) else o.children()))
+    return names
 
 
 def _first(v):

@@ -13,7 +13,7 @@ the reference device runs and what the tests hold the GPU to.
   (both also ``_bf16``: bfloat16 weights, fp32 everything else; both PDL-ready: ``.pdl()``)
 * ``load_row<B>(out [D] tile [B], table [R, D], index int32 [1], rows)``: out = table[index]
 * ``store_row<B>(table [R, D] tile [R, B], x [D], index int32 [1], rows)``: table[index] = x
-  (the row number is read on the device: a device loop's index, see ``deviceop.loop``; PDL-ready)
+  (the row number is read on the device: a device loop's index, see ``dop.loop``; PDL-ready)
 """
 from pathlib import Path
 

@@ -6,18 +6,29 @@
   device here and in CI, the real GPU under gpu-check.
 * The compile cache goes to a fresh directory per test session, so a test
   never depends on what an earlier run left behind.
+* Hypothesis runs under a profile named by ``DEVICEOP_HYPOTHESIS_PROFILE``:
+  ``ci`` (the default, 30 examples: CI stays fast), ``gpu`` (100, what
+  ``scripts/gpu-check`` asks for) or ``long`` (1000).  Examples are never timed
+  out: the first example of a shape compiles its kernels.
 """
 import os
 import tempfile
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 if "DEVICEOP_CACHE_DIR" not in os.environ:
     os.environ["DEVICEOP_CACHE_DIR"] = tempfile.mkdtemp(prefix="deviceop-test-cache-")
 
 import deviceop as dop  # noqa: E402
 from deviceop.runtime import driver  # noqa: E402
+
+_slow_ok = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=_slow_ok)
+settings.register_profile("gpu", max_examples=100, deadline=None, suppress_health_check=_slow_ok)
+settings.register_profile("long", max_examples=1000, deadline=None, suppress_health_check=_slow_ok)
+settings.load_profile(os.environ.get("DEVICEOP_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,7 +12,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from ..errors import CudaError, OutOfMemoryError
+from ..errors import KERNEL_FAULT_ADVICE, CudaError, KernelFaultError, OutOfMemoryError
 
 SUCCESS = cu.CUresult.CUDA_SUCCESS
 
@@ -28,6 +28,11 @@ _HINTS = {
     "CUDA_ERROR_NO_BINARY_FOR_GPU": "the cubin was built for another architecture; compile for this device's arch",
     "CUDA_ERROR_NOT_FOUND": "the name is not in the module: check the kernel's entry name and name expression",
 }
+# Errors a faulting kernel leaves behind: reported by whatever call comes next, sticky.
+KERNEL_FAULTS = frozenset({
+    "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_MISALIGNED_ADDRESS",
+    "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+    "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT"})
 
 
 def error_name(code) -> str:
@@ -44,6 +49,9 @@ def raise_error(code, call: str) -> None:
         err, text = cu.cuGetErrorString(code)
         if err == SUCCESS and text:
             description = text.decode()
+    if name in KERNEL_FAULTS:
+        raise KernelFaultError(call, int(code), name, description,
+                               f"A kernel launched earlier faulted; this call only reports it. {KERNEL_FAULT_ADVICE}")
     cls = OutOfMemoryError if name == "CUDA_ERROR_OUT_OF_MEMORY" else CudaError
     raise cls(call, int(code), name, description, _HINTS.get(name, ""))
 

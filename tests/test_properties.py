@@ -1,0 +1,283 @@
+"""Property tests: a random DAG of ops computes the same thing however it runs.
+
+Hypothesis draws a *program*: a few input vectors, then steps that each read
+earlier values — ``add``, ``affine``, ``matvec`` (which changes the length),
+``rms_norm`` and ``memcpy`` — with random lengths, random fan-out (a value read
+by several later steps, hence ``shared()`` with clones) and a random way of
+composing each step (its arguments as ops, through ``then``, through
+``zip_(...).then``, or followed by ``map``/``inspect``/``boxed``).  The same
+program then runs five ways:
+
+1. eagerly on ``dop.Device()`` (``sync_on``),
+2. captured by ``graph_on`` over NaN-poisoned buffers, inputs copied in, replayed (twice),
+3. recorded step by step in ``CudaGraph.scope``, replayed,
+4. eagerly on the reference device (NumPy references of the kernels),
+5. as a float64 NumPy model written here, independent of deviceop.
+
+1, 2 and 3 must agree bit for bit (same kernels, same device); 1 and 4 agree
+exactly on a machine without a GPU and to float32 rounding on the GPU; 4
+agrees with 5 to float32 rounding.  Every step runs exactly once per
+execution, however many clones read it.
+
+Each property draws 30 examples in CI, 100 under scripts/gpu-check and 1000
+with ``DEVICEOP_HYPOTHESIS_PROFILE=long`` (tests/conftest.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from hypothesis import example, given, strategies as st
+
+import deviceop as dop
+from deviceop import CudaGraph, GraphCache, api, shared, zip_
+from deviceop.op import stats
+from kernels import add, affine, matvec, rms_norm
+
+LENGTHS = (128, 256, 512)  # every kernel here takes multiples of 128 (16-byte loads, 128-element tiles)
+KINDS = ("add", "affine", "matvec", "rms_norm", "memcpy")
+WRAPS = ("direct", "then", "zip", "map")
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str                # "input" or one of KINDS
+    args: tuple = ()         # indices of the earlier steps it reads
+    n: int = 128             # length of the vector it produces
+    alpha: float = 1.0       # affine's scalars
+    beta: float = 0.0
+    wrap: str = "direct"     # how the combinators compose it (WRAPS)
+    claim: bool = False      # output claimed through SharedTensor.try_partition (else Tensor.partition)
+
+
+@dataclass(frozen=True)
+class Program:
+    steps: tuple
+    seed: int
+
+    def __repr__(self) -> str:  # what Hypothesis prints for a counterexample: paste into @example
+        return f"Program(steps={self.steps!r}, seed={self.seed})"
+
+
+f32 = st.floats(-2.0, 2.0, width=32, allow_subnormal=False)
+
+
+@st.composite
+def programs(draw) -> Program:
+    steps = [Step("input", n=draw(st.sampled_from(LENGTHS))) for _ in range(draw(st.integers(1, 3)))]
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(KINDS))
+        i = draw(st.integers(0, len(steps) - 1))
+        n = steps[i].n
+        common = dict(wrap=draw(st.sampled_from(WRAPS)), claim=draw(st.booleans()))
+        if kind == "add":
+            j = draw(st.sampled_from([j for j, s in enumerate(steps) if s.n == n]))
+            steps.append(Step("add", (i, j), n, **common))
+        elif kind == "affine":
+            steps.append(Step("affine", (i,), n, alpha=draw(f32), beta=draw(f32), **common))
+        elif kind == "matvec":
+            steps.append(Step("matvec", (i,), draw(st.sampled_from(LENGTHS)), **common))
+        else:
+            steps.append(Step(kind, (i,), n, **common))
+    return Program(tuple(steps), draw(st.integers(0, 2**32 - 1)))
+
+
+def host_data(prog: Program) -> dict:
+    """Per step: the input vector, the matvec weight [m, n] or the rms_norm weight [n]."""
+    rng = np.random.default_rng(prog.seed)
+    data = {}
+    for k, s in enumerate(prog.steps):
+        if s.kind == "input":
+            data[k] = rng.standard_normal(s.n).astype(np.float32)
+        elif s.kind == "matvec":
+            n_in = prog.steps[s.args[0]].n
+            data[k] = (rng.standard_normal((s.n, n_in)) / np.sqrt(n_in)).astype(np.float32)
+        elif s.kind == "rms_norm":
+            data[k] = (1 + 0.1 * rng.standard_normal(s.n)).astype(np.float32)
+    return data
+
+
+def numpy_model(prog: Program, data: dict) -> list:
+    """The program in float64 NumPy, rounded to float32 where a kernel stores."""
+    vals = []
+    for k, s in enumerate(prog.steps):
+        x = [vals[j].astype(np.float64) for j in s.args]
+        if s.kind == "input":
+            v = data[k]
+        elif s.kind == "add":
+            v = x[0] + x[1]
+        elif s.kind == "affine":
+            v = s.alpha * x[0] + s.beta
+        elif s.kind == "matvec":
+            v = data[k].astype(np.float64) @ x[0]
+        elif s.kind == "rms_norm":
+            v = x[0] / np.sqrt(np.mean(x[0] * x[0]) + EPS) * data[k].astype(np.float64)
+        else:
+            v = x[0]
+        vals.append(np.asarray(v).astype(np.float32))
+    return vals
+
+
+class Buffers:
+    """One run's device buffers: a vector per step (inputs included) and the weights."""
+
+    def __init__(self, prog, data, device, stream, poison_inputs: bool):
+        def upload(a):
+            return dop.from_numpy(a, device=device, stream=stream)
+
+        nan = lambda n: upload(np.full(n, np.nan, np.float32))  # noqa: E731 - poison: a missed write shows
+        self.prog, self.stream = prog, stream
+        self.vec = [nan(s.n) if s.kind != "input" or poison_inputs else upload(data[k])
+                    for k, s in enumerate(prog.steps)]
+        self.weights = {k: upload(a) for k, a in data.items() if prog.steps[k].kind != "input"}
+        self.host_inputs = {k: upload(a) for k, a in data.items() if prog.steps[k].kind == "input"}
+
+    def write_inputs(self, graph) -> None:
+        for k, src in self.host_inputs.items():
+            graph.update(api.memcpy(self.vec[k], src))
+
+    def results(self) -> list:
+        self.stream.synchronize()
+        return [t.numpy(stream=self.stream) for t in self.vec]
+
+    # -- one step as a launch over its arguments (tensors, or ops producing them) --
+    def launch(self, k: int, *xs):
+        s, out = self.prog.steps[k], self.vec[k]
+        if s.kind == "memcpy":
+            return api.memcpy(out, xs[0])
+        if s.kind == "rms_norm":
+            out = out.view([1, s.n])
+        tile = {"matvec": [16], "rms_norm": [1, s.n]}.get(s.kind, [128])
+        part = out.into_shared().try_partition(tile) if s.claim else out.partition(tile)
+        if s.kind == "add":
+            return add(part, xs[0], xs[1]).generics([128])
+        if s.kind == "affine":
+            return affine(part, xs[0], s.alpha, s.beta).generics([128])
+        n_in = self.prog.steps[s.args[0]].n
+        if s.kind == "matvec":
+            return matvec(part, xs[0].reshape([1, n_in]), self.weights[k]).generics([16, 1, n_in])
+        return rms_norm(part, xs[0].reshape([1, n_in]), self.weights[k], EPS).generics([s.n, 32])
+
+    def step_value(self, k: int, *xs):
+        """The launch as an op producing the step's [n] vector."""
+        s = self.prog.steps[k]
+        op = self.launch(k, *xs)
+        if s.kind == "memcpy":
+            return op
+        op = op.first().unpartition()
+        return op.reshape([s.n]) if s.kind == "rms_norm" else op
+
+    # -- the whole program, two ways ---------------------------------------------
+    def as_op(self):
+        """Every step a shared op, composed as the step's ``wrap`` says; one zip runs them all."""
+        nodes = []
+        for k, s in enumerate(self.prog.steps):
+            if s.kind == "input":
+                nodes.append(shared(self.vec[k]))
+                continue
+            args = [nodes[j].clone() for j in s.args]
+            if s.wrap == "direct":
+                op = self.step_value(k, *args)
+            elif s.wrap == "then":
+                op = args[0].then(lambda x0, k=k, rest=args[1:]: self.step_value(k, x0, *rest))
+            elif s.wrap == "zip":
+                op = zip_(*args).then(lambda xs, k=k: self.step_value(k, *xs))
+            else:
+                op = self.step_value(k, *args).map(lambda t: t).inspect(lambda t: None).boxed()
+            nodes.append(op.shared())
+        return zip_(*[n.clone() for n in nodes])
+
+    def record(self, s) -> None:
+        """The scope body: each step recorded with concrete tensors, in order."""
+        for k, step in enumerate(self.prog.steps):
+            if step.kind != "input":
+                s.record(self.launch(k, *[self.vec[j] for j in step.args]))
+
+
+def assert_close(got, ref, what):
+    for k, (g, r) in enumerate(zip(got, ref)):
+        scale = float(np.max(np.abs(r))) + 1.0
+        err = float(np.max(np.abs(g.astype(np.float64) - r))) if g.size else 0.0
+        assert err <= 1e-4 * scale, f"{what}: step {k} differs by {err:.3g} (scale {scale:.3g})"
+
+
+def run_everywhere(prog: Program) -> None:
+    device = dop.Device()
+    stream = device.new_stream()
+    data = host_data(prog)
+    kernel_steps = sum(s.kind not in ("input", "memcpy") for s in prog.steps)
+
+    eager = Buffers(prog, data, device, stream, poison_inputs=False)
+    before = stats["launches"]
+    eager.as_op().sync_on(stream)
+    assert stats["launches"] - before == kernel_steps, "a shared step ran more (or less) than once"
+    want = eager.results()
+
+    captured = Buffers(prog, data, device, stream, poison_inputs=True)
+    graph = captured.as_op().graph_on(stream)
+    assert all(np.isnan(v).all() for v in captured.results()), "capturing computed something"
+    captured.write_inputs(graph)
+    for _ in range(2):  # replays are idempotent
+        graph.launch().sync_on(stream)
+        for k, (g, w) in enumerate(zip(captured.results(), want)):
+            np.testing.assert_array_equal(g, w, err_msg=f"graph_on replay, step {k}")
+
+    scoped = Buffers(prog, data, device, stream, poison_inputs=True)
+    sgraph = CudaGraph.scope(stream, scoped.record)
+    scoped.write_inputs(sgraph)
+    sgraph.launch().sync_on(stream)
+    for k, (g, w) in enumerate(zip(scoped.results(), want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"scope replay, step {k}")
+    graph.close()
+    sgraph.close()
+
+    ref_device = dop.ReferenceDevice(0)
+    ref_stream = ref_device.new_stream()
+    reference = Buffers(prog, data, ref_device, ref_stream, poison_inputs=False)
+    reference.as_op().sync_on(ref_stream)
+    ref = reference.results()
+    if device is ref_device:
+        for k, (g, r) in enumerate(zip(want, ref)):
+            np.testing.assert_array_equal(g, r, err_msg=f"eager vs reference device, step {k}")
+    else:
+        assert_close(want, [r.astype(np.float64) for r in ref], "GPU vs reference device")
+    assert_close(ref, numpy_model(prog, data), "reference device vs NumPy model")
+
+
+@given(programs())
+@example(Program(steps=(Step("input", n=128), Step("add", (0, 0), 128)), seed=0))  # one input read twice
+@example(Program(steps=(Step("input", n=256), Step("matvec", (0,), 128, wrap="zip", claim=True),
+                        Step("rms_norm", (1,), 128, wrap="then"), Step("add", (2, 1), 128, wrap="map"),
+                        Step("memcpy", (3,), 128)), seed=1))  # a length change, fan-out, every wrap
+def test_eager_graph_scope_and_reference_agree(prog):
+    run_everywhere(prog)
+
+
+# -- GraphCache: any sequence of batches gives what eager execution gives ---------------
+
+D = 256
+
+
+def scale_rows(ws, x):
+    """y = 2x + 1, row by row (rows never mix, so padding cannot leak)."""
+    y = ws.empty([ws.size, D])
+    return affine(y.view([-1]).partition([128]), x.view([-1]), 2.0, 1.0).generics([128]).map(lambda _: y)
+
+
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=8), st.integers(0, 2**32 - 1))
+def test_graph_cache_any_batch_sequence_matches_eager(batches, seed):
+    """Batches 1..12 against sizes 1, 2, 4, 8: padded replays, and eager fallback above 8."""
+    device = dop.Device()
+    stream = device.new_stream()
+    rng = np.random.default_rng(seed)
+    with GraphCache(scale_rows, stream=stream, max_size=8, max_graphs=3) as cache:
+        for b in batches:
+            xs = rng.standard_normal((b, D)).astype(np.float32)
+            x = dop.from_numpy(xs, device=device, stream=stream)
+            got = cache(x).numpy(stream=stream)
+            eager = cache(x, eager=True).numpy(stream=stream)
+            np.testing.assert_array_equal(got, eager)
+            np.testing.assert_allclose(got, 2.0 * xs.astype(np.float64) + 1.0, rtol=1e-6, atol=1e-6)
+        s = cache.stats
+        assert s.hits + s.misses + s.fallbacks == 2 * len(batches) and s.graphs <= 3
