@@ -17,7 +17,9 @@ EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs_on_the_reference_device(path):
     env = dict(os.environ, DEVICEOP_DEVICE="reference")
-    args = {"token_model.py": ["--d", "256", "--layers", "2"], "token_loop.py": ["--tokens", "8", "--fused", "--device-loop"],
-            "variable_batch.py": ["--steps", "12"], "dynamic_params.py": ["--iters", "50"]}.get(path.name, [])
+    args = {"token_model.py": ["--d", "256", "--layers", "2"],
+            "token_loop.py": ["--tokens", "8", "--fused", "--device-loop"],
+            "variable_batch.py": ["--steps", "12"], "dynamic_params.py": ["--iters", "50"],
+            "unet_block.py": ["--c", "32", "--hw", "16", "--groups", "8", "--steps", "5"]}.get(path.name, [])
     proc = subprocess.run([sys.executable, str(path), *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,226 @@
+"""Fused Conv2D -> GroupNorm -> SiLU (issue 6) on the GPU, against PyTorch, in one process.
+
+For C in {320, 640, 1280} at H=W in {64, 32, 16} (7.55 GFLOP per image, 3x3,
+G=32) and N in {1, 2, 8}, every variant is timed as CUDA-graph replays
+(median over repetitions of a loop of replays between CUDA events):
+
+* bare conv: deviceop's CUTLASS kernel without statistics vs cuDNN (torch F.conv2d)
+* fused: deviceop (two launches) vs torch eager conv+GN+SiLU and torch.compile
+  of the same function (both captured with torch.cuda.CUDAGraph)
+
+torch.compile failing here is reported as a failed baseline, never a number.
+
+    python bench/conv_gn_act.py [--reps 7] [--sweep]
+
+``--sweep`` also times the bare conv for every tile and split-K at N=1 and 2
+(what chose kernels/conv.py's heuristic).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+import deviceop as dop  # noqa: E402
+from _common import gpu_device, headline, print_headlines, print_table, write_result  # noqa: E402
+from kernels.conv import TILES, ConvGnAct  # noqa: E402
+
+SHAPES = [(c, hw, n) for c, hw in ((320, 64), (640, 32), (1280, 16)) for n in (1, 2, 8)]
+PEAK_TFLOPS = 989.4
+
+
+def gflop(c, hw, n):
+    return 2 * n * hw * hw * c * c * 9 / 1e9
+
+
+def time_graph(replay, sync, reps: int, inner: int) -> float:
+    """Median microseconds of one replay: `reps` loops of `inner` replays between CUDA
+    events.  Everything runs on one stream (torch's current stream is deviceop's, see
+    main), so the events bracket the replays themselves."""
+    import torch
+    for _ in range(3):
+        replay()
+    sync()
+    samples = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            replay()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / inner)
+    return statistics.median(samples)
+
+
+def torch_graph(fn, stream):
+    """Capture fn() (already warmed up) with torch.cuda.CUDAGraph; returns replay."""
+    import torch
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=stream):
+        fn()
+    return g.replay
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--inner", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--compile-budget-s", type=float, default=150.0,
+                    help="stop compiling torch.compile baselines after this long (the rest are reported as skipped)")
+    args = ap.parse_args()
+    device = gpu_device("conv_gn_act")
+    if device is None:
+        return 0
+    import torch
+    import torch.nn.functional as F
+    torch.backends.cudnn.benchmark = True
+    try:  # one compiled function, 9 shapes: let dynamo keep a graph per shape instead of falling back to eager
+        torch._dynamo.config.recompile_limit = 64
+    except AttributeError:
+        torch._dynamo.config.cache_size_limit = 64
+    stream = device.new_stream()
+    tstream = torch.cuda.ExternalStream(int(stream.handle))
+    torch.cuda.set_stream(tstream)   # torch's work, its graphs and the timing events share deviceop's stream
+    sync = stream.synchronize
+    rows, sweep_rows = [], []
+    compile_spent = 0.0
+    t_start = time.time()
+
+    for c, hw, n in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(c + hw + n)
+        with torch.cuda.stream(tstream):
+            x = torch.randn(n, c, hw, hw, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+            w = (torch.randn(c, c, 3, 3, device="cuda", generator=g) / math.sqrt(9 * c)).half() \
+                .to(memory_format=torch.channels_last)
+            b = torch.randn(c, device="cuda", generator=g).half()
+            gamma = 1 + 0.1 * torch.randn(c, device="cuda", generator=g)
+            beta = 0.1 * torch.randn(c, device="cuda", generator=g)
+            out_t = torch.empty(n, hw, hw, c, device="cuda", dtype=torch.half)
+        torch.cuda.synchronize()
+        # deviceop views of the same memory (NHWC / KRSC, channels-last torch tensors are exactly that)
+        X = dop.from_dlpack(x.permute(0, 2, 3, 1))
+        W = dop.from_dlpack(w.permute(0, 2, 3, 1))
+        B, GA, BE, OUT = (dop.from_dlpack(t) for t in (b, gamma, beta, out_t))
+        plan = ConvGnAct(n, hw, hw, c, c, groups=32, act="silu", stream=stream)
+        Y = dop.empty([n, hw, hw, c], "float16", stream=stream)
+        conv_graph = plan.conv(Y, X, W, B).graph_on(stream)
+        fused_graph = plan(OUT, X, W, B, GA, BE).graph_on(stream)
+        t_conv = time_graph(conv_graph.replay, sync, args.reps, args.inner)
+        t_fused = time_graph(fused_graph.replay, sync, args.reps, args.inner)
+
+        def eager():
+            return F.silu(F.group_norm(F.conv2d(x, w, b, padding=1), 32, gamma.half(), beta.half(), 1e-5))
+
+        def cudnn():
+            return F.conv2d(x, w, b, padding=1)
+
+        row = {"C": c, "HW": hw, "N": n, "tile": plan.tile.name, "split_k": plan.split_k}
+        with torch.cuda.stream(tstream):
+            for name, fn in (("cudnn_conv_us", cudnn), ("torch_eager_us", eager)):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                row[name] = time_graph(torch_graph(fn, tstream), torch.cuda.synchronize, args.reps, args.inner)
+            if compile_spent < args.compile_budget_s:
+                t0 = time.time()
+                try:
+                    compiled = torch.compile(eager, dynamic=False)
+                    for _ in range(3):
+                        compiled()
+                    torch.cuda.synchronize()
+                    row["torch_compile_us"] = time_graph(torch_graph(compiled, tstream), torch.cuda.synchronize,
+                                                         args.reps, args.inner)
+                except Exception as exc:  # a failed baseline is reported, never invented
+                    row["torch_compile_us"] = None
+                    row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                compile_spent += time.time() - t0
+            else:
+                row["torch_compile_us"] = None
+                row["torch_compile_error"] = f"skipped: torch.compile budget of {args.compile_budget_s:.0f} s spent"
+            # correctness of this very run against torch eager in fp32
+            ref = F.silu(F.group_norm(F.conv2d(x.float(), w.float(), b.float(), padding=1), 32, gamma, beta, 1e-5))
+        torch.cuda.synchronize()
+        fused_graph.replay()
+        sync()
+        got = out_t.float().permute(0, 3, 1, 2)
+        row["max_abs_err"] = float((got - ref).abs().max())
+        row["rel_rms_err"] = float(((got - ref) ** 2).mean().sqrt() / (ref ** 2).mean().sqrt())
+        row.update({"bare_conv_us": t_conv, "fused_us": t_fused,
+                    "conv_tflops": gflop(c, hw, n) / t_conv * 1e-3,
+                    "conv_pct_of_peak": 100 * gflop(c, hw, n) / t_conv * 1e-3 / PEAK_TFLOPS})
+        rows.append(row)
+
+        if args.sweep and n <= 2:
+            for name in TILES:
+                for split in (1, 2, 3, 4):
+                    try:
+                        p2 = ConvGnAct(n, hw, hw, c, c, groups=32, tile=name, split_k=split, stream=stream)
+                    except dop.DeviceOpError as exc:
+                        sweep_rows.append({"C": c, "HW": hw, "N": n, "tile": name, "split_k": split,
+                                           "error": str(exc)[:120]})
+                        continue
+                    gr = p2.conv(Y, X, W, B).graph_on(stream)
+                    gf = p2(OUT, X, W, B, GA, BE).graph_on(stream)
+                    sweep_rows.append({"C": c, "HW": hw, "N": n, "tile": name, "split_k": split,
+                                       "ctas": p2.mt * p2.nt * split,
+                                       "bare_conv_us": time_graph(gr.replay, sync, args.reps, args.inner),
+                                       "fused_us": time_graph(gf.replay, sync, args.reps, args.inner)})
+                    gr.close() if hasattr(gr, "close") else None
+                    gf.close() if hasattr(gf, "close") else None
+
+    r2 = lambda v: None if v is None else round(v, 1)  # noqa: E731
+    print_table("conv -> GN -> SiLU, NHWC fp16, 3x3, G=32 (us per graph replay, medians)",
+                ["C", "HW", "N", "tile", "split", "bare", "cuDNN", "bare/cuDNN", "fused", "eager", "compile",
+                 "vs eager", "vs compile", "%peak", "max err", "rel rms"],
+                [[r["C"], r["HW"], r["N"], r["tile"], r["split_k"], r2(r["bare_conv_us"]), r2(r["cudnn_conv_us"]),
+                  f"{r['cudnn_conv_us'] / r['bare_conv_us']:.2f}x", r2(r["fused_us"]), r2(r["torch_eager_us"]),
+                  r2(r["torch_compile_us"]) if r["torch_compile_us"] else "failed",
+                  f"{r['torch_eager_us'] / r['fused_us']:.2f}x",
+                  f"{r['torch_compile_us'] / r['fused_us']:.2f}x" if r["torch_compile_us"] else "-",
+                  f"{r['conv_pct_of_peak']:.0f}", f"{r['max_abs_err']:.1e}", f"{r['rel_rms_err']:.1e}"]
+                 for r in rows])
+    if sweep_rows:
+        print_table("tile sweep (bare conv / fused, us)", ["C", "HW", "N", "tile", "split", "ctas", "bare", "fused"],
+                    [[r["C"], r["HW"], r["N"], r["tile"], r["split_k"], r.get("ctas", "-"), r2(r.get("bare_conv_us")),
+                      r2(r.get("fused_us"))] for r in sweep_rows])
+    for r in rows:
+        if r.get("torch_compile_error"):
+            print(f"torch.compile C={r['C']} HW={r['HW']} N={r['N']}: {r['torch_compile_error']}")
+
+    eager_ratios = [r["torch_eager_us"] / r["fused_us"] for r in rows]
+    compile_n12 = [r["torch_compile_us"] / r["fused_us"] for r in rows if r["N"] <= 2 and r["torch_compile_us"]]
+    conv_n12 = [r["cudnn_conv_us"] / r["bare_conv_us"] for r in rows if r["N"] <= 2]
+    headlines = [headline("fused_vs_torch_eager_geomean", math.exp(statistics.mean(map(math.log, eager_ratios))),
+                          1.5, "higher"),
+                 headline("bare_conv_vs_cudnn_min_n12", min(conv_n12), 0.85, "higher")]
+    n12_total = sum(1 for r in rows if r["N"] <= 2)
+    if compile_n12:
+        h = headline("fused_vs_torch_compile_min_n12", min(compile_n12), 1.0, "higher")
+        if len(compile_n12) < n12_total:  # a failed baseline cannot count as met
+            h["met"] = False
+            h["note"] = f"torch.compile measured for {len(compile_n12)} of {n12_total} N<=2 shapes"
+        headlines.insert(1, h)
+    else:
+        headlines.insert(1, {"metric": "fused_vs_torch_compile_min_n12", "value": None, "target": 1.0,
+                             "better": "higher", "met": False, "note": "torch.compile failed on every shape"})
+    accuracy_ok = all(r["max_abs_err"] <= 1e-2 and r["rel_rms_err"] <= 1e-3 for r in rows)
+    path = write_result("conv_gn_act", device, rows, headlines,
+                        {"tile_sweep": sweep_rows, "accuracy_ok": accuracy_ok,
+                         "roofline": {"gflop_per_image": 7.55, "peak_tflops_fp16_dense": PEAK_TFLOPS},
+                         "wall_s": round(time.time() - t_start, 1)})
+    print_headlines(headlines, path)
+    print(f"accuracy vs torch fp32 (max abs <= 1e-2, rel rms <= 1e-3): {'ok' if accuracy_ok else 'FAILED'}")
+    return 0 if accuracy_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,527 @@
+"""Fused Conv2D -> GroupNorm -> SiLU/Mish (issue 6): two launches, one op.
+
+    plan = ConvGnAct(n=1, h=64, w=64, c=320, k=320, groups=32, act="silu", stream=stream)
+    op = plan(out, x, w, bias, gamma, beta)      # lazy: eager, graph_on and scope all take it
+
+* ``x`` [N, H, W, C] fp16 (NHWC), ``w`` [K, R, S, C] fp16 (KRSC: torch's
+  ``weight.permute(0, 2, 3, 1)``), 3x3 with padding 1 or 1x1, stride 1;
+  ``bias`` [K] in the intermediate's dtype; ``gamma``, ``beta`` [K] fp32;
+  ``out`` [N, H, W, K] fp16 or fp32.
+* Launch 1 (kernels/conv2d_gn.cu): a CUTLASS 2.x implicit-GEMM conv compiled by
+  NVRTC from the ``nvidia-cutlass`` wheel's headers, plus deterministic
+  GroupNorm partial statistics of each tile it wrote.  Launch 2
+  (kernels/gn_act.cu): Chan's merge of the partials, then normalize, affine
+  and activation in one pass over y.
+* Building a plan is eager, like allocating a buffer: it picks a tile
+  configuration, allocates a small workspace (CUTLASS's Params blob, the
+  split-K semaphores, the partials, and y unless the op runs in place) and
+  runs CUTLASS's Params constructor once on the GPU.  Calling the plan builds
+  a lazy op and runs nothing.
+
+The intermediate y is fp16 by default.  When a group's |mean| is more than
+~20x its standard deviation, fp16 cannot hold y finely enough for 1e-2
+absolute accuracy after normalization; ``y_dtype="float32"`` keeps it in fp32
+(at the cost of twice the bytes).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import deviceop as dop
+from deviceop.kernel import In, Kernel, Out, Scalar
+
+HERE = Path(__file__).resolve().parent
+BLOB_BYTES = 1024        # kConvBlobBytes in conv2d_gn.cu
+ACTS = {"identity": 0, "silu": 1, "mish": 2}
+APPLY_THREADS = 256
+MAX_CHANNELS = 4096     # kMaxChannels in gn_act.cu
+
+
+# -- where the CUTLASS headers come from ------------------------------------------
+
+def cutlass_include_dir() -> str:
+    """``<site-packages>/cutlass_library/source/include`` of the nvidia-cutlass wheel
+    (found without importing cutlass_library, whose import runs its generators)."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise dop.CompileError("the fused conv needs CUTLASS's headers: pip install 'nvidia-cutlass==4.2.0.0' "
+                               "(or pip install -e '.[test]')")
+    inc = os.path.join(spec.submodule_search_locations[0], "source", "include")
+    if not os.path.isfile(os.path.join(inc, "cutlass", "cutlass.h")):
+        raise dop.CompileError(f"{inc} holds no cutlass/cutlass.h; reinstall nvidia-cutlass")
+    return inc
+
+
+def _cccl_version(cccl_dir: str) -> tuple[int, int] | None:
+    path = os.path.join(cccl_dir, "cuda", "std", "__cccl", "version.h")
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    m = re.search(r"#\s*define\s+CCCL_VERSION\s+(\d+)", text)
+    if not m:
+        return None
+    v = int(m.group(1))
+    return v // 1000000, v // 1000 % 1000
+
+
+def cutlass_include_dirs() -> list[str]:
+    """Include directories for the CUTLASS kernels.
+
+    CUTLASS 4.2's CuTe forward-declares ``std::tuple_size`` as a variadic
+    template under NVRTC; CCCL 3.1 and later (CUDA 13.1+ headers) declare it
+    with one parameter, and NVRTC rejects the pair.  So these kernels need
+    CCCL 3.0 (CUDA 13.0) headers: the toolkit's when they are 3.0, else the
+    directory named by ``DEVICEOP_CUTLASS_CCCL`` (searched first)."""
+    dirs = [cutlass_include_dir()]
+    override = os.environ.get("DEVICEOP_CUTLASS_CCCL")
+    if override:
+        dirs += [override, str(Path(override).parent)]  # .../include/cccl and .../include (nv/)
+        return dirs
+    from deviceop.compile import toolkit_include_dirs
+    for d in toolkit_include_dirs():
+        version = _cccl_version(d)
+        if version is not None and version > (3, 0):
+            raise dop.CompileError(
+                f"CUTLASS 4.2 does not compile under NVRTC with CCCL {version[0]}.{version[1]} (from {d}); it needs "
+                "the CUDA 13.0 headers: pip install 'nvidia-cuda-cccl==13.0.*', or point DEVICEOP_CUTLASS_CCCL at a "
+                "CCCL 3.0 include directory (.../nvidia/cu13/include/cccl)")
+    return dirs
+
+
+CUTLASS_OPTIONS = ("-default-device", "-DNDEBUG", "-diag-suppress=20044")
+
+
+# -- tile menu -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tile:
+    """One shipped CUTLASS configuration: threadblock TMxTNxTK, warp WMxWNxTK, pipeline stages."""
+    tm: int
+    tn: int
+    tk: int
+    wm: int
+    wn: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.tm}x{self.tn}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.tm // self.wm) * (self.tn // self.wn)
+
+    def generics(self, y_dtype: str) -> list:
+        return [_CPP[y_dtype], self.tm, self.tn, self.tk, self.wm, self.wn, self.stages]
+
+    def shared_bytes(self) -> int:
+        # CUTLASS's SharedStorage is a union of the mainloop's stages (A and B
+        # tiles, fp16) and the (smaller) epilogue staging; checked on the GPU
+        # against the sizeof the params builder reports (tests/test_conv.py).
+        return self.stages * (self.tm * self.tk + self.tk * self.tn) * 2
+
+
+TILES = {t.name: t for t in (Tile(128, 128, 64, 64, 64, 3), Tile(128, 64, 64, 64, 32, 4), Tile(64, 64, 64, 32, 32, 4))}
+_CPP = {"float16": "cutlass::half_t", "float32": "float"}
+MAX_SPLIT_K = 4
+
+
+def tile_count(m: int, k: int, tile: Tile, split: int) -> int:
+    return math.ceil(m / tile.tm) * math.ceil(k / tile.tn) * split
+
+
+def choose_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132) -> tuple[str, int]:
+    """The (tile, split-K) for a problem: the largest tile whose grid, split along
+    GEMM-K if needed, fills the SMs (see docs/conv.md for the measurements)."""
+    m, hw, gemm_k = n * h * w, h * w, r * r * c
+    best = None
+    for name, tile in TILES.items():
+        if hw < tile.tm:
+            continue
+        for split in range(1, MAX_SPLIT_K + 1):
+            if gemm_k // split < 4 * tile.tk:
+                break
+            ctas = tile_count(m, k, tile, split)
+            # time ~ waves x work per CTA / tile efficiency (bigger tiles reuse more)
+            per_sm = 1 if tile.tm * tile.tn >= 128 * 128 else 2
+            waves = math.ceil(ctas / (sms * per_sm))
+            work = tile.tm * tile.tn * gemm_k / split
+            eff = {"128x128": 1.0, "128x64": 0.8, "64x64": 0.6}[name] * (1.0 if split == 1 else 0.92)
+            cost = waves * work / eff / per_sm
+            if best is None or cost < best[0]:
+                best = (cost, name, split)
+    if best is None:
+        raise dop.ShapeError(f"no tile configuration fits H*W={hw} output pixels per image: every shipped tile "
+                             f"({', '.join(TILES)}) needs H*W >= its M size (64 at least)")
+    return best[1], best[2]
+
+
+# -- references (float64) -------------------------------------------------------------
+
+def conv2d_reference(x, w, bias, pad):
+    """y [N, P, Q, K] = conv(x [N, H, W, C], w [K, R, S, C]) + bias, in float64."""
+    x64 = np.pad(x.astype(np.float64), ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    kk, r, s, _ = w.shape
+    p, q = x64.shape[1] - r + 1, x64.shape[2] - s + 1
+    w64 = w.astype(np.float64)
+    y = np.zeros((x.shape[0], p, q, kk)) + bias.astype(np.float64)
+    for i in range(r):
+        for j in range(s):
+            y += x64[:, i:i + p, j:j + q, :] @ w64[:, i, j, :].T
+    return y
+
+
+def activation_reference(v, act: str):
+    if act == "silu":
+        return v / (1.0 + np.exp(-v))
+    if act == "mish":
+        return v * np.tanh(np.logaddexp(0.0, v))
+    return v
+
+
+def conv_gn_act_reference(x, w, bias, gamma, beta, groups: int, eps: float, act: str):
+    """conv2d -> GroupNorm(groups) -> act, all in float64 (what the GPU is held to)."""
+    pad = (w.shape[1] - 1) // 2
+    y = conv2d_reference(x, w, bias, pad)
+    n, p, q, k = y.shape
+    g = y.reshape(n, p * q, groups, k // groups)
+    mean = g.mean(axis=(1, 3), keepdims=True)
+    var = g.var(axis=(1, 3), keepdims=True)
+    z = ((g - mean) / np.sqrt(var + eps)).reshape(n, p, q, k) * gamma.astype(np.float64) + beta.astype(np.float64)
+    return activation_reference(z, act)
+
+
+def _tile_partials(y2, hw, tm, tn, cpg, gs, m0, n0):
+    """The conv kernel's (mean, M2) per (segment, group-in-tile) of one tile, float64."""
+    mm, kk = y2.shape
+    m_end = min(m0 + tm, mm)
+    boundary = min((m0 // hw + 1) * hw, m_end)
+    out = np.zeros((2, gs, 2))
+    for sg, (a, b) in enumerate(((m0, boundary), (boundary, m_end))):
+        if b <= a:
+            continue
+        for lg in range(gs):
+            g = n0 // cpg + lg
+            ca, cb = max(g * cpg, n0), min((g + 1) * cpg, n0 + tn, kk)
+            if cb <= ca:
+                continue
+            block = y2[a:b, ca:cb]
+            out[sg, lg] = block.mean(), ((block - block.mean()) ** 2).sum()
+    return out
+
+
+def _conv_ref(g, stats, y, x, w, bias, blob, semaphore, hw, cpg, gs, with_stats):
+    """Reference of conv2d_gn_stats: y = conv + bias (rounded to y's dtype), and the partials."""
+    pad = (w.shape[1] - 1) // 2
+    y[...] = conv2d_reference(x, w, bias, pad).reshape(y.shape)
+    if not with_stats:
+        return
+    tm, tn = g["TM"], g["TN"]
+    y2 = y.reshape(-1, y.shape[-1]).astype(np.float64)
+    mt, nt, _ = stats.shape
+    ks = stats.shape[2] // (4 * gs)
+    for i in range(mt):
+        for j in range(nt):
+            part = _tile_partials(y2, hw, tm, tn, cpg, gs, i * tm, j * tn)  # [2, GS, (mean, M2)]
+            stats[i, j, (ks - 1) * 4 * gs:] = part.reshape(-1)
+
+
+def _merge_partials(stats, n_img, hw, c, groups, tm, tn, gs):
+    """Chan's merge of image n's partials per group, as gn_act.cu does it: (mean, var) per group."""
+    cpg = c // groups
+    ks = stats.shape[2] // (4 * gs)
+    st = stats[:, :, (ks - 1) * 4 * gs:].reshape(stats.shape[0], stats.shape[1], 2, gs, 2)
+    means, vars_ = np.zeros(groups), np.zeros(groups)
+    t_first, t_last = n_img * hw // tm, (n_img * hw + hw - 1) // tm
+    for g in range(groups):
+        cnt = mean = m2 = 0.0
+        for t in range(t_first, t_last + 1):
+            for j in range(g * cpg // tn, ((g + 1) * cpg - 1) // tn + 1):
+                rows = min((t + 1) * tm, (n_img + 1) * hw) - max(t * tm, n_img * hw)
+                chans = min((g + 1) * cpg, (j + 1) * tn) - max(g * cpg, j * tn)
+                sg = 1 if n_img * hw > t * tm else 0
+                mb, m2b = st[t, j, sg, g - (j * tn) // cpg]
+                nb = float(rows * chans)
+                nn = cnt + nb
+                d = mb - mean
+                mean += d * nb / nn
+                m2 += m2b + d * d * cnt * nb / nn
+                cnt = nn
+        means[g], vars_[g] = mean, max(m2 / cnt, 0.0)
+    return means, vars_
+
+
+def _apply_ref_common(g, z, y, stats, gamma, beta, eps, hw, c, groups, tm, tn, ntiles, ks, gs, rows_per):
+    act = {v: k for k, v in ACTS.items()}[g["ACT"]]
+    n = z.shape[0]
+    yv = y.reshape(n, hw, c).astype(np.float64)
+    out = np.empty((n, hw, c))
+    for i in range(n):
+        mean, var = _merge_partials(stats, i, hw, c, groups, tm, tn, gs)
+        rstd = 1.0 / np.sqrt(var + eps)
+        scale = gamma.astype(np.float64) * np.repeat(rstd, c // groups)
+        shift = beta.astype(np.float64) - np.repeat(mean, c // groups) * scale
+        out[i] = activation_reference(yv[i] * scale + shift, act)
+    z[...] = out.reshape(z.shape)
+
+
+def _apply_ref(g, z, y, stats, gamma, beta, eps, *rest):
+    _apply_ref_common(g, z, y, stats, gamma, beta, eps, *rest)
+
+
+def _apply_inplace_ref(g, y, stats, gamma, beta, eps, *rest):
+    _apply_ref_common(g, y, y.copy(), stats, gamma, beta, eps, *rest)
+
+
+# -- declarations ------------------------------------------------------------------------
+
+class CutlassKernel(Kernel):
+    """A kernel that includes CUTLASS: its include directories are looked up when
+    it compiles, so importing ``kernels`` never needs the nvidia-cutlass wheel."""
+
+    def compile(self, values=(), arch=None):
+        self.include_dirs = (str(HERE), *cutlass_include_dirs())
+        return super().compile(values, arch)
+
+
+def _conv_kernel(y_dtype: str) -> Kernel:
+    suffix = "f16" if y_dtype == "float16" else "f32"
+    return CutlassKernel(
+        f"conv2d_gn_stats_{suffix}", HERE / "conv2d_gn.cu",
+        [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
+         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("blob", "uint8", rank=1),
+         In("semaphore", "int32", rank=1), Scalar("hw", "int32"), Scalar("cpg", "int32"), Scalar("gs", "int32"),
+         Scalar("with_stats", "int32")],
+        entry="conv2d_gn_stats", generics=["YT", "TM", "TN", "TK", "WM", "WN", "STAGES"],
+        block=lambda g: 32 * (g["TM"] // g["WM"]) * (g["TN"] // g["WN"]),
+        shared_mem=lambda g: g["STAGES"] * (g["TM"] * g["TK"] + g["TK"] * g["TN"]) * 2,
+        reference=_conv_ref, options=CUTLASS_OPTIONS)
+
+
+def _params_kernel(y_dtype: str) -> Kernel:
+    suffix = "f16" if y_dtype == "float16" else "f32"
+    return CutlassKernel(
+        f"conv2d_params_{suffix}", HERE / "conv2d_gn.cu",
+        [Out("blob", "uint8", rank=1)] + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "s", "pad",
+                                                                       "split_k")],
+        entry="conv2d_params", generics=["YT", "TM", "TN", "TK", "WM", "WN", "STAGES"], block=32,
+        options=CUTLASS_OPTIONS)
+
+
+_APPLY_SCALARS = [Scalar("eps", "float32")] + [Scalar(n, "int32") for n in (
+    "hw", "c", "groups", "tm", "tn", "ntiles", "ks", "gs", "rows_per")]
+
+
+def _apply_kernel(y_dtype: str, out_dtype: str | None) -> Kernel:
+    common = [In("stats", "float32", rank=3), In("gamma", "float32", rank=1), In("beta", "float32", rank=1)]
+    sy = "f16" if y_dtype == "float16" else "f32"
+    if out_dtype is None:   # in place
+        return Kernel(f"gn_act_apply_inplace_{sy}", HERE / "gn_act.cu",
+                      [Out("y", y_dtype, rank=3), *common, *_APPLY_SCALARS], entry="gn_act_apply_inplace",
+                      generics=["ACT", "YT"], block=APPLY_THREADS, reference=_apply_inplace_ref)
+    so = "f16" if out_dtype == "float16" else "f32"
+    return Kernel(f"gn_act_apply_{sy}_{so}", HERE / "gn_act.cu",
+                  [Out("z", out_dtype, rank=3), In("y", y_dtype, rank=4), *common, *_APPLY_SCALARS],
+                  entry="gn_act_apply", generics=["ACT", "YT", "OT"], block=APPLY_THREADS, reference=_apply_ref)
+
+
+DTYPES = ("float16", "float32")
+conv2d_gn_stats = {d: _conv_kernel(d) for d in DTYPES}
+conv2d_params = {d: _params_kernel(d) for d in DTYPES}
+gn_act_apply = {(y, o): _apply_kernel(y, o) for y in DTYPES for o in DTYPES}
+gn_act_apply_inplace = {d: _apply_kernel(d, None) for d in DTYPES}
+
+
+# -- the plan: one problem shape, its workspace, the lazy op ------------------------------
+
+def _rows_per_chunk(hw: int, c: int, n: int, sms: int) -> int:
+    """Rows of one image per apply CTA: a divisor of H*W (the output partition must
+    divide), about 2 CTAs per SM in all, at least ~8 KB of y per CTA."""
+    want = max(1, math.ceil(n * hw / (2 * sms)))
+    want = max(want, math.ceil(4096 / c))
+    divisors = [d for d in range(1, hw + 1) if hw % d == 0]
+    return min((d for d in divisors if d >= want), default=hw)
+
+
+def _need(cond: bool, message: str, kind=dop.ShapeError) -> None:
+    if not cond:
+        raise kind(message)
+
+
+class ConvGnAct:
+    """conv2d (3x3 pad 1, or 1x1) + bias -> GroupNorm(groups) -> act, planned for one shape.
+
+    ``plan(out, x, w, bias, gamma, beta)`` is the lazy op (two launches); its
+    value is ``out``.  ``plan.conv(y, x, w, bias)`` is the bare convolution
+    (launch 1 without statistics), for comparisons.  ``inplace=True``: the conv
+    writes straight into ``out`` and the normalization overwrites it (no y
+    buffer; ``out`` must then have the intermediate's dtype).
+    """
+
+    def __init__(self, n: int, h: int, w: int, c: int, k: int, *, kernel_size: int = 3, groups: int = 32,
+                 act: str = "silu", eps: float = 1e-5, y_dtype: str = "float16", out_dtype: str = "float16",
+                 inplace: bool = False, tile: str | None = None, split_k: int | None = None, stream=None):
+        _need(act in ACTS, f"act={act!r} is not one of {', '.join(ACTS)}", dop.LaunchError)
+        _need(kernel_size in (1, 3), f"kernel_size={kernel_size}: only 3x3 (padding 1) and 1x1 (padding 0) "
+                                     "convolutions are supported")
+        _need(y_dtype in DTYPES and out_dtype in DTYPES, f"y_dtype={y_dtype!r} and out_dtype={out_dtype!r} must be "
+                                                         "'float16' or 'float32'", dop.DTypeError)
+        _need(not inplace or y_dtype == out_dtype, f"in place, out is y: out_dtype ({out_dtype}) must equal y_dtype "
+                                                   f"({y_dtype})", dop.DTypeError)
+        _need(min(n, h, w, c, k) >= 1, f"every size must be positive, got n={n}, h={h}, w={w}, c={c}, k={k}")
+        _need(c % 8 == 0 and k % 8 == 0, f"C={c} and K={k} must be multiples of 8: the kernels move 16 bytes "
+                                         "(8 fp16 channels) per access; pad the channels with zeros")
+        _need(groups >= 1 and k % groups == 0, f"K={k} output channels do not divide into groups={groups}; "
+                                               "pick a group count that divides K")
+        _need(k <= MAX_CHANNELS, f"K={k} exceeds the apply kernel's {MAX_CHANNELS} channels")
+        self.n, self.h, self.w, self.c, self.k = n, h, w, c, k
+        self.r, self.pad, self.groups, self.act, self.eps = kernel_size, (kernel_size - 1) // 2, groups, act, eps
+        self.y_dtype, self.out_dtype, self.inplace = y_dtype, out_dtype, inplace
+        self.stream = stream
+        device = stream.device if stream is not None else dop.Device(0)
+        sms = device.sm_count or 132
+        hw = h * w
+        if tile is None:
+            tile, auto_split = choose_tile(n, h, w, c, k, kernel_size, sms)
+            split_k = auto_split if split_k is None else split_k
+        _need(tile in TILES, f"tile={tile!r} is not one of {', '.join(TILES)}", dop.LaunchError)
+        self.tile = TILES[tile]
+        _need(hw >= self.tile.tm, f"tile {tile} needs H*W >= {self.tile.tm} (a tile holds rows of at most two "
+                                  f"images); H*W = {hw}: use a smaller tile")
+        self.split_k = split_k or 1
+        _need(1 <= self.split_k <= MAX_SPLIT_K, f"split_k={split_k} must be in [1, {MAX_SPLIT_K}]", dop.LaunchError)
+        t = self.tile
+        self.hw, self.cpg = hw, k // groups
+        self.mt, self.nt = math.ceil(n * hw / t.tm), math.ceil(k / t.tn)
+        self.gs = min(groups, math.ceil(t.tn / self.cpg) + 1)   # groups one n-tile can touch
+        self.rows_per = _rows_per_chunk(hw, k, n, sms)
+        self.chunks = hw // self.rows_per
+        # workspace (eager, like any buffer)
+        mk = lambda shape, dt: dop.empty(shape, dt, stream=stream)  # noqa: E731
+        self.blob = dop.from_numpy(np.zeros(BLOB_BYTES, np.uint8), stream=stream)
+        self.semaphore = dop.from_numpy(np.zeros(self.mt * self.nt, np.int32), stream=stream)
+        self.stats = mk([self.mt, self.nt, self.split_k * 4 * self.gs], "float32")
+        self.y = None if inplace else mk([n, h, w, k], y_dtype)
+        if not device.is_reference:   # CUTLASS's Params constructor, once, on one GPU thread
+            (conv2d_params[y_dtype](self.blob.partition([BLOB_BYTES]), n, h, w, c, k, self.r, self.r, self.pad,
+                                    self.split_k).generics(t.generics(y_dtype)).sync_on(stream or device.new_stream()))
+
+    def __repr__(self) -> str:
+        return (f"ConvGnAct(N={self.n}, H={self.h}, W={self.w}, C={self.c}, K={self.k}, {self.r}x{self.r}, "
+                f"groups={self.groups}, act={self.act}, tile={self.tile.name}, split_k={self.split_k}, "
+                f"grid={self.mt}x{self.nt}x{self.split_k})")
+
+    @property
+    def blob_sizes(self) -> tuple[int, int]:
+        """(sizeof(Params), sizeof(SharedStorage)) as CUTLASS reports them (GPU only)."""
+        tail = self.blob.numpy()[-8:].view(np.int32)
+        return int(tail[0]), int(tail[1])
+
+    # -- checks before anything runs ------------------------------------------------
+    def _check(self, out, x, w, bias, gamma, beta) -> None:
+        n, h, wd, c, k, r = self.n, self.h, self.w, self.c, self.k, self.r
+        for name, t in (("out", out), ("x", x), ("w", w), ("bias", bias), ("gamma", gamma), ("beta", beta)):
+            _need(isinstance(t, dop.Tensor), f"{name} must be a deviceop Tensor, got {type(t).__name__}",
+                  dop.LaunchError)
+        want = {"out": self.out_dtype, "x": "float16", "w": "float16", "bias": self.y_dtype, "gamma": "float32",
+                "beta": "float32"}
+        for name, t in (("out", out), ("x", x), ("w", w), ("bias", bias), ("gamma", gamma), ("beta", beta)):
+            _need(t.dtype.name == want[name], f"{name} must be {want[name]}, got {t.dtype.name}", dop.DTypeError)
+        if x.shape != (n, h, wd, c):
+            hint = " (it looks NCHW: pass channels-last, x.permute(0, 2, 3, 1))" if x.shape == (n, c, h, wd) else ""
+            raise dop.ShapeError(f"x must be NHWC {[n, h, wd, c]}, got {list(x.shape)}{hint}")
+        if w.shape != (k, r, r, c):
+            hint = " (it looks KCRS: pass w.permute(0, 2, 3, 1))" if w.shape == (k, c, r, r) else ""
+            raise dop.ShapeError(f"w must be KRSC {[k, r, r, c]}, got {list(w.shape)}{hint}")
+        _need(out.shape == (n, h, wd, k), f"out must be NHWC {[n, h, wd, k]}, got {list(out.shape)}")
+        for name, t in (("bias", bias), ("gamma", gamma), ("beta", beta)):
+            _need(t.shape == (k,), f"{name} must have shape [{k}], got {list(t.shape)}")
+        for name, t in (("out", out), ("x", x), ("w", w), ("bias", bias)):
+            _need(t.is_contiguous, f"{name} must be contiguous (a dense NHWC/KRSC buffer); copy it first")
+            _need(t.data_ptr % 16 == 0, f"{name} starts at an address that is not 16-byte aligned (0x{t.data_ptr:x}); "
+                                        "the kernels use 16-byte accesses: pass a tensor that starts on a 16-byte "
+                                        "boundary (a fresh allocation does)")
+        _need(not out.overlaps(x), "out and x overlap; the conv reads x while the output is written: use another "
+                                   "buffer", dop.AliasingError)
+
+    # -- the ops ----------------------------------------------------------------------------
+    def _conv_launch(self, y, x, w, bias, with_stats: int):
+        t = self.tile
+        return (conv2d_gn_stats[self.y_dtype](self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.blob,
+                                              self.semaphore, self.hw, self.cpg, self.gs, with_stats)
+                .generics(t.generics(self.y_dtype)))
+
+    def __call__(self, out, x, w, bias, gamma, beta):
+        """The lazy fused op (two launches); its value is ``out``."""
+        self._check(out, x, w, bias, gamma, beta)
+        t, n = self.tile, self.n
+        y = out if self.inplace else self.y
+        scalars = (self.eps, self.hw, self.k, self.groups, t.tm, t.tn, self.nt, self.split_k, self.gs, self.rows_per)
+        tiles = [1, 1, self.rows_per * self.k]
+        conv = self._conv_launch(y, x, w, bias, 1)
+        if self.inplace:
+            apply = gn_act_apply_inplace[self.y_dtype](y.view([n, self.chunks, self.rows_per * self.k]).partition(tiles),
+                                                       self.stats, gamma, beta, *scalars)
+            apply = apply.generics([ACTS[self.act], _APPLY_OT[self.y_dtype]])
+        else:
+            z = out.view([n, self.chunks, self.rows_per * self.k])
+            apply = gn_act_apply[(self.y_dtype, self.out_dtype)](z.partition(tiles), y, self.stats, gamma, beta,
+                                                                  *scalars)
+            apply = apply.generics([ACTS[self.act], _APPLY_OT[self.y_dtype], _APPLY_OT[self.out_dtype]])
+        return dop.zip_(conv, apply).map(lambda _: out)
+
+    def conv(self, y, x, w, bias):
+        """The bare convolution y = conv(x, w) + bias (launch 1 without statistics); value: ``y``."""
+        _need(y.dtype.name == self.y_dtype and y.shape == (self.n, self.h, self.w, self.k),
+              f"y must be {self.y_dtype} {[self.n, self.h, self.w, self.k]}, got {y.dtype.name} {list(y.shape)}")
+        return self._conv_launch(y, x, w, bias, 0).map(lambda _: y)
+
+
+_APPLY_OT = {"float16": "__half", "float32": "float"}
+
+
+def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
+    """Compile every shipped configuration (conv + params builder per tile and
+    intermediate dtype, every apply variant) for ``arch``; returns what was built."""
+    built = []
+    for yd in y_dtypes:
+        for tile in TILES.values():
+            for kern in (conv2d_gn_stats[yd], conv2d_params[yd]):
+                kern.compile(tile.generics(yd), arch=arch)
+                built.append(kern.name_expression(tile.generics(yd)))
+        for act in ACTS.values():
+            kern = gn_act_apply_inplace[yd]
+            kern.compile([act, _APPLY_OT[yd]], arch=arch)
+            built.append(kern.name_expression([act, _APPLY_OT[yd]]))
+            for od in DTYPES:
+                kern = gn_act_apply[(yd, od)]
+                gen = [act, _APPLY_OT[yd], _APPLY_OT[od]]
+                kern.compile(gen, arch=arch)
+                built.append(kern.name_expression(gen))
+    return built
+
+
+def _add_f16_ref(g, out, a, b):
+    out[...] = a.astype(np.float64) + b.astype(np.float64)
+
+
+def _add_f16_check(g, out, a, b):
+    t = out.tensor
+    _need(out.tile_shape == (APPLY_THREADS * 8,), f"add_f16: partition out with [{APPLY_THREADS * 8}]")
+    _need(a.shape == t.shape and b.shape == t.shape, f"add_f16: a {a.shape} and b {b.shape} must match out {t.shape}")
+    for x in (t, a, b):
+        _need(x.data_ptr % 16 == 0, "add_f16 uses 16-byte accesses: tensors must start 16-byte aligned")
+
+
+# out = a + b in fp16 (the U-Net block's residual), 2048 elements per block
+add_f16 = Kernel("add_f16", HERE / "gn_act.cu",
+                 [Out("out", "float16", rank=1), In("a", "float16", rank=1), In("b", "float16", rank=1)],
+                 block=APPLY_THREADS, reference=_add_f16_ref, validate=_add_f16_check)

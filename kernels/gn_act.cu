@@ -1,0 +1,151 @@
+// Fused Conv2D -> GroupNorm -> activation, launch 2 of 2 (launch 1: conv2d_gn.cu).
+//
+// CTA (n, chunk) first merges the partial statistics of image n, which the
+// conv kernel left per (tile, image segment, group-in-tile), with Chan's
+// parallel-variance formula: each lane folds its entries in a fixed order,
+// then the lanes merge in a fixed xor tree, so the result is deterministic.
+// That gives each group's mean and rstd; gamma and beta fold into a scale and
+// shift per channel (shared memory).  Then the CTA streams its rows once, 16
+// bytes at a time: z = act(y * scale + shift), in place or into another buffer.
+#include <cuda_fp16.h>
+
+enum { ACT_IDENTITY = 0, ACT_SILU = 1, ACT_MISH = 2 };
+
+template <int ACT>
+__device__ __forceinline__ float activation(float v) {
+    if (ACT == ACT_SILU) return v / (1.f + __expf(-v));
+    if (ACT == ACT_MISH) {
+        // mish(v) = v tanh(softplus(v)) = v n / (n + 2), n = e^v (e^v + 2): exact, one exp
+        if (v > 20.f) return v;
+        const float e = __expf(v), n = e * (e + 2.f);
+        return v * __fdividef(n, n + 2.f);
+    }
+    return v;
+}
+
+// 8 consecutive elements <-> floats (one 16-byte access for half, two for float)
+__device__ __forceinline__ void load8(const __half* p, float* f) {
+    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(p));
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 a = __half22float2(h[i]); f[2 * i] = a.x; f[2 * i + 1] = a.y; }
+}
+__device__ __forceinline__ void load8(const float* p, float* f) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(p)), b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void store8(__half* p, const float* f) {
+    uint4 v;
+    __half2* h = reinterpret_cast<__half2*>(&v);
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = v;
+}
+__device__ __forceinline__ void store8(float* p, const float* f) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+// Merge (cb, mb, m2b) into (cnt, mean, m2): Chan et al.
+__device__ __forceinline__ void chan_merge(float& cnt, float& mean, float& m2, float cb, float mb, float m2b) {
+    const float nn = cnt + cb;
+    if (nn > 0.f) {
+        const float d = mb - mean;
+        mean += d * (cb / nn);
+        m2 += m2b + d * d * (cnt * cb / nn);
+    }
+    cnt = nn;
+}
+
+constexpr int kApplyThreads = 256;
+constexpr int kMaxChannels = 4096;  // kernels/conv.py: MAX_CHANNELS
+
+// Grid (N, chunks): CTA (n, chunk) normalizes rows [chunk * rows_per, +rows_per) of image n.
+// stats: per conv CTA (mt, nt, ks) a [2 segments][GS] block of float2 (mean, M2); only ks = KS - 1 is read.
+template <int ACT, typename YT, typename OT>
+__device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __restrict__ stats,
+                                         const float* __restrict__ gamma, const float* __restrict__ beta,
+                                         float eps, int HW, int C, int G, int TM, int TN, int NTILES, int KS,
+                                         int GS, int rows_per) {
+    __shared__ float sh[2 * kMaxChannels];   // scale[C], shift[C]
+    float* scale = sh;
+    float* shift = sh + C;
+    const int n = blockIdx.x, cpg = C / G;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t_first = (n * HW) / TM, t_last = (n * HW + HW - 1) / TM;
+    const float2* st = reinterpret_cast<const float2*>(stats);
+    for (int g = warp; g < G; g += kApplyThreads / 32) {
+        const int j_first = (g * cpg) / TN, j_last = ((g + 1) * cpg - 1) / TN;
+        const int parts = j_last - j_first + 1, entries = (t_last - t_first + 1) * parts;
+        float cnt = 0.f, mean = 0.f, m2 = 0.f;
+        for (int e = lane; e < entries; e += 32) {
+            const int t = t_first + e / parts, j = j_first + e % parts;
+            const int rows = min((t + 1) * TM, (n + 1) * HW) - max(t * TM, n * HW);
+            const int sg = (n * HW > t * TM) ? 1 : 0;   // image n starts inside tile t: the tile's 2nd segment
+            const int chans = min((g + 1) * cpg, (j + 1) * TN) - max(g * cpg, j * TN);
+            const float2 v = st[(((size_t)t * NTILES + j) * KS + (KS - 1)) * 2 * GS + sg * GS + (g - (j * TN) / cpg)];
+            chan_merge(cnt, mean, m2, (float)rows * (float)chans, v.x, v.y);
+        }
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {    // a fixed tree; the lower lane's side is always "a"
+            const float cb = __shfl_xor_sync(0xffffffffu, cnt, o);
+            const float mb = __shfl_xor_sync(0xffffffffu, mean, o);
+            const float m2b = __shfl_xor_sync(0xffffffffu, m2, o);
+            if (lane & o) {
+                float c2 = cb, me2 = mb, mm2 = m2b;
+                chan_merge(c2, me2, mm2, cnt, mean, m2);
+                cnt = c2; mean = me2; m2 = mm2;
+            } else {
+                chan_merge(cnt, mean, m2, cb, mb, m2b);
+            }
+        }
+        const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
+        for (int c = g * cpg + lane; c < (g + 1) * cpg; c += 32) {
+            const float sc = gamma[c] * rstd;
+            scale[c] = sc;
+            shift[c] = beta[c] - mean * sc;
+        }
+    }
+    __syncthreads();
+    const int vecs = C / 8;
+    const int r0 = blockIdx.y * rows_per;
+    const int rows = min(rows_per, HW - r0);
+    const size_t base = ((size_t)n * HW + r0) * C;
+    for (int i = threadIdx.x; i < rows * vecs; i += kApplyThreads) {
+        const int c = (i % vecs) * 8;
+        const size_t off = base + (size_t)(i / vecs) * C + c;
+        float f[8];
+        load8(y + off, f);
+        #pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] = activation<ACT>(f[k] * scale[c + k] + shift[c + k]);
+        store8(z + off, f);
+    }
+}
+
+// Out of place: z (fp16 or fp32) from y.  z is the partitioned output: [N, chunks, rows_per * C].
+template <int ACT, typename YT, typename OT>
+__global__ void __launch_bounds__(kApplyThreads)
+gn_act_apply(OT* z, const YT* y, const float* stats, const float* gamma, const float* beta, float eps,
+             int HW, int C, int G, int TM, int TN, int NTILES, int KS, int GS, int rows_per) {
+    gn_apply<ACT, YT, OT>(z, y, stats, gamma, beta, eps, HW, C, G, TM, TN, NTILES, KS, GS, rows_per);
+}
+
+// In place: each element of y is read, then overwritten, by the same thread.
+template <int ACT, typename YT>
+__global__ void __launch_bounds__(kApplyThreads)
+gn_act_apply_inplace(YT* y, const float* stats, const float* gamma, const float* beta, float eps,
+                     int HW, int C, int G, int TM, int TN, int NTILES, int KS, int GS, int rows_per) {
+    gn_apply<ACT, YT, YT>(y, y, stats, gamma, beta, eps, HW, C, G, TM, TN, NTILES, KS, GS, rows_per);
+}
+
+// The U-Net block's residual: out = a + b, fp16, 8 elements (16 bytes) per thread.
+extern "C" __global__ void __launch_bounds__(kApplyThreads)
+add_f16(__half* out, const __half* a, const __half* b) {
+    const size_t i = ((size_t)blockIdx.x * kApplyThreads + threadIdx.x) * 8;
+    float fa[8], fb[8];
+    load8(a + i, fa);
+    load8(b + i, fb);
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) fa[k] += fb[k];
+    store8(out + i, fa);
+}

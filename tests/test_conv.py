@@ -1,0 +1,250 @@
+"""The fused Conv2D -> GroupNorm -> SiLU/Mish op (kernels/conv.py, issue 6).
+
+Unmarked tests run on whatever Device(0) is (the reference device here: the
+kernels' float64 NumPy references, which mirror the GPU's partial-statistics
+layout and Chan merge); ``gpu`` tests run the CUTLASS kernels on the H100.
+Every result is held to ``conv_gn_act_reference`` (float64) on fresh random data.
+"""
+import numpy as np
+import pytest
+
+import deviceop as dop
+from kernels import conv
+from kernels.conv import ConvGnAct, conv_gn_act_reference
+
+
+def errors(got, ref):
+    got = got.astype(np.float64)
+    return float(np.abs(got - ref).max()), float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2)))
+
+
+def make_inputs(rng, n, h, w, c, k, r=3, y_dtype="float16", x_mean=0.0, bias_scale=1.0):
+    x = (x_mean + rng.standard_normal((n, h, w, c))).astype(np.float16)
+    wt = (rng.standard_normal((k, r, r, c)) / np.sqrt(r * r * c)).astype(np.float16)
+    b = (bias_scale * rng.standard_normal(k)).astype(y_dtype)
+    gamma = (1 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    beta = (0.2 * rng.standard_normal(k)).astype(np.float32)
+    return x, wt, b, gamma, beta
+
+
+def run(stream, plan, host, out_dtype="float16"):
+    t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
+    out = dop.empty([plan.n, plan.h, plan.w, plan.k], out_dtype, stream=stream)
+    plan(out, *map(t, host)).sync_on(stream)
+    return out.numpy()
+
+
+# -- everywhere (reference device on CPU, the kernels on the GPU) -------------------------
+
+@pytest.mark.parametrize("shape,groups,r,tile,act", [
+    ((2, 9, 9, 16, 24), 4, 3, "64x64", "silu"),        # tiles straddle images; 6-channel groups straddle nothing
+    ((3, 17, 17, 96, 96), 8, 3, "128x64", "mish"),     # C=96, H=W=17, N=3: tiles straddle images and groups
+    ((1, 8, 8, 32, 128), 32, 1, "64x64", "identity"),  # 1x1
+])
+def test_fused_op_matches_float64(stream, rng, shape, groups, r, tile, act):
+    n, h, w, c, k = shape
+    plan = ConvGnAct(n, h, w, c, k, kernel_size=r, groups=groups, act=act, tile=tile, stream=stream)
+    host = make_inputs(rng, n, h, w, c, k, r)
+    got = run(stream, plan, host)
+    mx, rel = errors(got, conv_gn_act_reference(*host, groups, 1e-5, act))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+def test_in_place_equals_out_of_place_in_a_graph(stream, rng):
+    n, h, w, c, k, groups = 2, 9, 9, 16, 32, 8
+    host = make_inputs(rng, n, h, w, c, k)
+    t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
+    args = list(map(t, host))
+    a = dop.empty([n, h, w, k], "float16", stream=stream)
+    b = dop.empty([n, h, w, k], "float16", stream=stream)
+    out_of_place = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile="64x64", stream=stream)
+    in_place = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile="64x64", inplace=True, stream=stream)
+    graph = out_of_place(a, *args).graph_on(stream)          # captured once ...
+    graph.replay()                                           # ... replayed
+    in_place(b, *args).sync_on(stream)                       # eager
+    stream.synchronize()
+    assert np.array_equal(a.numpy(), b.numpy())
+    mx, rel = errors(a.numpy(), conv_gn_act_reference(*host, groups, 1e-5, "mish"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+def test_scope_records_both_launches(stream, rng):
+    n, h, w, c, k, groups = 1, 8, 8, 16, 16, 4
+    host = make_inputs(rng, n, h, w, c, k)
+    args = [dop.from_numpy(a, stream=stream) for a in host]
+    out = dop.empty([n, h, w, k], "float16", stream=stream)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, tile="64x64", stream=stream)
+    graph = dop.CudaGraph.scope(stream, lambda s: s.record(plan(out, *args)))
+    assert graph.summary()["nodes"] == 2
+    graph.replay()
+    stream.synchronize()
+    mx, rel = errors(out.numpy(), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    assert mx <= 1e-2 and rel <= 1e-3
+
+
+def test_building_the_op_runs_nothing(stream, rng):
+    plan = ConvGnAct(1, 8, 8, 16, 16, groups=4, tile="64x64", stream=stream)
+    args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, 1, 8, 8, 16, 16)]
+    out = dop.from_numpy(np.full((1, 8, 8, 16), 7, np.float16), stream=stream)
+    launches = dop.op.stats["launches"] if hasattr(dop, "op") else None
+    op = plan(out, *args)
+    assert np.all(out.numpy() == 7)
+    if launches is not None:
+        assert dop.op.stats["launches"] == launches
+    op.sync_on(stream)
+    assert not np.all(out.numpy() == 7)
+
+
+def test_heuristic_fills_the_sms_at_n1():
+    for c, hw in ((320, 64), (640, 32), (1280, 16)):
+        name, split = conv.choose_tile(1, hw, hw, c, c, 3, 132)
+        ctas = conv.tile_count(hw * hw, c, conv.TILES[name], split)
+        assert ctas >= 132, (c, hw, name, split, ctas)
+
+
+# -- bad input: clear errors before anything runs --------------------------------------------
+
+def test_bad_inputs_are_refused_with_the_fix(stream, rng):
+    n, h, w, c, k = 1, 8, 8, 16, 16
+    plan = ConvGnAct(n, h, w, c, k, groups=4, tile="64x64", stream=stream)
+    x, wt, b, ga, be = (dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k))
+    out = dop.empty([n, h, w, k], "float16", stream=stream)
+    nchw = dop.from_numpy(np.zeros((n, c, h, w), np.float16), stream=stream)
+    with pytest.raises(dop.ShapeError, match="looks NCHW"):
+        plan(out, nchw, wt, b, ga, be)
+    kcrs = dop.from_numpy(np.zeros((k, c, 3, 3), np.float16), stream=stream)
+    with pytest.raises(dop.ShapeError, match="looks KCRS"):
+        plan(out, x, kcrs, b, ga, be)
+    with pytest.raises(dop.DTypeError, match="x must be float16"):
+        plan(out, dop.from_numpy(np.zeros((n, h, w, c), np.float32), stream=stream), wt, b, ga, be)
+    with pytest.raises(dop.DTypeError, match="gamma must be float32"):
+        plan(out, x, wt, b, dop.from_numpy(np.ones(k, np.float16), stream=stream), be)
+    big = dop.empty([n * h * w * c + 8], "float16", stream=stream)
+    shifted = big[1:n * h * w * c + 1].view([n, h, w, c])      # 2 bytes past a 16-byte boundary
+    with pytest.raises(dop.ShapeError, match="16-byte aligned"):
+        plan(out, shifted, wt, b, ga, be)
+    with pytest.raises(dop.ShapeError, match="divide into groups"):
+        ConvGnAct(n, h, w, c, 24, groups=5, stream=stream)
+    with pytest.raises(dop.ShapeError, match="multiples of 8"):
+        ConvGnAct(n, h, w, 12, k, groups=4, stream=stream)
+    with pytest.raises(dop.ShapeError, match="no tile configuration fits"):
+        ConvGnAct(1, 4, 4, 16, 16, groups=4, stream=stream)
+    with pytest.raises(dop.ShapeError, match="needs H\\*W >= 128"):
+        ConvGnAct(1, 8, 8, 16, 16, groups=4, tile="128x128", stream=stream)
+    with pytest.raises(dop.ShapeError, match="only 3x3"):
+        ConvGnAct(n, h, w, c, k, kernel_size=5, groups=4, stream=stream)
+    with pytest.raises(dop.LaunchError, match="act="):
+        ConvGnAct(n, h, w, c, k, groups=4, act="relu", stream=stream)
+    with pytest.raises(dop.AliasingError):
+        plan(x.view([n, h, w, c]), x, wt, b, ga, be)
+
+
+# -- NVRTC: every shipped configuration compiles for sm_90 (CPU CI too) -------------------------
+
+def test_every_shipped_configuration_compiles_for_sm90():
+    built = conv.compile_all("sm_90")
+    assert len(built) == 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    assert any("128, 128" in b for b in built) and any("gn_act_apply_inplace" in b for b in built)
+
+
+def test_missing_cutlass_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(conv.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(dop.CompileError, match="pip install 'nvidia-cutlass"):
+        conv.cutlass_include_dir()
+
+
+# -- the H100 -----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,split", [(t, s) for t in conv.TILES for s in (1, 3)])
+def test_every_tile_and_split_k_on_the_gpu(stream, rng, tile, split):
+    n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20      # K=200 divides no tile width
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile=tile, split_k=split, stream=stream)
+    host = make_inputs(rng, n, h, w, c, k)
+    mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+    size_params, size_smem = plan.blob_sizes
+    assert size_params <= conv.BLOB_BYTES - 8
+    assert size_smem == plan.tile.shared_bytes()  # the host's formula is CUTLASS's sizeof(SharedStorage)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["identity", "silu", "mish"])
+def test_odd_shape_c96_hw17_n3(stream, rng, act):
+    n, h, w, c, k, groups = 3, 17, 17, 96, 96, 32
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act=act, stream=stream)
+    host = make_inputs(rng, n, h, w, c, k)
+    mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, act))
+    assert mx <= 1e-2 and rel <= 1e-3, (plan, mx, rel)
+
+
+@pytest.mark.gpu
+def test_large_mean_input(stream, rng):
+    """x with mean/std = 100: the conv output's channels sit far apart; fp16 y is enough."""
+    n, h, w, c, k, groups = 1, 32, 32, 64, 64, 16
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, stream=stream)
+    host = make_inputs(rng, n, h, w, c, k, x_mean=100.0)
+    mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+@pytest.mark.gpu
+def test_large_mean_groups_need_the_fp32_intermediate(stream, rng):
+    """Groups whose mean is 100x their std (a bias of 100): statistics stay exact
+    (shifted sums, Chan merge), and an fp32 y keeps 1e-2 after normalization."""
+    n, h, w, c, k, groups = 2, 16, 16, 32, 64, 8
+    x, wt, _, ga, be = make_inputs(rng, n, h, w, c, k, y_dtype="float32")
+    b = np.full(k, 100.0, np.float32)
+    host = (x, wt, b, ga, be)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, y_dtype="float32", out_dtype="float32", stream=stream)
+    mx, rel = errors(run(stream, plan, host, "float32"), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+@pytest.mark.gpu
+def test_zero_variance_groups(stream, rng):
+    """Groups whose output is constant (zero weights, constant bias): normalized to beta, no NaN."""
+    n, h, w, c, k, groups = 1, 16, 16, 32, 64, 8
+    x, wt, b, ga, be = make_inputs(rng, n, h, w, c, k)
+    wt[:16] = 0                                    # groups 0 and 1: y = bias, constant per channel ...
+    b[:16] = 3.0                                   # ... and the same for the whole group
+    host = (x, wt, b, ga, be)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="identity", stream=stream)
+    got = run(stream, plan, host)
+    assert np.all(np.isfinite(got))
+    mx, rel = errors(got, conv_gn_act_reference(*host, groups, 1e-5, "identity"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+@pytest.mark.gpu
+def test_deterministic_over_ten_runs(stream, rng):
+    n, h, w, c, k, groups = 2, 32, 32, 64, 128, 32
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile="64x64", split_k=2, stream=stream)
+    args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
+    out = dop.empty([n, h, w, k], "float16", stream=stream)
+    graph = plan(out, *args).graph_on(stream)
+    first = None
+    for _ in range(10):
+        graph.replay()
+        stream.synchronize()
+        got = out.numpy().copy()
+        if first is None:
+            first = got
+        assert np.array_equal(got.view(np.uint16), first.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_against_torch_fp32(stream, rng):
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    n, h, w, c, k, groups = 1, 32, 32, 320, 320, 32
+    x, wt, b, ga, be = make_inputs(rng, n, h, w, c, k)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", stream=stream)
+    got = run(stream, plan, (x, wt, b, ga, be)).astype(np.float32)
+    tx = torch.from_numpy(x).cuda().float().permute(0, 3, 1, 2)
+    tw = torch.from_numpy(wt).cuda().float().permute(0, 3, 1, 2)
+    ref = F.mish(F.group_norm(F.conv2d(tx, tw, torch.from_numpy(b).cuda().float(), padding=1), groups,
+                              torch.from_numpy(ga).cuda(), torch.from_numpy(be).cuda(), 1e-5))
+    ref = ref.permute(0, 2, 3, 1).cpu().numpy().astype(np.float64)
+    mx, rel = errors(got, ref)
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
