@@ -203,7 +203,7 @@ class _Loop(DeviceOp):
         finally:
             code = cu.cuStreamEndCapture(body_stream.handle)[0]
         check((code,), f"cuStreamEndCapture(body of {self._label})")
-        ctx.capture.keep.append((body_stream, *self._keep()))
+        ctx.capture.keep.append(self._keep())  # the body stream is only needed while capturing
 
 
 class Loop(_Loop):

@@ -246,3 +246,16 @@ def test_the_loop_control_kernels_and_the_row_kernels_compile_for_sm_90():
     for kernel in (load_row, store_row):
         prog, expr = kernel.compile([128], arch="sm_90")
         assert prog.cubin[:4] == b"\x7fELF" and expr in prog.lowered_names
+
+
+def test_row_kernels_refuse_a_table_that_does_not_fit(stream):
+    table, x, out = dop.empty([4, 256], stream=stream), dop.empty([256], stream=stream), dop.empty([128], stream=stream)
+    i = int32_cell(0, stream)
+    with pytest.raises(dop.ShapeError, match="rows=3"):
+        load_row(x.partition([128]), table, i, 3).generics([128]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match=r"must be \[rows, 128\]"):
+        load_row(out.partition([128]), table, i, 4).generics([128]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match=r"partition out with \[4, 128\]"):
+        store_row(table.partition([1, 128]), x, i, 4).generics([128]).sync_on(stream)
+    with pytest.raises(dop.DTypeError):
+        store_row(table.partition([4, 128]), x, dop.empty([1], "float32", stream=stream), 4)
