@@ -140,13 +140,7 @@ class Function:
     def _verify_layout(self, offsets) -> None:
         """Compare the declared signature with the CUBIN's parameter layout."""
         actual = []
-        # Ask for the count where the driver can tell (CUDA 13): probing one past the
-        # last parameter works too, but is a failed driver call compute-sanitizer reports.
-        count = None
-        if hasattr(cu, "cuFuncGetParamCount"):
-            code, n = cu.cuFuncGetParamCount(self.handle)
-            count = None if code else n
-        while count is None or len(actual) < count:
+        while True:
             code, offset, size = cu.cuFuncGetParamInfo(self.handle, len(actual))
             if code:
                 break
