@@ -32,7 +32,10 @@ class DriverSpy:
     counting graph handles and failing the calls it is told to fail."""
 
     def __init__(self):
-        self.live = Counter()      # "graph" / "exec" -> handles created and not yet destroyed
+        # "graph" / "exec" -> handles created while installed and not yet destroyed.  Kept
+        # by identity: a graph made before the spy and collected while it is installed
+        # must not count against what the spy saw made.
+        self.live = {"graph": set(), "exec": set()}
         self.calls = Counter()     # driver function name -> calls seen
         self.injected = Counter()  # driver function name -> faults injected
         self._faults = {}          # name -> [calls to let through first, CUresult, times left]
@@ -58,7 +61,7 @@ class DriverSpy:
 
     def leaked(self) -> dict:
         """Graph handles created and never destroyed ({} when none)."""
-        return {k: v for k, v in self.live.items() if v}
+        return {k: len(v) for k, v in self.live.items() if v}
 
     # -- the calls that make or break graphs ---------------------------------------
     def cuStreamBeginCapture(self, stream, mode):
@@ -75,14 +78,14 @@ class DriverSpy:
                 _cu.cuGraphDestroy(graph)
             return fault, None
         if not code and graph is not None and int(graph):
-            self.live["graph"] += 1
+            self.live["graph"].add(int(graph))
         return code, graph
 
     def cuGraphDestroy(self, graph):
         self.calls["cuGraphDestroy"] += 1
         result = _cu.cuGraphDestroy(graph)
         if not result[0]:
-            self.live["graph"] -= 1
+            self.live["graph"].discard(int(graph))
         return result
 
     def cuGraphInstantiate(self, graph, flags):
@@ -92,14 +95,14 @@ class DriverSpy:
             return fault, None
         code, exec_ = _cu.cuGraphInstantiate(graph, flags)
         if not code:
-            self.live["exec"] += 1
+            self.live["exec"].add(int(exec_))
         return code, exec_
 
     def cuGraphExecDestroy(self, exec_):
         self.calls["cuGraphExecDestroy"] += 1
         result = _cu.cuGraphExecDestroy(exec_)
         if not result[0]:
-            self.live["exec"] -= 1
+            self.live["exec"].discard(int(exec_))
         return result
 
     def cuGraphUpload(self, exec_, stream):
