@@ -28,6 +28,24 @@
 // the next kernel's blocks can start their copies early): fp32 411 -> 347
 // us/token with PDL, bf16 359 -> 418, against 306 and 222 for the kernels
 // below in the same run.  Dropped.
+//
+// Also measured (H100, 2026-11-21; graph replays back to back, CUDA events,
+// us/token; these kernels with PDL: fp32 281-284, bf16 201): the whole layer
+// stack as ONE persistent cooperative kernel, a grid barrier between matvecs
+// instead of a kernel boundary, 128 blocks of 16 math warps.
+//   (a) next weights prefetched into registers before the barrier: fp32
+//       348-362, bf16 246.  A warp reaches the barrier only once its loads
+//       have issued, and the barrier thread's fence waits for its own loads.
+//   (b) a copy warp streaming weights through a 6-13-stage shared-memory ring
+//       (cp.async.bulk, mbarriers), running ahead across barriers, a separate
+//       barrier warp with no loads: fp32 326, bf16 220 (one copy per row per
+//       stage: 297-790, the copy warp the bottleneck; one 16 KB copy per stage
+//       of whole rows: 326 whatever the depth).  With the barrier compiled out
+//       (wrong results, streaming alone): fp32 282, bf16 185 -- the stream is
+//       no faster than these kernels' (~2.6 TB/s for fp32) and the barrier
+//       still costs ~1 us a phase.
+// Dropped.  What is left between these kernels and the floor is the read rate
+// itself, not launch gaps.
 #ifndef FUSED_MIN_BLOCKS
 #define FUSED_MIN_BLOCKS 1
 #endif
