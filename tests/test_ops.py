@@ -3,6 +3,7 @@
 Runs on Device(0): the reference device here and in CI, the H100 under gpu-check.
 """
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -279,6 +280,35 @@ def test_a_shared_op_that_needs_its_own_result_is_an_error(stream):
     holder.append(me)
     with pytest.raises(dop.StateError, match="depends on its own result"):
         me.sync_on(stream)
+
+
+def test_concurrent_clones_of_a_shared_op_run_it_once(device):
+    """A thread reaching a shared op that another thread is running waits for that
+    run's result; it neither runs the op again nor mistakes the wait for a cycle."""
+    running, go, runs, results = threading.Event(), threading.Event(), [], {}
+
+    def slow(v):
+        runs.append(threading.get_ident())
+        running.set()
+        assert go.wait(60)
+        return v + 1
+
+    op = dop.value(1).map(slow).shared()
+    first = threading.Thread(target=lambda: results.setdefault("first", op.clone().sync_on(device.new_stream())))
+    second = threading.Thread(target=lambda: results.setdefault("second", op.clone().sync_on(device.new_stream())))
+    first.start()
+    try:
+        assert running.wait(60)
+        second.start()
+        second.join(0.2)
+        assert second.is_alive()  # waiting for the first thread's run
+    finally:
+        go.set()
+        for t in (first, second):
+            if t.ident is not None:  # started
+                t.join(60)
+    assert results == {"first": 2, "second": 2} and len(runs) == 1
+    assert op.sync_on(device.new_stream()) == 2 and len(runs) == 1
 
 
 def test_checks_of_a_repeated_launch_run_once(stream, rng):
