@@ -311,6 +311,17 @@ def test_concurrent_clones_of_a_shared_op_run_it_once(device):
     assert op.sync_on(device.new_stream()) == 2 and len(runs) == 1
 
 
+def test_a_handle_released_after_the_launch_was_built_is_refused_when_it_runs(stream):
+    """The launch-check cache does not bypass the handle's liveness: an identical launch
+    checked before does not make a released handle readable."""
+    out, a, w = dop.empty(256), dop.empty(256), dop.empty(256).into_shared()
+    add(out.partition([128]), a, w).generics([128]).sync_on(stream)  # checked, and the verdict cached
+    op = add(out.partition([128]), a, w).generics([128])
+    w.release()
+    with pytest.raises(dop.StateError, match="released"):
+        op.sync_on(stream)
+
+
 def test_checks_of_a_repeated_launch_run_once(stream, rng):
     """Per-token rebuilds of one model pay the launch checks once: the verdict is cached
     by device, generics, tiles and each tensor's pointer, shape, strides and dtype."""
