@@ -267,17 +267,19 @@ class KernelLaunch(DeviceOp):
         # dtypes were all seen before was already checked: one dict lookup gives
         # the verdict and the launch plan (per-token rebuilds of one model hit
         # this every time).  Anything unexpected takes the full check below.
-        # Plain loops, not comprehensions: each comprehension is a function call
-        # (before Python 3.12), and this runs once per launch.
+        # Each tensor enters the key as its layout id (Tensor._sig_id: cheaper to
+        # hash than the layout tuple).  Plain loops, not comprehensions: each
+        # comprehension is a function call (before Python 3.12), and this runs
+        # once per launch.
         launch_args = list(values)
         try:
             t = launch_args[0] = part.tensor
-            key = [device, gen, part.tile_shape, self._pdl, t._sig]
+            key = [device, gen, part.tile_shape, self._pdl, t._sig_id]
             for i in kernel._input_positions:
                 t = launch_args[i]
                 if type(t) is SharedTensor:  # its .tensor, without the property call on the live path
                     t = launch_args[i] = t._tensor if t._live else t.tensor
-                key.append(t._sig)
+                key.append(t._sig_id)
             key = tuple(key)
         except AttributeError:  # an argument of the wrong kind: the full check names it
             key = None

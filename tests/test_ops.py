@@ -322,6 +322,27 @@ def test_a_handle_released_after_the_launch_was_built_is_refused_when_it_runs(st
         op.sync_on(stream)
 
 
+def test_launch_checks_are_cached_by_layout_not_by_tensor_object(stream, rng):
+    """A new Tensor object over the same memory, shape, strides and dtype is the same
+    launch to the check cache; another shape is not."""
+    calls = []
+    k = dop.Kernel("add_layouts", add.source, add.params, generics=["B"], block=lambda g: g["B"] // 4,
+                   reference=add.reference, validate=lambda *a: calls.append(1), entry="add")
+    a = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
+    out = dop.empty(256)
+    assert a[:] is not a and a[:]._sig_id == a._sig_id and a.view([2, 128])._sig_id != a._sig_id
+    k(out.partition([128]), a, a).generics([128]).sync_on(stream)
+    k(out.partition([128]), a[:], a[:]).generics([128]).sync_on(stream)
+    assert len(calls) == 1
+    np.testing.assert_allclose(out.numpy(), 2 * a.numpy(), rtol=1e-6)
+    from deviceop.tensor import _sig_ids
+    _sig_ids.clear()  # what the bounded table does when full: a layout made again gets a new id
+    b = a[:]
+    assert b._sig_id != a._sig_id
+    k(out.partition([128]), b, b).generics([128]).sync_on(stream)
+    assert len(calls) == 2  # checked once more, not trusted on a stale id
+
+
 def test_checks_of_a_repeated_launch_run_once(stream, rng):
     """Per-token rebuilds of one model pay the launch checks once: the verdict is cached
     by device, generics, tiles and each tensor's pointer, shape, strides and dtype."""
