@@ -12,6 +12,8 @@ Three ways, one process, same CUBINs, same buffers:
 Host time is what is measured: the GPU runs each token in ~0.3 ms, faster
 than Python can issue 88 launches, so the loops are host-bound.
 Headline: eager_vs_bare_launch_loop = deviceop execution / bare loop (lower, target 1.3).
+Without a GPU, scripts/eager_tree_cpu.py times the same execution's host cost
+with the driver call stubbed (the part deviceop's Python adds).
 
     python bench/eager_overhead.py [--tokens 200] [--reps 5]
 """

@@ -92,7 +92,8 @@ class Kernel:
         self._functions: dict = {}
         self._configs: dict = {}
         self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
-        self._tensor_positions = tuple(i for i, p in enumerate(self.params) if p.role != "scalar")
+        # the tensor parameters after the output (the launch-check cache keys on their layouts)
+        self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
 
@@ -256,21 +257,30 @@ class KernelLaunch(DeviceOp):
         if gen is None:
             raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
                               f"call .generics([...]) on the launch")
-        dynamic = self._dynamic
-        if dynamic:
-            values = list(self.args)
-            for i in dynamic:
+        values = self.args
+        if self._dynamic:
+            values = list(values)
+            for i in self._dynamic:
                 values[i] = values[i]._run(ctx)
-        else:
-            values = self.args
         kernel, part, device = self.kernel, values[0], ctx.device
         # A launch whose device, generics, tiles, pointers, shapes, strides and
         # dtypes were all seen before was already checked: one dict lookup gives
         # the verdict and the launch plan (per-token rebuilds of one model hit
         # this every time).  Anything unexpected takes the full check below.
+        # Each tensor enters the key as its layout id (Tensor._sig_id: cheaper to
+        # hash than the layout tuple).  Plain loops, not comprehensions: each
+        # comprehension is a function call (before Python 3.12), and this runs
+        # once per launch.
+        launch_args = list(values)
         try:
-            launch_args = [part.tensor, *[v.tensor if type(v) is SharedTensor else v for v in values[1:]]]
-            key = (device, gen, part.tile_shape, self._pdl, *[launch_args[i]._sig for i in kernel._tensor_positions])
+            t = launch_args[0] = part.tensor
+            key = [device, gen, part.tile_shape, self._pdl, t._sig_id]
+            for i in kernel._input_positions:
+                t = launch_args[i]
+                if type(t) is SharedTensor:  # its .tensor, without the property call on the live path
+                    t = launch_args[i] = t._tensor if t._live else t.tensor
+                key.append(t._sig_id)
+            key = tuple(key)
         except AttributeError:  # an argument of the wrong kind: the full check names it
             key = None
         plan = kernel._verified.get(key) if key is not None else None
@@ -283,14 +293,15 @@ class KernelLaunch(DeviceOp):
                 if len(kernel._verified) > 65536:
                     kernel._verified.clear()
                 kernel._verified[key] = plan
-        if device.is_reference:
+        launcher, config = plan
+        if launcher is None:  # the reference device
             self._run_reference(ctx, gen, launch_args, values)
         else:
-            plan[0](ctx.stream, plan[1], *launch_args)
+            launcher(ctx.stream, config, *launch_args)
             if ctx.capture is not None:  # a node of the graph: its handle, its arguments (kept alive)
                 ctx.capture.add_kernel_node(self, KernelNode(
                     kernel, gen, self.describe(), values, launch_args, self._mutable,
-                    kernel.function(device, gen), plan[1], ctx.capture.last_node(ctx.stream)))
+                    kernel.function(device, gen), config, ctx.capture.last_node(ctx.stream)))
         stats["launches"] += 1
         return tuple(values)
 

@@ -22,6 +22,7 @@ from .errors import KernelFaultError, ReentrancyError, ShapeError, StateError
 from .tensor import Partition, SharedTensor, Tensor
 
 _tls = threading.local()
+_get_ident = threading.get_ident
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
 
@@ -384,32 +385,13 @@ def zip_(*ops) -> DeviceOp:
 
 
 class _SharedCore:
-    """The once-cell behind a shared op and all its clones."""
+    """The once-cell behind a shared op and all its clones (run by ``SharedOp._run``)."""
 
     __slots__ = ("op", "done", "result", "lock", "owner")
 
     def __init__(self, op):
         self.op, self.done, self.result, self.owner = op, False, None, None
         self.lock = threading.Lock()
-
-    def get(self, ctx):
-        if self.done:
-            return self.result
-        # One thread runs the op; a concurrent clone waits for its result.  The
-        # running thread reaching a clone again from inside the op is a cycle.
-        if not self.lock.acquire(blocking=False):
-            if self.owner == threading.get_ident():
-                raise StateError(f"shared op {self.op.describe()} depends on its own result")
-            self.lock.acquire()
-        try:
-            if not self.done:
-                self.owner = threading.get_ident()
-                self.result = self.op._run(ctx)
-                self.done = True
-        finally:
-            self.owner = None
-            self.lock.release()
-        return self.result
 
 
 class SharedOp(DeviceOp):
@@ -430,7 +412,28 @@ class SharedOp(DeviceOp):
 
     def _run(self, ctx):  # handles may be executed again: the result is cached
         core = self.core
-        return core.result if core.done else core.get(ctx)
+        if core.done:
+            return core.result
+        # One thread runs the op; a concurrent clone waits for its result.  The
+        # running thread reaching a clone again from inside the op is a cycle.
+        # (Here rather than in a method of the core: every shared op's first
+        # handle passes here once per execution, and a call costs as much as the
+        # lock.  acquire(False), not acquire(blocking=False): a keyword argument
+        # costs as much again.)
+        lock = core.lock
+        if not lock.acquire(False):
+            if core.owner == _get_ident():
+                raise StateError(f"shared op {core.op.describe()} depends on its own result")
+            lock.acquire()
+        try:
+            if not core.done:
+                core.owner = _get_ident()
+                core.result = core.op._run(ctx)
+                core.done = True
+        finally:
+            core.owner = None
+            lock.release()
+        return core.result
 
     _execute = _run
 

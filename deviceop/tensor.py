@@ -15,6 +15,7 @@ explicit transfers.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -47,6 +48,26 @@ def _resolve_shape(shape, size: int, what: str) -> tuple[int, ...]:
     if math.prod(dims) != size:
         raise ShapeError(f"{what}: shape {dims} holds {math.prod(dims)} elements but the tensor has {size}")
     return dims
+
+
+# Launch checks are cached by the layouts of the tensors involved (see
+# KernelLaunch._run).  Hashing every tensor's (pointer, shape, strides, dtype)
+# tuple at every launch was most of that lookup's cost; so each distinct
+# layout gets a small int, once, when a tensor or view is made, and the cache
+# keys on those.  Equal ids mean equal layouts (ids come from a counter and are
+# never reused); a layout made again after the table was cleared gets a new
+# id, which costs that launch one more check, never a wrong verdict.
+_sig_ids: dict = {}
+_next_sig_id = itertools.count(1).__next__
+
+
+def _sig_id(sig: tuple) -> int:
+    i = _sig_ids.get(sig)
+    if i is None:
+        if len(_sig_ids) >= 1 << 14:  # bounded: dead tensors' layouts are forgotten
+            _sig_ids.clear()
+        i = _sig_ids.setdefault(sig, _next_sig_id())  # setdefault: two threads agree on one id
+    return i
 
 
 class _Allocation:
@@ -86,7 +107,7 @@ class Tensor:
     """
 
     __slots__ = ("_base", "_arr", "device", "dtype", "_ptr", "_shape", "_strides", "_alloc", "_contig",
-                 "_home_stream", "_sig", "_views", "__weakref__")
+                 "_home_stream", "_sig", "_sig_id", "_views", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("create tensors with dop.empty/zeros/from_numpy/from_dlpack or the api ops")
@@ -113,6 +134,7 @@ class Tensor:
                                  else t._range()))
         t._home_stream = home_stream
         t._sig = (t._ptr, t._shape, t._strides, t.dtype)
+        t._sig_id = _sig_id(t._sig)
         t._views = None
         return t
 
@@ -123,6 +145,7 @@ class Tensor:
         t._ptr, t._shape, t._strides, t._contig = ptr, shape, strides, contiguous
         t._alloc, t._home_stream = self._alloc, self._home_stream
         t._sig, t._views = (ptr, shape, strides, self.dtype), None
+        t._sig_id = _sig_id(t._sig)
         return t
 
     @property

@@ -3,6 +3,7 @@
 Runs on Device(0): the reference device here and in CI, the H100 under gpu-check.
 """
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -279,6 +280,67 @@ def test_a_shared_op_that_needs_its_own_result_is_an_error(stream):
     holder.append(me)
     with pytest.raises(dop.StateError, match="depends on its own result"):
         me.sync_on(stream)
+
+
+def test_concurrent_clones_of_a_shared_op_run_it_once(device):
+    """A thread reaching a shared op that another thread is running waits for that
+    run's result; it neither runs the op again nor mistakes the wait for a cycle."""
+    running, go, runs, results = threading.Event(), threading.Event(), [], {}
+
+    def slow(v):
+        runs.append(threading.get_ident())
+        running.set()
+        assert go.wait(60)
+        return v + 1
+
+    op = dop.value(1).map(slow).shared()
+    first = threading.Thread(target=lambda: results.setdefault("first", op.clone().sync_on(device.new_stream())))
+    second = threading.Thread(target=lambda: results.setdefault("second", op.clone().sync_on(device.new_stream())))
+    first.start()
+    try:
+        assert running.wait(60)
+        second.start()
+        second.join(0.2)
+        assert second.is_alive()  # waiting for the first thread's run
+    finally:
+        go.set()
+        for t in (first, second):
+            if t.ident is not None:  # started
+                t.join(60)
+    assert results == {"first": 2, "second": 2} and len(runs) == 1
+    assert op.sync_on(device.new_stream()) == 2 and len(runs) == 1
+
+
+def test_a_handle_released_after_the_launch_was_built_is_refused_when_it_runs(stream):
+    """The launch-check cache does not bypass the handle's liveness: an identical launch
+    checked before does not make a released handle readable."""
+    out, a, w = dop.empty(256), dop.empty(256), dop.empty(256).into_shared()
+    add(out.partition([128]), a, w).generics([128]).sync_on(stream)  # checked, and the verdict cached
+    op = add(out.partition([128]), a, w).generics([128])
+    w.release()
+    with pytest.raises(dop.StateError, match="released"):
+        op.sync_on(stream)
+
+
+def test_launch_checks_are_cached_by_layout_not_by_tensor_object(stream, rng):
+    """A new Tensor object over the same memory, shape, strides and dtype is the same
+    launch to the check cache; another shape is not."""
+    calls = []
+    k = dop.Kernel("add_layouts", add.source, add.params, generics=["B"], block=lambda g: g["B"] // 4,
+                   reference=add.reference, validate=lambda *a: calls.append(1), entry="add")
+    a = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
+    out = dop.empty(256)
+    assert a[:] is not a and a[:]._sig_id == a._sig_id and a.view([2, 128])._sig_id != a._sig_id
+    k(out.partition([128]), a, a).generics([128]).sync_on(stream)
+    k(out.partition([128]), a[:], a[:]).generics([128]).sync_on(stream)
+    assert len(calls) == 1
+    np.testing.assert_allclose(out.numpy(), 2 * a.numpy(), rtol=1e-6)
+    from deviceop.tensor import _sig_ids
+    _sig_ids.clear()  # what the bounded table does when full: a layout made again gets a new id
+    b = a[:]
+    assert b._sig_id != a._sig_id
+    k(out.partition([128]), b, b).generics([128]).sync_on(stream)
+    assert len(calls) == 2  # checked once more, not trusted on a stale id
 
 
 def test_checks_of_a_repeated_launch_run_once(stream, rng):

@@ -1,0 +1,121 @@
+"""The GPU path of eager execution, checked without a GPU.
+
+On the reference device a kernel launch op runs the kernel's NumPy reference;
+on a GPU it looks its checked launch plan up (the verdict cache) and calls the
+Function's generated launcher.  Here a device that is not the reference
+device, with Functions whose only stand-in is the driver (cuLaunchKernel
+records its arguments), runs that path on the tutorial model's forward: every
+launch reaches the driver once, in order, with the right pointers, grids and
+scalars, and a rebuilt forward over the same buffers is not checked again.
+(scripts/eager_tree_cpu.py times the same path.)
+"""
+import ctypes
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import deviceop as dop
+from deviceop.op import stats
+from deviceop.runtime import launch as launch_mod
+from deviceop.runtime.launch import ptr
+from kernels import add, matvec, rms_norm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from token_model import Config, LayerBuffers, LayerWeights, build_forward  # noqa: E402
+
+
+class FakeGpu:
+    is_reference = False
+    ordinal = -7  # no real device has it: the kernels' function caches keep these apart
+    name = "fake GPU"
+
+
+class FakeStream:
+    handle = 0
+
+    def __init__(self, device):
+        self.device = device
+
+    def synchronize(self):
+        pass
+
+
+class RecordingDriver:
+    """cuLaunchKernel that decodes and records each launch's parameters."""
+
+    def __init__(self):
+        self.functions, self.launches = [], []
+
+    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        fn = self.functions[handle]
+        addrs = (ctypes.c_void_p * len(fn.signature)).from_address(params)
+        args = [struct.unpack("@P" if isinstance(s, ptr) else "@" + s.pack,
+                              ctypes.string_at(addrs[i], 8 if isinstance(s, ptr) else s.itemsize))[0]
+                for i, s in enumerate(fn.signature)]
+        self.launches.append((fn.name, (gx, gy, gz), (bx, by, bz), args))
+        return (0,)
+
+    def cuLaunchKernelEx(self, config, handle, params, extra):  # PDL launches: the forward makes none
+        raise AssertionError("unexpected PDL launch")
+
+
+class DriverlessFunction(launch_mod.Function):
+    def _verify_layout(self, offsets):  # no CUBIN to compare with
+        pass
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """(device, stream, driver, checks): the three kernels of the forward on a fake GPU."""
+    driver, device = RecordingDriver(), FakeGpu()
+    monkeypatch.setattr(launch_mod, "cu", driver)  # what the generated launchers call
+    checks = []
+    cfg = Config(d=256, n_layers=3, bk=2)
+    for kernel, gen in ((rms_norm, cfg.rms_generics()), (matvec, cfg.mv_generics()), (add, [cfg.block])):
+        gen = kernel.check_generics(gen)
+        fn = DriverlessFunction(None, len(driver.functions), kernel.name, kernel.signature)
+        driver.functions.append(fn)
+        monkeypatch.setitem(kernel._functions, (device.ordinal, gen), fn)
+        monkeypatch.setattr(kernel, "_verified", {})
+        monkeypatch.setattr(kernel, "validate", lambda *a, _v=kernel.validate, _k=kernel.name: (checks.append(_k), _v(*a)))
+    return cfg, device, FakeStream(device), driver, checks
+
+
+def test_the_eager_forward_reaches_the_driver_once_per_launch_with_its_arguments(gpu_path):
+    cfg, device, stream, driver, checks = gpu_path
+    d, n = cfg.d, cfg.n_layers
+    weights = [LayerWeights(*(dop.empty(s).into_shared() for s in ([d], [d, d], [d, d]))) for _ in range(n)]
+    raw = [[dop.empty(s) for s in ([1, d], [d], [d], [d])] for _ in range(n)]
+    x = dop.empty([d])
+
+    expected, hidden = [], x
+    for w, (norm, q, o, res) in zip(weights, raw):
+        bs = cfg.rms_generics()[1]
+        expected += [("rms_norm", (1, 1, 1), (bs, 1, 1), [norm.data_ptr, hidden.data_ptr, w.norm_w.tensor.data_ptr,
+                                                          pytest.approx(cfg.eps)]),
+                     ("matvec", (d // cfg.bn, 1, 1), (32 * cfg.bn, 1, 1), [q.data_ptr, norm.data_ptr, w.wq.tensor.data_ptr]),
+                     ("matvec", (d // cfg.bn, 1, 1), (32 * cfg.bn, 1, 1), [o.data_ptr, q.data_ptr, w.wo.tensor.data_ptr]),
+                     ("add", (d // cfg.block, 1, 1), (cfg.block // 4, 1, 1), [res.data_ptr, hidden.data_ptr, o.data_ptr])]
+        hidden = res
+
+    for token in range(3):  # rebuilt per token, as eager code does: checked the first time only
+        before = stats["launches"]
+        forward, out = build_forward(cfg, weights, x, [LayerBuffers(*(t.into_shared() for t in r)) for r in raw])
+        forward.async_on(stream)
+        assert stats["launches"] - before == 4 * n
+        assert driver.launches == expected
+        assert out.sync_on(stream) is raw[-1][3] and stats["launches"] - before == 4 * n
+        assert len(checks) == 4 * n  # every launch checked once, on the first token
+        driver.launches.clear()
+
+
+def test_the_host_cost_script_runs():
+    """scripts/eager_tree_cpu.py (the timing of this path), briefly: it keeps working."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "eager_tree_cpu.py"), "--d", "256", "--layers", "2",
+                          "--tokens", "3", "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "op-tree overhead (eager - launcher)" in run.stdout
