@@ -180,7 +180,7 @@ def _fused_check(name, per_load):
         _need(K % (32 * BK * per_load) == 0, f"{name}: K={K} must be a multiple of 32*BK*{per_load}="
                                              f"{32 * BK * per_load}")
         _need(1 <= BN <= 32, f"{name}: BN={BN} must be in [1, 32] (one warp per output row)")
-        _need(4 * K <= 48 * 1024, f"{name}: K={K} does not fit the 48 KB shared-memory copy of x")
+        _need(4 * (K + BN) <= 48 * 1024, f"{name}: K={K} does not fit the 48 KB shared-memory copy of x")
         others = [r for r in rest if hasattr(r, "shape")]
         _need(all(r.is_contiguous for r in [x, *others]), f"{name}: x, w and the vectors must be contiguous")
         if name.startswith("rms"):

@@ -12,8 +12,14 @@
 // inputs (x, residual) are read only after the wait, through L2 (ld.cg), into
 // shared memory once per block.  Without PDL the wait is a no-op.
 //
-// The RMSNorm scale costs no extra pass: every warp sees all of x while it
-// computes its dot product, so it sums x^2 on the way.
+// After the wait, everything is on the critical path between two kernels, so
+// it is kept to one L2 round trip: each block stages x (times g, for the
+// RMSNorm) in shared memory and sums x^2 on the way (one block reduction), and
+// the residual is read right after the wait, beside x, not after the dot
+// product.  Measured on the H100 (22 layers, d = 2048, graph + PDL, replays
+// back to back, us/token): each warp re-reading g and summing x^2 itself, and
+// the residual read at the end: fp32 279.4, bf16 201.3; staged once per block:
+// fp32 268.8, bf16 181.6.
 #include <cuda_bf16.h>
 
 // Minimum resident blocks per SM for the register budget.  Measured on the H100
@@ -46,6 +52,19 @@
 //       still costs ~1 us a phase.
 // Dropped.  What is left between these kernels and the floor is the read rate
 // itself, not launch gaps.
+//
+// Also measured (H100, 2026-11-21, replays back to back; these kernels before
+// the x staging above: fp32 279, bf16 200):
+//   (c) each kernel prefetching the NEXT matrix into L2 (prefetch.global.L2,
+//       with or without evict_last, or one cp.async.bulk.prefetch.L2 per row
+//       or per block): fp32 314-321, bf16 215-226 -- slower: the prefetch
+//       competes with this kernel's own reads and the total bytes do not shrink;
+//   (d) weights through cp.async (LDGSTS) into shared memory, no registers held,
+//       so 2-4 kernels' blocks fit an SM beside each other and the next ones
+//       stream while this one finishes: fp32 293-395, bf16 232-359.
+//   Co-residency never paid here: every variant that lets the next kernel's
+//   blocks in early (including 64-register builds of these kernels) was slower.
+// Dropped.
 #ifndef FUSED_MIN_BLOCKS
 #define FUSED_MIN_BLOCKS 1
 #endif
@@ -89,7 +108,8 @@ __device__ __forceinline__ void fused_matvec(float* __restrict__ out, const floa
     constexpr int STEP = 32 * BK;    // loads per warp step
     static_assert(K % (E * STEP) == 0, "K must be a multiple of 32 * BK * (16 / sizeof(W))");
     static_assert(BN >= 1 && BN <= 32, "BN must be in [1, 32] (one warp per row)");
-    __shared__ float4 xs[K / 4];
+    __shared__ float4 xs[K / 4];     // x, or x * g for the RMSNorm
+    __shared__ float partial[BN];    // per-warp sums of x^2
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const size_t row = (size_t)blockIdx.x * BN + warp;
     const VT* wv = reinterpret_cast<const VT*>(w + row * K);
@@ -99,11 +119,32 @@ __device__ __forceinline__ void fused_matvec(float* __restrict__ out, const floa
     #pragma unroll
     for (int j = 0; j < BK; ++j) wr[j] = __ldcs(wv + j * 32 + lane);   // in flight across the wait
     pdl_wait();                      // the previous kernel's output (x, residual) is complete from here on
+    float res = 0.f;
+    if (RESIDUAL && lane == 0) res = __ldcg(residual + row);
     const float4* x4 = reinterpret_cast<const float4*>(x);
-    for (int i = threadIdx.x; i < K / 4; i += 32 * BN) xs[i] = __ldcg(x4 + i);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K / 4; i += 32 * BN) {
+        float4 v = __ldcg(x4 + i);
+        if (NORM) {
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            const float4 gv = __ldg(reinterpret_cast<const float4*>(g) + i);
+            v = make_float4(v.x * gv.x, v.y * gv.y, v.z * gv.z, v.w * gv.w);
+        }
+        xs[i] = v;
+    }
+    if (NORM) {
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) partial[warp] = ss;
+    }
     __syncthreads();
+    if (NORM) {
+        ss = 0.f;
+        #pragma unroll
+        for (int i = 0; i < BN; ++i) ss += partial[i];
+    }
 
-    float acc = 0.f, ss = 0.f;
+    float acc = 0.f;
     #pragma unroll 1
     for (int base = 0; base < K / E; base += STEP) {
         if (base) {
@@ -117,12 +158,7 @@ __device__ __forceinline__ void fused_matvec(float* __restrict__ out, const floa
             const int e0 = (base + j * 32 + lane) * E;  // first element of this load
             #pragma unroll
             for (int q = 0; q < E; q += 4) {
-                float4 xv = xs[(e0 + q) / 4];
-                if (NORM) {
-                    ss += xv.x * xv.x + xv.y * xv.y + xv.z * xv.z + xv.w * xv.w;
-                    const float4 gv = __ldg(reinterpret_cast<const float4*>(g + e0 + q));
-                    xv = make_float4(xv.x * gv.x, xv.y * gv.y, xv.z * gv.z, xv.w * gv.w);
-                }
+                const float4 xv = xs[(e0 + q) / 4];
                 acc += wf[q] * xv.x + wf[q + 1] * xv.y + wf[q + 2] * xv.z + wf[q + 3] * xv.w;
             }
         }
@@ -130,13 +166,8 @@ __device__ __forceinline__ void fused_matvec(float* __restrict__ out, const floa
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (NORM) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     }
-    if (lane == 0) {
-        float r = NORM ? acc * rsqrtf(ss / K + eps) : acc;
-        if (RESIDUAL) r += __ldcg(residual + row);
-        out[row] = r;
-    }
+    if (lane == 0) out[row] = (NORM ? acc * rsqrtf(ss / K + eps) : acc) + res;
 }
 
 template <int BN, int BK, int K>
