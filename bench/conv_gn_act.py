@@ -155,8 +155,8 @@ def main() -> int:
         row["max_abs_err"] = float((got - ref).abs().max())
         row["rel_rms_err"] = float(((got - ref) ** 2).mean().sqrt() / (ref ** 2).mean().sqrt())
         row.update({"bare_conv_us": t_conv, "fused_us": t_fused,
-                    "conv_tflops": gflop(c, hw, n) / t_conv * 1e-3,
-                    "conv_pct_of_peak": 100 * gflop(c, hw, n) / t_conv * 1e-3 / PEAK_TFLOPS})
+                    "conv_tflops": gflop(c, hw, n) / t_conv * 1e3,  # GFLOP / us = PFLOP/s
+                    "conv_pct_of_peak": 100 * gflop(c, hw, n) / t_conv * 1e3 / PEAK_TFLOPS})
         rows.append(row)
 
         if args.sweep and n <= 2:
