@@ -5,12 +5,17 @@ kernels' float64 NumPy references, which mirror the GPU's partial-statistics
 layout and Chan merge); ``gpu`` tests run the CUTLASS kernels on the H100.
 Every result is held to ``conv_gn_act_reference`` (float64) on fresh random data.
 """
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import deviceop as dop
 from kernels import conv
 from kernels.conv import ConvGnAct, conv_gn_act_reference
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def errors(got, ref):
@@ -96,10 +101,25 @@ def test_building_the_op_runs_nothing(stream, rng):
 
 
 def test_heuristic_fills_the_sms_at_n1():
+    """At N=1 the pick puts work on at least 90 % of the 132 SMs: not always all of
+    them, because measured on the H100, C=1280 at 16x16 runs fastest as 120 CTAs of
+    128x64 split 3 (42.6 us), ahead of 320 CTAs of 64x64 split 4 (48.0 us)."""
     for c, hw in ((320, 64), (640, 32), (1280, 16)):
         name, split = conv.choose_tile(1, hw, hw, c, c, 3, 132)
         ctas = conv.tile_count(hw * hw, c, conv.TILES[name], split)
-        assert ctas >= 132, (c, hw, name, split, ctas)
+        assert ctas >= 0.9 * 132, (c, hw, name, split, ctas)
+
+
+def test_heuristic_picks_the_fastest_configuration_of_the_recorded_h100_sweep():
+    """The cost model was fitted to this sweep (every tile x split-K, timed on the
+    H100): for each of its problems it must pick the measured fastest bare conv."""
+    sweep = json.loads((ROOT / "bench" / "results" / "conv_gn_act_tile_sweep.json").read_text())["tile_sweep"]
+    problems = sorted({(r["C"], r["HW"], r["N"]) for r in sweep})
+    assert len(problems) == 6 and len(sweep) == 6 * len(conv.TILES) * conv.MAX_SPLIT_K
+    for c, hw, n in problems:
+        runs = [r for r in sweep if (r["C"], r["HW"], r["N"]) == (c, hw, n)]
+        fastest = min(runs, key=lambda r: r["bare_conv_us"])
+        assert conv.choose_tile(n, hw, hw, c, c) == (fastest["tile"], fastest["split_k"]), (c, hw, n)
 
 
 # -- bad input: clear errors before anything runs --------------------------------------------
