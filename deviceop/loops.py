@@ -14,7 +14,11 @@ How the capture is wired (driver API, CUDA >= 12.4):
   capturing stream's new dependency;
 * the body is captured into the node's child graph on a second stream
   (``cuStreamBeginCaptureToGraph``), followed by the control kernel again
-  (``loop``: ``index += 1``, test ``index < count``).
+  (``loop``: ``index += 1``, test ``index < count``).  On sm_90 and newer that
+  launch is a programmatic dependent launch: the control kernel starts while
+  the body's last kernel finishes and waits (``griddepcontrol.wait``) for it to
+  complete before it touches the index or the condition, so its launch latency
+  is off each iteration's critical path.
 
 ``count`` is an int (baked into the graph) or an int32 device tensor of one
 element, read by the control kernel at every test: change it between replays
@@ -46,8 +50,15 @@ extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphC
 // The control step of loop(count, index, body): one thread.  start=1 before
 // the loop (index = 0), start=0 after each iteration (index += 1); then the
 // WHILE node's condition = index < count (count from memory when given).
+__device__ __forceinline__ void wait_for_the_body() {  // a no-op unless launched with PDL
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 extern "C" __global__ void deviceop_loop_for(cudaGraphConditionalHandle h, int* index,
                                              const int* count_ptr, int count, int start) {
+    wait_for_the_body();
     int i = start ? 0 : *index + 1;
     *index = i;
     int n = count_ptr ? *count_ptr : count;
@@ -56,6 +67,7 @@ extern "C" __global__ void deviceop_loop_for(cudaGraphConditionalHandle h, int* 
 
 // The control step of while_(cond, body): the condition is cond != 0.
 extern "C" __global__ void deviceop_loop_while(cudaGraphConditionalHandle h, const int* cond) {
+    wait_for_the_body();
     cudaGraphSetConditional(h, *cond != 0 ? 1u : 0u);
 }
 """
@@ -71,6 +83,13 @@ def _control_functions(device):
             mod.get_function("deviceop_loop_for", ["uint64", ptr("int32"), ptr("int32"), "int32", "int32"]),
             mod.get_function("deviceop_loop_while", ["uint64", ptr("int32")]))
     return fns
+
+
+def _control_launcher(stream, fn, start: bool):
+    """How to launch a control kernel: after the body (``start`` False) on sm_90+,
+    as a programmatic dependent launch (the kernel waits for the body itself)."""
+    cc = stream.device.compute_capability
+    return fn.launch if start or cc is None or cc < (9, 0) else fn.launch_pdl
 
 
 def _int32_cell(x, what: str, example: str) -> Tensor:
@@ -255,7 +274,8 @@ class Loop(_Loop):
 
     def _launch_control(self, stream, handle, start: bool) -> None:
         fn = _control_functions(stream.device)[0]
-        fn.launch(stream, _ONE_THREAD, int(handle), self.index, self.count_tensor, self.count, int(start))
+        _control_launcher(stream, fn, start)(stream, _ONE_THREAD, int(handle), self.index, self.count_tensor,
+                                             self.count, int(start))
 
     def _keep(self) -> tuple:
         return (self.index, self.count_tensor)
@@ -284,7 +304,8 @@ class While(_Loop):
             yield
 
     def _launch_control(self, stream, handle, start: bool) -> None:
-        _control_functions(stream.device)[1].launch(stream, _ONE_THREAD, int(handle), self.cond)
+        fn = _control_functions(stream.device)[1]
+        _control_launcher(stream, fn, start)(stream, _ONE_THREAD, int(handle), self.cond)
 
     def _keep(self) -> tuple:
         return (self.cond,)
