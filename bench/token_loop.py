@@ -55,11 +55,11 @@ def per_token_us(step, tokens: int, sync, stream=None, step_async=None) -> tuple
     sync()
     gpu = None
     if stream is not None:
-        runs, n = [], 40
+        runs, n, enqueue = [], 40, step_async or step
         for _ in range(5):
             start = stream.record_event()
             for i in range(n):
-                (step_async or step)(i)
+                enqueue(i)
             end = stream.record_event()
             end.synchronize()
             runs.append(start.elapsed_ms(end) * 1e3 / n)

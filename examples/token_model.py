@@ -40,6 +40,11 @@ class Config:
     def mv_generics(self):
         return [self.bn, self.bk, self.d]
 
+    def fused_generics(self, bf16: bool = False):
+        """rms_matvec / matvec_add <BN, BK, K>: BK counts 16-byte loads, and a bf16 load
+        holds 8 weights where an fp32 one holds 4, so bf16 takes half the loads per row."""
+        return [self.bn, max(1, self.bk // 2) if bf16 else self.bk, self.d]
+
 
 @dataclass
 class LayerWeights:
@@ -135,7 +140,7 @@ def build_fused_forward(cfg: Config, weights, x, buffers, pdl: bool = False):
     d = cfg.d
     bf16 = weights[0].wq.dtype is dop.bfloat16
     first, second = (rms_matvec_bf16, matvec_add_bf16) if bf16 else (rms_matvec, matvec_add)
-    gen = [cfg.bn, max(1, cfg.bk // 2) if bf16 else cfg.bk, d]  # bf16: 8 weights per 16-byte load
+    gen = cfg.fused_generics(bf16)
     hidden, ops = x, []
     for w, (q, h) in zip(weights, buffers):
         ops += [first(q.partition([cfg.bn]), hidden.view([1, d]), w.norm_w, w.wq, cfg.eps).generics(gen).pdl(pdl),

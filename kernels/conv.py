@@ -156,7 +156,7 @@ _SPLIT_COST = 10.0
 _SHARED_PER_SM = 228 * 1024  # H100: usable shared memory per SM
 
 
-def estimated_cost(n: int, h: int, w: int, c: int, k: int, tile: Tile, split: int, r: int = 3,
+def _estimated_cost(n: int, h: int, w: int, c: int, k: int, tile: Tile, split: int, r: int = 3,
                    sms: int = 132) -> float:
     """The model's time for one configuration, in 128x128 k-iterations (see above)."""
     k_iters = r * r * c / split / tile.tk
@@ -180,7 +180,7 @@ def choose_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 1
         for split in range(1, MAX_SPLIT_K + 1):
             if gemm_k // split < 4 * tile.tk:
                 break
-            cost = estimated_cost(n, h, w, c, k, tile, split, r, sms)
+            cost = _estimated_cost(n, h, w, c, k, tile, split, r, sms)
             if best is None or cost < best[0]:
                 best = (cost, name, split)
     if best is None:
