@@ -70,6 +70,32 @@
 //   Co-residency never paid here: every variant that lets the next kernel's
 //   blocks in early (including 64-register builds of these kernels) was slower.
 // Dropped.
+//
+// Measured again in session 6 (H100, graph replays back to back, CUDA events,
+// us/token; these kernels with PDL in the same runs: bf16 177.6-179.1, fp32
+// 264.5-265.5; floors 122.6 / 245.1 at the 3.01 TB/s copy rate):
+//   - the bound: a plain read kernel streams the 369 MB at 3.07 TB/s (120 us),
+//     and these kernels with griddepcontrol.wait compiled out (wrong results,
+//     no dependency) run bf16 in 138.9 us.  So the chain of 44 kernels streams
+//     fine; the ~40 us left is the dependency: after the wait, x comes back
+//     through L2 under a saturated memory system, and each SM only starts the
+//     next matrix's loads once its block of this one exits.
+//   - block shapes (BN, BK, min blocks per SM) for bf16: 16/8/1 178.4 (these),
+//     8/8/1 188.2, 8/8/2 188.5, 16/4/1 186.8, 16/8/2 212.4, 4/8/4 200.3, 32/4/1
+//     223.5, 32/8/1 245.0 (64 blocks, so two kernels on disjoint SM halves).
+//   - the PDL trigger at the end of the kernel instead of the start: 222.4.
+//   - the persistent stack once more, written afresh (one block per SM, a copy
+//     warp keeping a 6-13 x 16 KB ring full with one 1 KB cp.async.bulk per row
+//     chunk, at most 1-12 stages in flight): with a counter grid barrier
+//     bf16 220-227, fp32 279-330; with the phase outputs as 8-byte (value, tag)
+//     pairs (NCCL's LL protocol: no fence, no counter) bf16 229-265, fp32
+//     331-372.  Traced with clock64 (per phase, H100): the copy warp is 12-14 us
+//     ahead, the ring full; the math warps' critical path is ~5 us a phase (the
+//     fence before the barrier arrive ~2 us, the L2 round trips for x ~0.5-2
+//     us, even the register-only dot product ~1.3 us) against 2.8 us of
+//     streaming: every global access on the critical path pays the latency of
+//     a memory system kept full by the stream.
+// Dropped.  bf16 stays at ~1.45x its floor.
 #ifndef FUSED_MIN_BLOCKS
 #define FUSED_MIN_BLOCKS 1
 #endif
