@@ -501,7 +501,9 @@ class ConvGnAct:
             apply = gn_act_apply[(self.y_dtype, self.out_dtype)](z.partition(tiles), y, self.stats, gamma, beta,
                                                                   *scalars)
             apply = apply.generics([ACTS[self.act], _APPLY_OT[self.y_dtype], _APPLY_OT[self.out_dtype]])
-        return dop.zip_(conv, apply).map(lambda _: out)
+        # PDL: the apply kernel's launch and its gamma/beta loads overlap the conv (which
+        # triggers its dependents when it starts); it waits for the conv before reading y
+        return dop.zip_(conv, apply.pdl()).map(lambda _: out)
 
     def conv(self, y, x, w, bias):
         """The bare convolution y = conv(x, w) + bias (launch 1 without statistics); value: ``y``."""

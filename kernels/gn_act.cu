@@ -3,7 +3,7 @@
 // CTA (n, chunk) first merges the partial statistics of image n, which the
 // conv kernel left per (tile, image segment, group-in-tile), with Chan's
 // parallel-variance formula: each lane folds its entries in a fixed order,
-// then the lanes merge in a fixed xor tree, so the result is deterministic.
+// then 8 lanes merge in a fixed xor tree, so the result is deterministic.
 // That gives each group's mean and rstd; gamma and beta fold into a scale and
 // shift per channel (shared memory).  Then the CTA streams its rows once, 16
 // bytes at a time: z = act(y * scale + shift), in place or into another buffer.
@@ -13,7 +13,7 @@ enum { ACT_IDENTITY = 0, ACT_SILU = 1, ACT_MISH = 2 };
 
 template <int ACT>
 __device__ __forceinline__ float activation(float v) {
-    if (ACT == ACT_SILU) return v / (1.f + __expf(-v));
+    if (ACT == ACT_SILU) return __fdividef(v, 1.f + __expf(-v));   // v -> -inf: v / inf = 0, the limit
     if (ACT == ACT_MISH) {
         // mish(v) = v tanh(softplus(v)) = v n / (n + 2), n = e^v (e^v + 2): exact, one exp
         if (v > 20.f) return v;
@@ -50,44 +50,77 @@ __device__ __forceinline__ void store8(float* p, const float* f) {
 __device__ __forceinline__ void chan_merge(float& cnt, float& mean, float& m2, float cb, float mb, float m2b) {
     const float nn = cnt + cb;
     if (nn > 0.f) {
-        const float d = mb - mean;
-        mean += d * (cb / nn);
-        m2 += m2b + d * d * (cnt * cb / nn);
+        const float d = mb - mean, r = __fdividef(cb, nn);
+        mean += d * r;
+        m2 += m2b + d * d * (cnt * r);
     }
     cnt = nn;
 }
 
 constexpr int kApplyThreads = 256;
 constexpr int kMaxChannels = 4096;  // kernels/conv.py: MAX_CHANNELS
+constexpr int kPrefetch = 4;        // 16-byte vectors of y per thread read before the statistics merge
 
 // Grid (N, chunks): CTA (n, chunk) normalizes rows [chunk * rows_per, +rows_per) of image n.
 // stats: per conv CTA (mt, nt, ks) a [2 segments][GS] block of float2 (mean, M2); only ks = KS - 1 is read.
+//
+// The kernel is a chain of memory latencies, not a bandwidth problem (a few MB at
+// N = 1), so it is ordered to pay as few of them as it can: the CTA's first
+// kPrefetch vectors of y per thread, gamma, beta and the partial statistics are
+// all requested before anything waits on any of them; 8 lanes merge one group
+// (a warp merges 4 at once).  Measured on the H100 (graph replays, C=320-1280,
+// N=1-2): one warp a group, y read after the merge: 15.0-21.0 us a launch.
 template <int ACT, typename YT, typename OT>
 __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __restrict__ stats,
                                          const float* __restrict__ gamma, const float* __restrict__ beta,
                                          float eps, int HW, int C, int G, int TM, int TN, int NTILES, int KS,
                                          int GS, int rows_per) {
-    __shared__ float sh[2 * kMaxChannels];   // scale[C], shift[C]
+    __shared__ float sh[2 * kMaxChannels];   // gamma -> scale[C], beta -> shift[C]
     float* scale = sh;
     float* shift = sh + C;
     const int n = blockIdx.x, cpg = C / G;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int vecs = C / 8;
+    const int r0 = blockIdx.y * rows_per;
+    const int total = min(rows_per, HW - r0) * vecs;   // 8-element vectors of this CTA
+    const size_t base = ((size_t)n * HW + r0) * C;
+
+    for (int c = threadIdx.x; c < C; c += kApplyThreads) {   // not the conv's output: before the wait
+        scale[c] = gamma[c];
+        shift[c] = beta[c];
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");   // launched with PDL: the conv (y, stats) is done here
+#endif
+    float f[kPrefetch][8];
+    #pragma unroll
+    for (int v = 0; v < kPrefetch; ++v) {
+        const int i = threadIdx.x + v * kApplyThreads;
+        if (i < total) load8(y + base + (size_t)(i / vecs) * C + (i % vecs) * 8, f[v]);
+    }
+    __syncthreads();
+
     const int t_first = (n * HW) / TM, t_last = (n * HW + HW - 1) / TM;
     const float2* st = reinterpret_cast<const float2*>(stats);
-    for (int g = warp; g < G; g += kApplyThreads / 32) {
-        const int j_first = (g * cpg) / TN, j_last = ((g + 1) * cpg - 1) / TN;
-        const int parts = j_last - j_first + 1, entries = (t_last - t_first + 1) * parts;
+    const int sub = lane & 7;
+    for (int gb = warp * 4; gb < G; gb += 4 * (kApplyThreads / 32)) {   // warp-uniform
+        const int g = gb + (lane >> 3);
         float cnt = 0.f, mean = 0.f, m2 = 0.f;
-        for (int e = lane; e < entries; e += 32) {
-            const int t = t_first + e / parts, j = j_first + e % parts;
-            const int rows = min((t + 1) * TM, (n + 1) * HW) - max(t * TM, n * HW);
-            const int sg = (n * HW > t * TM) ? 1 : 0;   // image n starts inside tile t: the tile's 2nd segment
-            const int chans = min((g + 1) * cpg, (j + 1) * TN) - max(g * cpg, j * TN);
-            const float2 v = st[(((size_t)t * NTILES + j) * KS + (KS - 1)) * 2 * GS + sg * GS + (g - (j * TN) / cpg)];
-            chan_merge(cnt, mean, m2, (float)rows * (float)chans, v.x, v.y);
+        if (g < G) {
+            const int j_first = (g * cpg) / TN, j_last = ((g + 1) * cpg - 1) / TN;
+            const int parts = j_last - j_first + 1, entries = (t_last - t_first + 1) * parts;
+            #pragma unroll 4
+            for (int e = sub; e < entries; e += 8) {
+                const int t = t_first + e / parts, j = j_first + e % parts;
+                const int rows = min((t + 1) * TM, (n + 1) * HW) - max(t * TM, n * HW);
+                const int sg = (n * HW > t * TM) ? 1 : 0;   // image n starts inside tile t: the tile's 2nd segment
+                const int chans = min((g + 1) * cpg, (j + 1) * TN) - max(g * cpg, j * TN);
+                const float2 v = st[(((size_t)t * NTILES + j) * KS + (KS - 1)) * 2 * GS + sg * GS + (g - (j * TN) / cpg)];
+                chan_merge(cnt, mean, m2, (float)rows * (float)chans, v.x, v.y);
+            }
         }
         #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {    // a fixed tree; the lower lane's side is always "a"
+        for (int o = 1; o < 8; o <<= 1) {    // a fixed tree within the 8 lanes; the lower lane's side is "a"
             const float cb = __shfl_xor_sync(0xffffffffu, cnt, o);
             const float mb = __shfl_xor_sync(0xffffffffu, mean, o);
             const float m2b = __shfl_xor_sync(0xffffffffu, m2, o);
@@ -99,26 +132,35 @@ __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __rest
                 chan_merge(cnt, mean, m2, cb, mb, m2b);
             }
         }
-        const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
-        for (int c = g * cpg + lane; c < (g + 1) * cpg; c += 32) {
-            const float sc = gamma[c] * rstd;
-            scale[c] = sc;
-            shift[c] = beta[c] - mean * sc;
+        if (g < G) {
+            const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
+            for (int c = g * cpg + sub; c < (g + 1) * cpg; c += 8) {
+                const float sc = scale[c] * rstd;
+                shift[c] -= mean * sc;
+                scale[c] = sc;
+            }
         }
     }
     __syncthreads();
-    const int vecs = C / 8;
-    const int r0 = blockIdx.y * rows_per;
-    const int rows = min(rows_per, HW - r0);
-    const size_t base = ((size_t)n * HW + r0) * C;
-    for (int i = threadIdx.x; i < rows * vecs; i += kApplyThreads) {
+
+    #pragma unroll
+    for (int v = 0; v < kPrefetch; ++v) {
+        const int i = threadIdx.x + v * kApplyThreads;
+        if (i < total) {
+            const int c = (i % vecs) * 8;
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) f[v][k] = activation<ACT>(f[v][k] * scale[c + k] + shift[c + k]);
+            store8(z + base + (size_t)(i / vecs) * C + c, f[v]);
+        }
+    }
+    for (int i = threadIdx.x + kPrefetch * kApplyThreads; i < total; i += kApplyThreads) {
         const int c = (i % vecs) * 8;
         const size_t off = base + (size_t)(i / vecs) * C + c;
-        float f[8];
-        load8(y + off, f);
+        float g8[8];
+        load8(y + off, g8);
         #pragma unroll
-        for (int k = 0; k < 8; ++k) f[k] = activation<ACT>(f[k] * scale[c + k] + shift[c + k]);
-        store8(z + off, f);
+        for (int k = 0; k < 8; ++k) g8[k] = activation<ACT>(g8[k] * scale[c + k] + shift[c + k]);
+        store8(z + off, g8);
     }
 }
 
