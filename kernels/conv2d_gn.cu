@@ -187,8 +187,8 @@ conv2d_gn_stats(float* stats, YT* y, const cutlass::half_t* x, const cutlass::ha
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(16) int params_raw[sizeof(Params) / 4];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The apply kernel (launched with PDL) may start now: its CTAs take SMs this
-    // grid leaves idle and wait in griddepcontrol.wait for this grid to finish.
+    // The apply kernel (launched with PDL) may start now: its CTAs take SM room
+    // this grid leaves free and wait in griddepcontrol.wait for this grid to end.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     for (int i = threadIdx.x; i < (int)(sizeof(Params) / 4); i += blockDim.x)

@@ -57,6 +57,13 @@ __device__ __forceinline__ void chan_merge(float& cnt, float& mean, float& m2, f
     cnt = nn;
 }
 
+// f = act(f * scale + shift) for 8 consecutive channels
+template <int ACT>
+__device__ __forceinline__ void normalize8(float* f, const float* scale, const float* shift) {
+    #pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = activation<ACT>(f[k] * scale[k] + shift[k]);
+}
+
 constexpr int kApplyThreads = 256;
 constexpr int kMaxChannels = 4096;  // kernels/conv.py: MAX_CHANNELS
 constexpr int kPrefetch = 4;        // 16-byte vectors of y per thread read before the statistics merge
@@ -148,19 +155,17 @@ __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __rest
         const int i = threadIdx.x + v * kApplyThreads;
         if (i < total) {
             const int c = (i % vecs) * 8;
-            #pragma unroll
-            for (int k = 0; k < 8; ++k) f[v][k] = activation<ACT>(f[v][k] * scale[c + k] + shift[c + k]);
+            normalize8<ACT>(f[v], scale + c, shift + c);
             store8(z + base + (size_t)(i / vecs) * C + c, f[v]);
         }
     }
     for (int i = threadIdx.x + kPrefetch * kApplyThreads; i < total; i += kApplyThreads) {
         const int c = (i % vecs) * 8;
         const size_t off = base + (size_t)(i / vecs) * C + c;
-        float g8[8];
-        load8(y + off, g8);
-        #pragma unroll
-        for (int k = 0; k < 8; ++k) g8[k] = activation<ACT>(g8[k] * scale[c + k] + shift[c + k]);
-        store8(z + off, g8);
+        float rest[8];
+        load8(y + off, rest);
+        normalize8<ACT>(rest, scale + c, shift + c);
+        store8(z + off, rest);
     }
 }
 
