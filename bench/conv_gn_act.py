@@ -4,16 +4,18 @@ For C in {320, 640, 1280} at H=W in {64, 32, 16} (7.55 GFLOP per image, 3x3,
 G=32) and N in {1, 2, 8}, every variant is timed as CUDA-graph replays
 (median over repetitions of a loop of replays between CUDA events):
 
-* bare conv: deviceop's CUTLASS kernel without statistics vs cuDNN (torch F.conv2d)
+* bare conv: deviceop's conv kernel without statistics (on the H100 the WGMMA
+  kernel, kernels/conv_wgmma.cu) vs cuDNN (torch F.conv2d)
 * fused: deviceop (two launches) vs torch eager conv+GN+SiLU and torch.compile
   of the same function (both captured with torch.cuda.CUDAGraph)
 
 torch.compile failing here is reported as a failed baseline, never a number.
 
-    python bench/conv_gn_act.py [--reps 7] [--sweep]
+    python bench/conv_gn_act.py [--reps 7] [--sweep {wgmma,cutlass}]
 
-``--sweep`` also times the bare conv for every tile and split-K at N=1 and 2
-(what chose kernels/conv.py's heuristic).
+``--sweep`` also times the bare conv for every tile and split-K of one kernel's
+menu at N=1 and 2 (what chose kernels/conv.py's heuristics) and writes it to
+bench/results/conv_gn_act_{wgmma,tile}_sweep.json.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from _common import gpu_device, headline, print_headlines, print_table, write_result  # noqa: E402
-from kernels.conv import TILES, ConvGnAct  # noqa: E402
+from kernels.conv import MAX_SPLIT_K, TILES, WGMMA_MAX_SPLIT_K, WGMMA_TILES, ConvGnAct  # noqa: E402
 
 SHAPES = [(c, hw, n) for c, hw in ((320, 64), (640, 32), (1280, 16)) for n in (1, 2, 8)]
 PEAK_TFLOPS = 989.4
@@ -73,7 +75,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--inner", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", choices=("wgmma", "cutlass"))
     ap.add_argument("--compile-budget-s", type=float, default=150.0,
                     help="stop compiling torch.compile baselines after this long (the rest are reported as skipped)")
     args = ap.parse_args()
@@ -160,8 +162,9 @@ def main() -> int:
         rows.append(row)
 
         if args.sweep and n <= 2:
-            for name in TILES:
-                for split in (1, 2, 3, 4):
+            menu, max_split = (WGMMA_TILES, WGMMA_MAX_SPLIT_K) if args.sweep == "wgmma" else (TILES, MAX_SPLIT_K)
+            for name in menu:
+                for split in range(1, max_split + 1):
                     try:
                         p2 = ConvGnAct(n, hw, hw, c, c, groups=32, tile=name, split_k=split, stream=stream)
                     except dop.DeviceOpError as exc:
@@ -213,6 +216,12 @@ def main() -> int:
         headlines.insert(1, {"metric": "fused_vs_torch_compile_min_n12", "value": None, "target": 1.0,
                              "better": "higher", "met": False, "note": "torch.compile failed on every shape"})
     accuracy_ok = all(r["max_abs_err"] <= 1e-2 and r["rel_rms_err"] <= 1e-3 for r in rows)
+    if sweep_rows:
+        import json
+        sweep_path = ROOT / "bench" / "results" / f"conv_gn_act_{'wgmma' if args.sweep == 'wgmma' else 'tile'}_sweep.json"
+        sweep_path.write_text(json.dumps({"device": device.name, "command": " ".join(sys.argv),
+                                          "tile_sweep": sweep_rows}, indent=1) + "\n")
+        print(f"sweep written to {sweep_path}")
     path = write_result("conv_gn_act", device, rows, headlines,
                         {"tile_sweep": sweep_rows, "accuracy_ok": accuracy_ok,
                          "roofline": {"gflop_per_image": 7.55, "peak_tflops_fp16_dense": PEAK_TFLOPS},

@@ -7,9 +7,12 @@
   ``weight.permute(0, 2, 3, 1)``), 3x3 with padding 1 or 1x1, stride 1;
   ``bias`` [K] in the intermediate's dtype; ``gamma``, ``beta`` [K] fp32;
   ``out`` [N, H, W, K] fp16 or fp32.
-* Launch 1 (kernels/conv2d_gn.cu): a CUTLASS 2.x implicit-GEMM conv compiled by
-  NVRTC from the ``nvidia-cutlass`` wheel's headers, plus deterministic
-  GroupNorm partial statistics of each tile it wrote.  Launch 2
+* Launch 1: an implicit-GEMM conv plus deterministic GroupNorm partial
+  statistics of each tile it wrote.  On Hopper (sm_90) with C % 64 == 0 it is
+  kernels/conv_wgmma.cu (WGMMA tensor-core instructions, CuTe's GMMA atoms, the
+  statistics taken from the tile staged in shared memory); otherwise
+  kernels/conv2d_gn.cu, a CUTLASS 2.x conv (mma.sync), compiled by NVRTC from
+  the ``nvidia-cutlass`` wheel's headers like the Hopper one.  Launch 2
   (kernels/gn_act.cu): Chan's merge of the partials, then normalize, affine
   and activation in one pass over y.
 * Building a plan is eager, like allocating a buffer: it picks a tile
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import deviceop as dop
+from deviceop.compile import normalize_arch
 from deviceop.kernel import In, Kernel, Out, Scalar
 
 HERE = Path(__file__).resolve().parent
@@ -170,7 +174,7 @@ def _estimated_cost(n: int, h: int, w: int, c: int, k: int, tile: Tile, split: i
 
 def choose_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132) -> tuple[str, int]:
     """The (tile, split-K) the cost model above ranks fastest, among those that fit:
-    H*W at least the tile's M (a tile never spans images) and at least 4 k-iterations
+    H*W at least the tile's M (a tile never spans images) and, when split, at least 4 k-iterations
     per split-K slice."""
     hw, gemm_k = h * w, r * r * c
     best = None
@@ -178,7 +182,7 @@ def choose_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 1
         if hw < tile.tm:
             continue
         for split in range(1, MAX_SPLIT_K + 1):
-            if gemm_k // split < 4 * tile.tk:
+            if split > 1 and gemm_k // split < 4 * tile.tk:
                 break
             cost = _estimated_cost(n, h, w, c, k, tile, split, r, sms)
             if best is None or cost < best[0]:
@@ -186,6 +190,89 @@ def choose_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 1
     if best is None:
         raise dop.ShapeError(f"no tile configuration fits H*W={hw} output pixels per image: every shipped tile "
                              f"({', '.join(TILES)}) needs H*W >= its M size (64 at least)")
+    return best[1], best[2]
+
+
+# -- the Hopper (WGMMA) path -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WgmmaTile:
+    """One shipped configuration of conv_wgmma.cu: TM rows (output pixels, TM/64
+    warpgroups) x TN channels, a ring of ``stages`` k-blocks of 64 in shared memory."""
+    tm: int
+    tn: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"wg{self.tm}x{self.tn}"
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.tm
+
+    def generics(self, y_dtype: str) -> list:
+        return [_WG_CPP[y_dtype], self.tm, self.tn, self.stages]
+
+    def shared_bytes(self, y_dtype: str) -> int:
+        """convwg::Shape::kSmem: the larger of the mainloop's ring and the epilogue's
+        staged tile + statistics scratch, plus 1 KB to align the ring to 1024 bytes
+        (the kernel traps if it gets less; tests/test_conv.py runs every tile)."""
+        ring = self.stages * (self.tm + self.tn) * 128
+        row = self.tn * np.dtype(y_dtype).itemsize + 16
+        slices = 2 * self.tm // (self.tn // 2)
+        epilogue = self.tm * row + (slices * 2 + 2) * self.tn * 2 * 4
+        return max(ring, epilogue) + 1024
+
+
+# Measured on the H100 (bench/results/conv_gn_act_wgmma_sweep.json): two warpgroups
+# (128 rows) beat one (64 rows) at every U-Net shape, by 1.2-2x: they share each B
+# tile and keep more wgmma in flight; 64x128 stays for images of 64-127 pixels.
+# 4 stages were as fast as 5 or 6 (30.5 / 31.0 / 31.2 us at C=320 64x64 N=1).
+WGMMA_TILES = {t.name: t for t in (WgmmaTile(64, 128, 6), WgmmaTile(128, 128, 4), WgmmaTile(128, 160, 4))}
+_WG_CPP = {"float16": "__half", "float32": "float"}
+WGMMA_MAX_SPLIT_K = 8
+
+
+def wgmma_fits(arch: str, n: int, h: int, w: int, c: int, k: int) -> str | None:
+    """None when conv_wgmma.cu can run this problem, else why not."""
+    if arch.removesuffix("a") != "sm_90":
+        return f"WGMMA needs sm_90 (Hopper), this device is {arch}"
+    if c % 64:
+        return f"C={c} is not a multiple of 64 (a k-block is 64 channels of one filter tap)"
+    if h * w < 64:
+        return f"H*W={h * w} is below the smallest tile's 64 rows"
+    if n * h * w * max(c, k) >= 2 ** 31:
+        return "the tensors exceed 2^31 elements (the kernel indexes x with 32-bit offsets)"
+    return None
+
+
+# The WGMMA cost model, fitted to the same sweep: time = rounds of CTAs on the busiest
+# SM x k-blocks per CTA x the tile's cost per k-block (us), + a split-K slice's fix-up.
+# The kernel is fed from L2 (x read 9 times over), so a k-block of 128x160 costs
+# barely more than 128x128 (36 vs 32 KB of operands); 64-row tiles cost nearly as
+# much as 128-row ones.  It picks the sweep's fastest for all nine U-Net problems.
+_WG_K_BLOCK_US = {"wg64x128": 0.55, "wg128x128": 0.5, "wg128x160": 0.56}
+_WG_SPLIT_US = 2.5
+
+
+def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132) -> tuple[str, int]:
+    """The (WGMMA tile, split-K) the model above ranks fastest, among tiles whose M
+    fits H*W and splits that leave each slice 4 k-blocks at least."""
+    best = None
+    k_blocks = r * r * c // 64
+    for name, t in WGMMA_TILES.items():
+        if h * w < t.tm:
+            continue
+        for split in range(1, WGMMA_MAX_SPLIT_K + 1):
+            if split > 1 and k_blocks // split < 4:
+                break
+            ctas = math.ceil(n * h * w / t.tm) * math.ceil(k / t.tn) * split
+            cost = math.ceil(ctas / sms) * (k_blocks / split) * _WG_K_BLOCK_US[name] + _WG_SPLIT_US * (split - 1)
+            if best is None or cost < best[0]:
+                best = (cost, name, split)
+    if best is None:
+        raise dop.ShapeError(f"no WGMMA tile fits H*W={h * w}")
     return best[1], best[2]
 
 
@@ -245,6 +332,15 @@ def _tile_partials(y2, hw, tm, tn, cpg, gs, m0, n0):
 
 def _conv_ref(g, stats, y, x, w, bias, blob, semaphore, hw, cpg, gs, with_stats):
     """Reference of conv2d_gn_stats: y = conv + bias (rounded to y's dtype), and the partials."""
+    _conv_and_partials(g, stats, y, x, w, bias, hw, cpg, gs, with_stats)
+
+
+def _conv_wgmma_ref(g, stats, y, x, w, bias, partials, counters, n, h, wd, c, k, r, pad, cpg, gs, with_stats):
+    """Reference of conv2d_gn_stats_wgmma: the same results (split-K leaves no trace)."""
+    _conv_and_partials(g, stats, y, x, w, bias, h * wd, cpg, gs, with_stats)
+
+
+def _conv_and_partials(g, stats, y, x, w, bias, hw, cpg, gs, with_stats):
     pad = (w.shape[1] - 1) // 2
     y[...] = conv2d_reference(x, w, bias, pad).reshape(y.shape)
     if not with_stats:
@@ -331,6 +427,33 @@ def _conv_kernel(y_dtype: str) -> Kernel:
         reference=_conv_ref, options=CUTLASS_OPTIONS)
 
 
+class HopperKernel(CutlassKernel):
+    """A kernel with WGMMA instructions: compiled for sm_90a (the arch-specific
+    target; its CUBIN runs on sm_90 only), refused for any other arch."""
+
+    def compile(self, values=(), arch=None):
+        arch = normalize_arch(arch if arch is not None else dop.Device(0).arch)
+        if arch.removesuffix("a") != "sm_90":
+            raise dop.ArchError(f"{self.name} uses Hopper's WGMMA instructions and runs on sm_90 only, not {arch}; "
+                                "the CUTLASS 2.x conv (tile='128x128', '128x64' or '64x64') runs elsewhere")
+        return super().compile(values, "sm_90a")
+
+
+def _wgmma_kernel(y_dtype: str) -> Kernel:
+    suffix = "f16" if y_dtype == "float16" else "f32"
+    return HopperKernel(
+        f"conv2d_gn_stats_wgmma_{suffix}", HERE / "conv_wgmma.cu",
+        [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
+         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("partials", "float32", rank=1),
+         In("counters", "int32", rank=1)] + [Scalar(n, "int32") for n in (
+             "n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats")],
+        entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES"],
+        block=lambda g: 2 * g["TM"],
+        shared_mem=lambda g: WgmmaTile(g["TM"], g["TN"], g["STAGES"]).shared_bytes(
+            "float16" if g["YT"] == "__half" else "float32"),
+        reference=_conv_wgmma_ref, options=CUTLASS_OPTIONS)
+
+
 def _params_kernel(y_dtype: str) -> Kernel:
     suffix = "f16" if y_dtype == "float16" else "f32"
     return CutlassKernel(
@@ -361,6 +484,7 @@ def _apply_kernel(y_dtype: str, out_dtype: str | None) -> Kernel:
 DTYPES = ("float16", "float32")
 conv2d_gn_stats = {d: _conv_kernel(d) for d in DTYPES}
 conv2d_params = {d: _params_kernel(d) for d in DTYPES}
+conv2d_gn_stats_wgmma = {d: _wgmma_kernel(d) for d in DTYPES}
 gn_act_apply = {(y, o): _apply_kernel(y, o) for y in DTYPES for o in DTYPES}
 gn_act_apply_inplace = {d: _apply_kernel(d, None) for d in DTYPES}
 
@@ -414,15 +538,26 @@ class ConvGnAct:
         device = stream.device if stream is not None else dop.Device(0)
         sms = device.sm_count or 132
         hw = h * w
-        if tile is None:
-            tile, auto_split = choose_tile(n, h, w, c, k, kernel_size, sms)
+        if tile is None:   # the Hopper kernel where it applies, else CUTLASS 2.x
+            why_not = wgmma_fits(device.arch, n, h, w, c, k)
+            tile, auto_split = (choose_wgmma_tile if why_not is None else choose_tile)(n, h, w, c, k, kernel_size, sms)
             split_k = auto_split if split_k is None else split_k
-        _need(tile in TILES, f"tile={tile!r} is not one of {', '.join(TILES)}", dop.LaunchError)
-        self.tile = TILES[tile]
+        _need(tile in TILES or tile in WGMMA_TILES,
+              f"tile={tile!r} is not one of {', '.join([*TILES, *WGMMA_TILES])}", dop.LaunchError)
+        self.wgmma = tile in WGMMA_TILES
+        self.tile = WGMMA_TILES[tile] if self.wgmma else TILES[tile]
+        if self.wgmma:
+            why_not = wgmma_fits(device.arch, n, h, w, c, k)
+            _need(why_not is None, f"tile {tile} runs the WGMMA kernel, which cannot take this problem: {why_not}; "
+                                   f"use a CUTLASS tile ({', '.join(TILES)})")
         _need(hw >= self.tile.tm, f"tile {tile} needs H*W >= {self.tile.tm} (a tile holds rows of at most two "
                                   f"images); H*W = {hw}: use a smaller tile")
         self.split_k = split_k or 1
-        _need(1 <= self.split_k <= MAX_SPLIT_K, f"split_k={split_k} must be in [1, {MAX_SPLIT_K}]", dop.LaunchError)
+        max_split = WGMMA_MAX_SPLIT_K if self.wgmma else MAX_SPLIT_K
+        _need(1 <= self.split_k <= max_split, f"split_k={split_k} must be in [1, {max_split}]", dop.LaunchError)
+        if self.wgmma:
+            _need(self.split_k <= kernel_size ** 2 * c // 64, f"split_k={split_k} exceeds the "
+                  f"{kernel_size ** 2 * c // 64} k-blocks of 64 channels", dop.LaunchError)
         t = self.tile
         self.hw, self.cpg = hw, k // groups
         self.mt, self.nt = math.ceil(n * hw / t.tm), math.ceil(k / t.tn)
@@ -435,7 +570,10 @@ class ConvGnAct:
         self.semaphore = dop.from_numpy(np.zeros(self.mt * self.nt, np.int32), stream=stream)
         self.stats = mk([self.mt, self.nt, self.split_k * 4 * self.gs], "float32")
         self.y = None if inplace else mk([n, h, w, k], y_dtype)
-        if not device.is_reference:   # CUTLASS's Params constructor, once, on one GPU thread
+        # the WGMMA kernel's split-K slices leave their fp32 tiles here (the semaphore counts them)
+        self.partials = mk([self.mt * self.nt * self.split_k * t.tm * t.tn if self.wgmma and self.split_k > 1 else 4],
+                           "float32")
+        if not device.is_reference and not self.wgmma:   # CUTLASS's Params constructor, once, on one GPU thread
             (conv2d_params[y_dtype](self.blob.partition([BLOB_BYTES]), n, h, w, c, k, self.r, self.r, self.pad,
                                     self.split_k).generics(t.generics(y_dtype)).sync_on(stream or device.new_stream()))
 
@@ -446,7 +584,7 @@ class ConvGnAct:
 
     @property
     def blob_sizes(self) -> tuple[int, int]:
-        """(sizeof(Params), sizeof(SharedStorage)) as CUTLASS reports them (GPU only)."""
+        """(sizeof(Params), sizeof(SharedStorage)) as CUTLASS reports them (GPU, CUTLASS tiles only)."""
         tail = self.blob.numpy()[-8:].view(np.int32)
         return int(tail[0]), int(tail[1])
 
@@ -480,6 +618,11 @@ class ConvGnAct:
     # -- the ops ----------------------------------------------------------------------------
     def _conv_launch(self, y, x, w, bias, with_stats: int):
         t = self.tile
+        if self.wgmma:
+            return (conv2d_gn_stats_wgmma[self.y_dtype](
+                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.partials, self.semaphore, self.n,
+                self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, with_stats)
+                .generics(t.generics(self.y_dtype)))
         return (conv2d_gn_stats[self.y_dtype](self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.blob,
                                               self.semaphore, self.hw, self.cpg, self.gs, with_stats)
                 .generics(t.generics(self.y_dtype)))
@@ -520,6 +663,10 @@ def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
     intermediate dtype, every apply variant) for ``arch``; returns what was built."""
     built = []
     for yd in y_dtypes:
+        if normalize_arch(arch).removesuffix("a") == "sm_90":
+            for tile in WGMMA_TILES.values():
+                conv2d_gn_stats_wgmma[yd].compile(tile.generics(yd), arch=arch)
+                built.append(conv2d_gn_stats_wgmma[yd].name_expression(tile.generics(yd)))
         for tile in TILES.values():
             for kern in (conv2d_gn_stats[yd], conv2d_params[yd]):
                 kern.compile(tile.generics(yd), arch=arch)

@@ -22,6 +22,8 @@
 #include <cutlass/epilogue/thread/linear_combination.h>
 #include <cutlass/gemm/threadblock/threadblock_swizzle.h>
 
+#include "gn_partials.cuh"
+
 constexpr int kBlobBytes = 1024;  // the device buffer the Params blob lives in (kernels/conv.py: BLOB_BYTES)
 
 template <typename YT, int TM, int TN, int TK, int WM, int WN, int STAGES>
@@ -153,25 +155,7 @@ __device__ __forceinline__ void tile_stats(const YT* y, float2* out, float* smem
         chan[e * 2 + 1] = rows > 0 ? fmaxf(b - a * md, 0.f) : 0.f;
     }
     __syncthreads();
-    // channels -> groups: Chan's merge over the channels of each group inside the tile
-    const int g0 = n0 / cpg;
-    for (int e = t; e < 2 * GS; e += NT) {
-        const int sg = e / GS, g = g0 + e % GS;
-        const int rows = sg == 0 ? boundary - m0 : m_end - boundary;
-        const int ca = max(g * cpg, n0), cb = min(min((g + 1) * cpg, n0 + TN), K);
-        float cnt = 0.f, mean = 0.f, m2 = 0.f;
-        if (rows > 0) {
-            const float nb = (float)rows;
-            for (int c = ca; c < cb; ++c) {
-                const float mc = chan[(sg * TN + c - n0) * 2], m2c = chan[(sg * TN + c - n0) * 2 + 1];
-                const float nn = cnt + nb, d = mc - mean;
-                mean += d * (nb / nn);
-                m2 += m2c + d * d * (cnt * nb / nn);
-                cnt = nn;
-            }
-        }
-        out[e] = make_float2(mean, m2);
-    }
+    channels_to_groups(chan, out, TN, n0, K, cpg, GS, boundary - m0, m_end - boundary);
 }
 
 // y [N*P*Q, K] = conv(x, w) + bias; with with_stats, the partials of every tile.

@@ -2,7 +2,8 @@
 
 Unmarked tests run on whatever Device(0) is (the reference device here: the
 kernels' float64 NumPy references, which mirror the GPU's partial-statistics
-layout and Chan merge); ``gpu`` tests run the CUTLASS kernels on the H100.
+layout and Chan merge); ``gpu`` tests run the kernels on the H100 (the WGMMA conv
+where C % 64 == 0, the CUTLASS 2.x conv otherwise).
 Every result is held to ``conv_gn_act_reference`` (float64) on fresh random data.
 """
 import json
@@ -45,6 +46,7 @@ def run(stream, plan, host, out_dtype="float16"):
     ((2, 9, 9, 16, 24), 4, 3, "64x64", "silu"),        # tiles straddle images; 6-channel groups straddle nothing
     ((3, 17, 17, 96, 96), 8, 3, "128x64", "mish"),     # C=96, H=W=17, N=3: tiles straddle images and groups
     ((1, 8, 8, 32, 128), 32, 1, "64x64", "identity"),  # 1x1
+    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "silu"),   # the Hopper kernel's plan: K=200 divides no tile
 ])
 def test_fused_op_matches_float64(stream, rng, shape, groups, r, tile, act):
     n, h, w, c, k = shape
@@ -100,6 +102,29 @@ def test_building_the_op_runs_nothing(stream, rng):
     assert not np.all(out.numpy() == 7)
 
 
+def test_hopper_runs_the_wgmma_kernel_where_it_applies(monkeypatch):
+    """On sm_90 (the reference device compiles for sm_90 too) a conv with C % 64 == 0
+    gets conv_wgmma.cu; other channel counts and other GPUs get the CUTLASS 2.x conv."""
+    unet = ConvGnAct(1, 64, 64, 320, 320, groups=32)
+    assert unet.wgmma and (unet.tile.name, unet.split_k) == ("wg128x160", 2)
+    assert not ConvGnAct(3, 17, 17, 96, 96, groups=32).wgmma        # C=96: not a multiple of 64
+    assert "not a multiple of 64" in conv.wgmma_fits("sm_90", 1, 8, 8, 96, 96)
+    monkeypatch.setenv("DEVICEOP_ARCH", "sm_80")
+    assert not ConvGnAct(1, 64, 64, 320, 320, groups=32).wgmma      # an A100 plan: CUTLASS
+
+
+def test_wgmma_heuristic_picks_the_fastest_configuration_of_the_recorded_h100_sweep():
+    """The WGMMA cost model was fitted to this sweep (every tile x split-K 1-8 of
+    the shipped menu at the six N<=2 U-Net problems, bare conv as graph replays)."""
+    sweep = json.loads((ROOT / "bench" / "results" / "conv_gn_act_wgmma_sweep.json").read_text())["tile_sweep"]
+    problems = sorted({(r["C"], r["HW"], r["N"]) for r in sweep})
+    assert len(problems) == 6 and {r["tile"] for r in sweep} == set(conv.WGMMA_TILES)
+    for c, hw, n in problems:
+        runs = [r for r in sweep if (r["C"], r["HW"], r["N"]) == (c, hw, n)]
+        fastest = min(runs, key=lambda r: r["bare_conv_us"])
+        assert conv.choose_wgmma_tile(n, hw, hw, c, c) == (fastest["tile"], fastest["split_k"]), (c, hw, n)
+
+
 def test_heuristic_fills_the_sms_at_n1():
     """At N=1 the pick puts work on at least 90 % of the 132 SMs: not always all of
     them, because measured on the H100, C=1280 at 16x16 runs fastest as 120 CTAs of
@@ -151,6 +176,8 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
         ConvGnAct(1, 4, 4, 16, 16, groups=4, stream=stream)
     with pytest.raises(dop.ShapeError, match="needs H\\*W >= 128"):
         ConvGnAct(1, 8, 8, 16, 16, groups=4, tile="128x128", stream=stream)
+    with pytest.raises(dop.ShapeError, match="not a multiple of 64"):
+        ConvGnAct(1, 16, 16, 96, 96, groups=4, tile="wg128x128", stream=stream)
     with pytest.raises(dop.ShapeError, match="only 3x3"):
         ConvGnAct(n, h, w, c, k, kernel_size=5, groups=4, stream=stream)
     with pytest.raises(dop.LaunchError, match="act="):
@@ -163,8 +190,14 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
 
 def test_every_shipped_configuration_compiles_for_sm90():
     built = conv.compile_all("sm_90")
-    assert len(built) == 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    assert len(built) == 2 * len(conv.WGMMA_TILES) + 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    assert any("conv2d_gn_stats_wgmma<__half, 128, 160" in b for b in built)
     assert any("128, 128" in b for b in built) and any("gn_act_apply_inplace" in b for b in built)
+
+
+def test_the_wgmma_kernel_refuses_other_gpus():
+    with pytest.raises(dop.ArchError, match="runs on sm_90 only"):
+        conv.conv2d_gn_stats_wgmma["float16"].compile(conv.WGMMA_TILES["wg128x128"].generics("float16"), arch="sm_80")
 
 
 def test_missing_cutlass_is_a_clear_error(monkeypatch):
@@ -186,6 +219,18 @@ def test_every_tile_and_split_k_on_the_gpu(stream, rng, tile, split):
     size_params, size_smem = plan.blob_sizes
     assert size_params <= conv.BLOB_BYTES - 8
     assert size_smem == plan.tile.shared_bytes()  # the host's formula is CUTLASS's sizeof(SharedStorage)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile,split,y_dtype", [(t, s, "float16") for t in conv.WGMMA_TILES for s in (1, 3)]
+                         + [("wg128x160", 2, "float32")])
+def test_every_wgmma_tile_and_split_k_on_the_gpu(stream, rng, tile, split, y_dtype):
+    n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20      # K=200 divides no tile width
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile=tile, split_k=split, y_dtype=y_dtype,
+                     stream=stream)
+    host = make_inputs(rng, n, h, w, c, k, y_dtype=y_dtype)
+    mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
 
 
 @pytest.mark.gpu
@@ -222,9 +267,10 @@ def test_large_mean_groups_need_the_fp32_intermediate(stream, rng):
 
 
 @pytest.mark.gpu
-def test_zero_variance_groups(stream, rng):
+@pytest.mark.parametrize("c", [32, 64])   # the CUTLASS conv, the WGMMA conv
+def test_zero_variance_groups(stream, rng, c):
     """Groups whose output is constant (zero weights, constant bias): normalized to beta, no NaN."""
-    n, h, w, c, k, groups = 1, 16, 16, 32, 64, 8
+    n, h, w, k, groups = 1, 16, 16, 64, 8
     x, wt, b, ga, be = make_inputs(rng, n, h, w, c, k)
     wt[:16] = 0                                    # groups 0 and 1: y = bias, constant per channel ...
     b[:16] = 3.0                                   # ... and the same for the whole group
@@ -237,9 +283,12 @@ def test_zero_variance_groups(stream, rng):
 
 
 @pytest.mark.gpu
-def test_deterministic_over_ten_runs(stream, rng):
+@pytest.mark.parametrize("tile,split", [("64x64", 2), ("wg128x128", 3)])
+def test_deterministic_over_ten_runs(stream, rng, tile, split):
+    """Split-K included: CUTLASS's serial slices, and the WGMMA kernel's slices summed
+    in slice order by whichever CTA arrives last."""
     n, h, w, c, k, groups = 2, 32, 32, 64, 128, 32
-    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile="64x64", split_k=2, stream=stream)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile=tile, split_k=split, stream=stream)
     args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
     out = dop.empty([n, h, w, k], "float16", stream=stream)
     graph = plan(out, *args).graph_on(stream)
