@@ -189,7 +189,7 @@ def _as_tensor_arg(v):
 class KernelLaunch(DeviceOp):
     """One lazy launch of a kernel; value = the tuple of its arguments."""
 
-    __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "_pdl", "__weakref__")
+    __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "_pdl", "_cooperative", "__weakref__")
     graph_safe = True
 
     def __init__(self, kernel: Kernel, args):
@@ -197,7 +197,7 @@ class KernelLaunch(DeviceOp):
         self.kernel, self.args = kernel, tuple(args)
         self._generics = () if not kernel.generic_names else None
         self._mutable = frozenset()  # argument positions a captured node may change (.dynamic)
-        self._pdl = False
+        self._pdl = self._cooperative = False
         self._dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))  # ops to run first
         if len(self.args) != len(kernel.params):
             raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
@@ -238,6 +238,17 @@ class KernelLaunch(DeviceOp):
         edge).  Only for kernels that execute ``griddepcontrol.wait`` before reading
         anything the previous kernels wrote (kernels/fused.cu does)."""
         self._pdl = bool(enabled)
+        if self._pdl and self._cooperative:
+            raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
+        return self
+
+    def cooperative(self, enabled: bool = True) -> "KernelLaunch":
+        """Launch cooperatively: all CTAs of the grid are resident at once, so they may
+        wait for each other (a grid barrier); the driver refuses a grid too large to
+        be (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of letting it hang."""
+        self._cooperative = bool(enabled)
+        if self._pdl and self._cooperative:
+            raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
         return self
 
     def children(self):
@@ -274,7 +285,7 @@ class KernelLaunch(DeviceOp):
         launch_args = list(values)
         try:
             t = launch_args[0] = part.tensor
-            key = [device, gen, part.tile_shape, self._pdl, t._sig_id]
+            key = [device, gen, part.tile_shape, self._pdl, self._cooperative, t._sig_id]
             for i in kernel._input_positions:
                 t = launch_args[i]
                 if type(t) is SharedTensor:  # its .tensor, without the property call on the live path
@@ -288,7 +299,8 @@ class KernelLaunch(DeviceOp):
             launch_args = self._check(values, gen)
             fn = None if device.is_reference else kernel.function(device, gen)
             plan = (None, None) if fn is None else \
-                (fn.launch_pdl if self._pdl else fn.launch, kernel.config(part.grid, gen))
+                (fn.launch_pdl if self._pdl else fn.launch_cooperative if self._cooperative else fn.launch,
+                 kernel.config(part.grid, gen))
             if key is not None:
                 if len(kernel._verified) > 65536:
                     kernel._verified.clear()

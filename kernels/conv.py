@@ -214,14 +214,15 @@ class WgmmaTile:
     def generics(self, y_dtype: str) -> list:
         return [_WG_CPP[y_dtype], self.tm, self.tn, self.stages]
 
-    def shared_bytes(self, y_dtype: str) -> int:
+    def shared_bytes(self, staged_dtype: str) -> int:
         """convwg::Shape::kSmem: the larger of the mainloop's ring and the epilogue's
-        staged tile + statistics scratch, plus 1 KB to align the ring to 1024 bytes
-        (the kernel traps if it gets less; tests/test_conv.py runs every tile)."""
+        staged tile (in y's dtype, or fp32 in the one-launch kernel) + statistics
+        scratch, plus 1 KB to align the ring to 1024 bytes (the kernel traps if it
+        gets less; tests/test_conv.py runs every tile)."""
         ring = self.stages * (self.tm + self.tn) * 128
-        row = self.tn * np.dtype(y_dtype).itemsize + 16
+        row = self.tn * np.dtype(staged_dtype).itemsize + 16
         slices = 2 * self.tm // (self.tn // 2)
-        epilogue = self.tm * row + (slices * 2 + 2) * self.tn * 2 * 4
+        epilogue = self.tm * row + (slices * 2 + 4) * self.tn * 2 * 4
         return max(ring, epilogue) + 1024
 
 
@@ -301,14 +302,7 @@ def activation_reference(v, act: str):
 
 def conv_gn_act_reference(x, w, bias, gamma, beta, groups: int, eps: float, act: str):
     """conv2d -> GroupNorm(groups) -> act, all in float64 (what the GPU is held to)."""
-    pad = (w.shape[1] - 1) // 2
-    y = conv2d_reference(x, w, bias, pad)
-    n, p, q, k = y.shape
-    g = y.reshape(n, p * q, groups, k // groups)
-    mean = g.mean(axis=(1, 3), keepdims=True)
-    var = g.var(axis=(1, 3), keepdims=True)
-    z = ((g - mean) / np.sqrt(var + eps)).reshape(n, p, q, k) * gamma.astype(np.float64) + beta.astype(np.float64)
-    return activation_reference(z, act)
+    return _gn_act(conv2d_reference(x, w, bias, (w.shape[1] - 1) // 2), gamma, beta, groups, eps, act)
 
 
 def _tile_partials(y2, hw, tm, tn, cpg, gs, m0, n0):
@@ -340,13 +334,34 @@ def _conv_wgmma_ref(g, stats, y, x, w, bias, partials, counters, n, h, wd, c, k,
     _conv_and_partials(g, stats, y, x, w, bias, h * wd, cpg, gs, with_stats)
 
 
+def _one_launch_ref(g, stats, out, x, w, bias, gamma, beta, partials, counters, n, h, wd, c, k, r, pad, cpg, gs,
+                    groups, eps, act):
+    """Reference of conv2d_gn_act_wgmma: the partials of the unrounded conv (the
+    kernel stages its tile in fp32), then GroupNorm and the activation into out."""
+    y = conv2d_reference(x, w, bias, pad)
+    _tile_stats_into(g, stats, y.reshape(-1, k), h * wd, cpg, gs)
+    out[...] = _gn_act(y, gamma, beta, groups, eps, {v: name for name, v in ACTS.items()}[act])
+
+
+def _gn_act(y, gamma, beta, groups: int, eps: float, act: str):
+    n, p, q, k = y.shape
+    grouped = y.reshape(n, p * q, groups, k // groups)
+    mean = grouped.mean(axis=(1, 3), keepdims=True)
+    var = grouped.var(axis=(1, 3), keepdims=True)
+    z = ((grouped - mean) / np.sqrt(var + eps)).reshape(n, p, q, k) * gamma.astype(np.float64) + beta.astype(np.float64)
+    return activation_reference(z, act)
+
+
 def _conv_and_partials(g, stats, y, x, w, bias, hw, cpg, gs, with_stats):
     pad = (w.shape[1] - 1) // 2
     y[...] = conv2d_reference(x, w, bias, pad).reshape(y.shape)
-    if not with_stats:
-        return
+    if with_stats:
+        _tile_stats_into(g, stats, y.reshape(-1, y.shape[-1]).astype(np.float64), hw, cpg, gs)
+
+
+def _tile_stats_into(g, stats, y2, hw, cpg, gs):
+    """Every tile's partials into stats [MT, NT, KS * 4 * GS] (the last slice's slot)."""
     tm, tn = g["TM"], g["TN"]
-    y2 = y.reshape(-1, y.shape[-1]).astype(np.float64)
     mt, nt, _ = stats.shape
     ks = stats.shape[2] // (4 * gs)
     for i in range(mt):
@@ -454,6 +469,21 @@ def _wgmma_kernel(y_dtype: str) -> Kernel:
         reference=_conv_wgmma_ref, options=CUTLASS_OPTIONS)
 
 
+def _one_launch_kernel(bias_dtype: str, out_dtype: str) -> Kernel:
+    sb, so = ("f16" if d == "float16" else "f32" for d in (bias_dtype, out_dtype))
+    return HopperKernel(
+        f"conv2d_gn_act_wgmma_{sb}_{so}", HERE / "conv_wgmma.cu",
+        [Out("stats", "float32", rank=3), In("out", out_dtype, rank=4), In("x", "float16", rank=4),
+         In("w", "float16", rank=4), In("bias", bias_dtype, rank=1), In("gamma", "float32", rank=1),
+         In("beta", "float32", rank=1), In("partials", "float32", rank=1), In("counters", "int32", rank=1)]
+        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "groups")]
+        + [Scalar("eps", "float32"), Scalar("act", "int32")],
+        entry="conv2d_gn_act_wgmma", generics=["OT", "BT", "TM", "TN", "STAGES"],
+        block=lambda g: 2 * g["TM"],
+        shared_mem=lambda g: WgmmaTile(g["TM"], g["TN"], g["STAGES"]).shared_bytes("float32"),
+        reference=_one_launch_ref, options=CUTLASS_OPTIONS)
+
+
 def _params_kernel(y_dtype: str) -> Kernel:
     suffix = "f16" if y_dtype == "float16" else "f32"
     return CutlassKernel(
@@ -485,6 +515,7 @@ DTYPES = ("float16", "float32")
 conv2d_gn_stats = {d: _conv_kernel(d) for d in DTYPES}
 conv2d_params = {d: _params_kernel(d) for d in DTYPES}
 conv2d_gn_stats_wgmma = {d: _wgmma_kernel(d) for d in DTYPES}
+conv2d_gn_act_wgmma = {(b, o): _one_launch_kernel(b, o) for b in DTYPES for o in DTYPES}
 gn_act_apply = {(y, o): _apply_kernel(y, o) for y in DTYPES for o in DTYPES}
 gn_act_apply_inplace = {d: _apply_kernel(d, None) for d in DTYPES}
 
@@ -512,12 +543,15 @@ class ConvGnAct:
     value is ``out``.  ``plan.conv(y, x, w, bias)`` is the bare convolution
     (launch 1 without statistics), for comparisons.  ``inplace=True``: the conv
     writes straight into ``out`` and the normalization overwrites it (no y
-    buffer; ``out`` must then have the intermediate's dtype).
+    buffer; ``out`` must then have the intermediate's dtype).  ``one_launch=True``
+    (WGMMA tiles, a grid that fits the GPU at once): the whole op in one cooperative
+    launch, y kept in shared memory in fp32 (see the measurements in __init__).
     """
 
     def __init__(self, n: int, h: int, w: int, c: int, k: int, *, kernel_size: int = 3, groups: int = 32,
                  act: str = "silu", eps: float = 1e-5, y_dtype: str = "float16", out_dtype: str = "float16",
-                 inplace: bool = False, tile: str | None = None, split_k: int | None = None, stream=None):
+                 inplace: bool = False, tile: str | None = None, split_k: int | None = None,
+                 one_launch: bool = False, stream=None):
         _need(act in ACTS, f"act={act!r} is not one of {', '.join(ACTS)}", dop.LaunchError)
         _need(kernel_size in (1, 3), f"kernel_size={kernel_size}: only 3x3 (padding 1) and 1x1 (padding 0) "
                                      "convolutions are supported")
@@ -559,6 +593,20 @@ class ConvGnAct:
             _need(self.split_k <= kernel_size ** 2 * c // 64, f"split_k={split_k} exceeds the "
                   f"{kernel_size ** 2 * c // 64} k-blocks of 64 channels", dop.LaunchError)
         t = self.tile
+        # one_launch=True: the whole op as one cooperative launch (kernels/conv_wgmma.cu,
+        # conv2d_gn_act_wgmma), possible when the grid fits on the GPU at once (one CTA
+        # per SM: each takes >= 128 KB of shared memory).  Not the default: measured on
+        # the H100 it is no faster than conv + apply (graph replays, N=1 C=320/640/1280:
+        # 36.6/36.2/39.6 us vs 36.1/34.7/39.4; N=2: 44.9/50.6/53.0 vs 45.3/49.4/52.5).
+        # The merge of every tile's partials after its grid barrier is the same chain
+        # of L2 round trips the apply kernel pays, which PDL overlaps with the conv.
+        ctas = math.ceil(n * hw / t.tm) * math.ceil(k / t.tn) * self.split_k
+        fits = self.wgmma and ctas <= sms
+        one_launch = bool(one_launch)
+        _need(not one_launch or fits, f"one_launch=True needs the WGMMA kernel and a grid the GPU holds at once; "
+                                      f"this plan's is {ctas} CTAs of tile {t.name} on {sms} SMs: use one_launch=False "
+                                      "(two launches), or pick a larger tile or a smaller split_k", dop.LaunchError)
+        self.one_launch = bool(one_launch)
         self.hw, self.cpg = hw, k // groups
         self.mt, self.nt = math.ceil(n * hw / t.tm), math.ceil(k / t.tn)
         self.gs = min(groups, math.ceil(t.tn / self.cpg) + 1)   # groups one n-tile can touch
@@ -567,9 +615,10 @@ class ConvGnAct:
         # workspace (eager, like any buffer)
         mk = lambda shape, dt: dop.empty(shape, dt, stream=stream)  # noqa: E731
         self.blob = dop.from_numpy(np.zeros(BLOB_BYTES, np.uint8), stream=stream)
-        self.semaphore = dop.from_numpy(np.zeros(self.mt * self.nt, np.int32), stream=stream)
+        # split-K counters per tile, then the one-launch kernel's grid barrier (2 words)
+        self.semaphore = dop.from_numpy(np.zeros(self.mt * self.nt + 2, np.int32), stream=stream)
         self.stats = mk([self.mt, self.nt, self.split_k * 4 * self.gs], "float32")
-        self.y = None if inplace else mk([n, h, w, k], y_dtype)
+        self.y = None if inplace or self.one_launch else mk([n, h, w, k], y_dtype)
         # the WGMMA kernel's split-K slices leave their fp32 tiles here (the semaphore counts them)
         self.partials = mk([self.mt * self.nt * self.split_k * t.tm * t.tn if self.wgmma and self.split_k > 1 else 4],
                            "float32")
@@ -580,7 +629,7 @@ class ConvGnAct:
     def __repr__(self) -> str:
         return (f"ConvGnAct(N={self.n}, H={self.h}, W={self.w}, C={self.c}, K={self.k}, {self.r}x{self.r}, "
                 f"groups={self.groups}, act={self.act}, tile={self.tile.name}, split_k={self.split_k}, "
-                f"grid={self.mt}x{self.nt}x{self.split_k})")
+                f"grid={self.mt}x{self.nt}x{self.split_k}, {'one launch' if self.one_launch else 'two launches'})")
 
     @property
     def blob_sizes(self) -> tuple[int, int]:
@@ -628,9 +677,16 @@ class ConvGnAct:
                 .generics(t.generics(self.y_dtype)))
 
     def __call__(self, out, x, w, bias, gamma, beta):
-        """The lazy fused op (two launches); its value is ``out``."""
+        """The lazy fused op (one or two launches); its value is ``out``."""
         self._check(out, x, w, bias, gamma, beta)
         t, n = self.tile, self.n
+        if self.one_launch:   # cooperative: its CTAs wait for each other at a grid barrier
+            return (conv2d_gn_act_wgmma[(self.y_dtype, self.out_dtype)](
+                self.stats.partition([1, 1, 4 * self.gs]), out, x, w, bias, gamma, beta, self.partials,
+                self.semaphore, n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, self.groups,
+                self.eps, ACTS[self.act])
+                .generics([_APPLY_OT[self.out_dtype], _APPLY_OT[self.y_dtype], t.tm, t.tn, t.stages])
+                .cooperative().map(lambda _: out))
         y = out if self.inplace else self.y
         scalars = (self.eps, self.hw, self.k, self.groups, t.tm, t.tn, self.nt, self.split_k, self.gs, self.rows_per)
         tiles = [1, 1, self.rows_per * self.k]
@@ -667,6 +723,11 @@ def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
             for tile in WGMMA_TILES.values():
                 conv2d_gn_stats_wgmma[yd].compile(tile.generics(yd), arch=arch)
                 built.append(conv2d_gn_stats_wgmma[yd].name_expression(tile.generics(yd)))
+                for od in DTYPES:
+                    kern = conv2d_gn_act_wgmma[(yd, od)]
+                    gen = [_APPLY_OT[od], _APPLY_OT[yd], tile.tm, tile.tn, tile.stages]
+                    kern.compile(gen, arch=arch)
+                    built.append(kern.name_expression(gen))
         for tile in TILES.values():
             for kern in (conv2d_gn_stats[yd], conv2d_params[yd]):
                 kern.compile(tile.generics(yd), arch=arch)

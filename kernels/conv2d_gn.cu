@@ -22,7 +22,7 @@
 #include <cutlass/epilogue/thread/linear_combination.h>
 #include <cutlass/gemm/threadblock/threadblock_swizzle.h>
 
-#include "gn_partials.cuh"
+#include "groupnorm.cuh"
 
 constexpr int kBlobBytes = 1024;  // the device buffer the Params blob lives in (kernels/conv.py: BLOB_BYTES)
 

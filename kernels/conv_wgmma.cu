@@ -21,14 +21,14 @@
 //   there it leaves in coalesced 16-byte stores, and the GroupNorm partials of
 //   the values as stored are computed from the same shared tile (no re-read of
 //   y), per image segment and channel with shifted sums, then merged per group
-//   (gn_partials.cuh).  Deterministic: fixed orders, no float atomics.
+//   (groupnorm.cuh).  Deterministic: fixed orders, no float atomics.
 #include <cuda_fp16.h>
 #include <cuda/std/utility>
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/arch/mma_sm90_gmma_ext.hpp>
 
-#include "gn_partials.cuh"
+#include "groupnorm.cuh"
 
 namespace convwg {
 
@@ -75,14 +75,15 @@ __device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpre
 __device__ __forceinline__ float2 load2(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
 __device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
-template <typename YT, int TM, int TN, int STAGES>
-struct Shape {
+template <typename ST, int TM, int TN, int STAGES>
+struct Shape {   // ST: the type the output tile is staged in (y's type, or float for the one-launch kernel)
     static constexpr int kThreads = TM * 2;                    // TM / 64 warpgroups
     static constexpr int kStageBytes = (TM + TN) * 128;         // A then B, 64 fp16 of K per row
     static constexpr int kAcc = TN / 2;                         // fp32 accumulators per thread
-    static constexpr int kRowBytes = TN * (int)sizeof(YT) + 16; // staged output row (padded: no bank conflicts)
+    static constexpr int kRowBytes = TN * (int)sizeof(ST) + 16; // staged output row (padded: no bank conflicts)
     static constexpr int kSlices = kThreads / (TN / 2);         // row slices of the statistics pass
-    static constexpr int kEpilogueBytes = TM * kRowBytes + (kSlices * 2 + 2) * TN * 2 * 4;
+    // staged tile, then [kSlices][2][TN] (S1, S2) scratch, [2][TN] (mean, M2), [2][TN] scale and shift
+    static constexpr int kEpilogueBytes = TM * kRowBytes + (kSlices * 2 + 4) * TN * 2 * 4;
     static constexpr int kMain = STAGES * kStageBytes;
     static constexpr int kSmem = (kMain > kEpilogueBytes ? kMain : kEpilogueBytes) + 1024;  // + alignment slack
     static_assert(TM % 64 == 0 && TN % 16 == 0 && STAGES >= 3, "tile shape");
@@ -91,37 +92,28 @@ struct Shape {
     static_assert(kStageBytes % 1024 == 0 && (TM * 128) % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
 };
 
-}  // namespace convwg
-
-// y [N*H*W, K] = conv(x [N,H,W,C], w [K,R,R,C]) + bias (stride 1, padding pad), and the
-// GroupNorm partials of every tile (with_stats).  Grid (M tiles, K tiles, split-K slices);
-// stats [MT, NT, KS * 2 * GS * 2]: the final values go to the last slice's slot.
-// Needs C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
-template <typename YT, int TM, int TN, int STAGES>
-__global__ void __launch_bounds__(TM * 2, 1)
-conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, const YT* bias, float* partials,
-                      int* counters, int n, int h, int wd, int c, int k, int r, int pad, int cpg, int gs,
-                      int with_stats) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using S = convwg::Shape<YT, TM, TN, STAGES>;
-    constexpr int NT = S::kThreads;
-    constexpr int A_PER = TM * 8 / NT, B_PER = TN * 8 / NT;   // 16-byte pieces per thread per stage
-    // The apply kernel (launched with PDL) may start now: its CTAs take SM room
-    // this grid leaves free and wait in griddepcontrol.wait for this grid to end.
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+// The shared memory, aligned to 1024 bytes; traps if the launch gave less than
+// kSmem (the host's formula, WgmmaTile.shared_bytes, fell behind).
+template <int kSmem>
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw, uint32_t& base) {
     uint32_t dynamic_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
-    if (dynamic_smem < S::kSmem) __trap();   // the host's formula (WgmmaTile.shared_bytes) fell behind kSmem
+    if (dynamic_smem < kSmem) __trap();
+    const uint32_t raw_addr = (uint32_t)__cvta_generic_to_shared(raw);
+    base = (raw_addr + 1023u) & ~1023u;
+    return raw + (base - raw_addr);
+}
 
-    extern __shared__ unsigned char smem_raw[];
-    const uint32_t smem_base = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
-    unsigned char* smem = smem_raw + (smem_base - (uint32_t)__cvta_generic_to_shared(smem_raw));
-
-    const int t = threadIdx.x, hw = h * wd, M = n * hw, KG = r * r * c;
-    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN;
-    const int slices = gridDim.z, z = blockIdx.z, kb_total = KG / 64;
-    const int kb_begin = (int)((long long)kb_total * z / slices), kb_end = (int)((long long)kb_total * (z + 1) / slices);
-    const int kt = kb_end - kb_begin;
+// acc (this thread's part of the CTA's TM x TN fp32 tile) = im2col(x) . w^T over
+// k-blocks [kb_begin, kb_end) of R*S*C / 64.
+template <int TM, int TN, int STAGES>
+__device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const __half* x, const __half* w, int n,
+                                         int h, int wd, int c, int k, int r, int pad, int m0, int n0, int kb_begin,
+                                         int kb_end) {
+    using S = Shape<float, TM, TN, STAGES>;
+    constexpr int NT = S::kThreads;
+    constexpr int A_PER = TM * 8 / NT, B_PER = TN * 8 / NT;   // 16-byte pieces per thread per stage
+    const int t = threadIdx.x, hw = h * wd, M = n * hw, KG = r * r * c, kt = kb_end - kb_begin;
 
     // Each thread loads 16-byte piece j of rows row0 + i * NT/8 of A and B.
     const int j = t % 8, row0 = t / 8;
@@ -150,39 +142,36 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
         for (int i = 0; i < A_PER; ++i) {
             const int ih = a_p[i] + dy, iw = a_q[i] + dx;
             const bool ok = (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)wd;
-            convwg::cp_async16(convwg::swizzled(a_tile, row0 + i * (NT / 8), j), ok ? x + a_off[i] + shift : x, ok);
+            cp_async16(swizzled(a_tile, row0 + i * (NT / 8), j), ok ? x + a_off[i] + shift : x, ok);
         }
         #pragma unroll
         for (int i = 0; i < B_PER; ++i)
-            convwg::cp_async16(convwg::swizzled(b_tile, row0 + i * (NT / 8), j), w_row[i] + kb * 64, b_ok[i]);
+            cp_async16(swizzled(b_tile, row0 + i * (NT / 8), j), w_row[i] + kb * 64, b_ok[i]);
     };
 
-    float acc[S::kAcc];
     #pragma unroll
     for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
     const int wg = t / 128;
-
     #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         if (s < kt) load_stage(s, kb_begin + s);
-        convwg::cp_async_commit();
+        cp_async_commit();
     }
     #pragma unroll 1
     for (int i = 0; i < kt; ++i) {
-        convwg::cp_async_wait<STAGES - 3>();                         // this thread's pieces of k-block i landed
+        cp_async_wait<STAGES - 3>();                                 // this thread's pieces of k-block i landed
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma (the async proxy)
         __syncthreads();                                              // everyone's landed; wgmma(i-2) retired
         if (i + STAGES - 2 < kt) load_stage((i + STAGES - 2) % STAGES, kb_begin + i + STAGES - 2);
-        convwg::cp_async_commit();
-        const uint32_t a_tile = smem_base + (i % STAGES) * S::kStageBytes + wg * 64 * 128, b_tile = a_tile - wg * 64 * 128 + TM * 128;
-        const uint64_t da = convwg::sw128_desc(a_tile), db = convwg::sw128_desc(b_tile);
+        cp_async_commit();
+        const uint32_t stage = smem_base + (i % STAGES) * S::kStageBytes;
+        const uint64_t da = sw128_desc(stage + wg * 64 * 128), db = sw128_desc(stage + TM * 128);
         #pragma unroll
         for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
         cute::warpgroup_arrive();
         #pragma unroll
         for (int kk = 0; kk < 4; ++kk)   // 4 x k16; +32 bytes = +2 in the descriptor's 16-byte units
-            convwg::gmma<typename convwg::Gmma<TN>::Op>(da + 2 * kk, db + 2 * kk, acc,
-                                                        cuda::std::make_integer_sequence<int, S::kAcc>{});
+            gmma<typename Gmma<TN>::Op>(da + 2 * kk, db + 2 * kk, acc, cuda::std::make_integer_sequence<int, S::kAcc>{});
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<1>();
         #pragma unroll
@@ -191,78 +180,83 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
     cute::warpgroup_wait<0>();
     #pragma unroll
     for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
-    convwg::cp_async_wait<0>();
+    cp_async_wait<0>();
+}
 
-    const int tile_id = blockIdx.x * gridDim.y + blockIdx.y;
-    if (slices > 1) {
-        // [tile][slice][kAcc / 4][NT] float4: each warp writes 512 contiguous bytes
-        float4* ws = reinterpret_cast<float4*>(partials) + (size_t)tile_id * slices * (S::kAcc / 4) * NT;
+// Split-K: every slice stores its accumulators to the workspace; the CTA that
+// arrives last at the tile's counter gets every slice's tile added in slice
+// order (deterministic whoever is last) and returns true; the others false.
+template <int NT, int ACC>
+__device__ __forceinline__ bool splitk_reduce(float* acc, float* partials, int* counters, int tile_id, int slices,
+                                              int z) {
+    const int t = threadIdx.x;
+    // [tile][slice][ACC / 4][NT] float4: each warp writes 512 contiguous bytes
+    float4* ws = reinterpret_cast<float4*>(partials) + (size_t)tile_id * slices * (ACC / 4) * NT;
+    #pragma unroll
+    for (int a = 0; a < ACC / 4; ++a)
+        ws[((size_t)z * (ACC / 4) + a) * NT + t] = make_float4(acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3]);
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (t == 0) last = atomicAdd(counters + tile_id, 1) == slices - 1;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    #pragma unroll
+    for (int a = 0; a < ACC; ++a) acc[a] = 0.f;
+    // this slice's tile is read back too: the order stays fixed, and a slice's loads are all in flight at once
+    for (int s = 0; s < slices; ++s) {
         #pragma unroll
-        for (int a = 0; a < S::kAcc / 4; ++a)
-            ws[((size_t)z * (S::kAcc / 4) + a) * NT + t] = make_float4(acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3]);
-        __threadfence();
-        __syncthreads();
-        __shared__ int last;
-        if (t == 0) last = atomicAdd(counters + tile_id, 1) == slices - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        #pragma unroll
-        for (int a = 0; a < S::kAcc; ++a) acc[a] = 0.f;
-        // Every slice's tile from the workspace (this one's too), added in slice order
-        // whichever arrived last; a slice's loads are all in flight at once.
-        for (int s = 0; s < slices; ++s) {
-            #pragma unroll
-            for (int a = 0; a < S::kAcc / 4; ++a) {
-                const float4 v = __ldcg(ws + ((size_t)s * (S::kAcc / 4) + a) * NT + t);
-                acc[4 * a] += v.x; acc[4 * a + 1] += v.y; acc[4 * a + 2] += v.z; acc[4 * a + 3] += v.w;
-            }
+        for (int a = 0; a < ACC / 4; ++a) {
+            const float4 v = __ldcg(ws + ((size_t)s * (ACC / 4) + a) * NT + t);
+            acc[4 * a] += v.x; acc[4 * a + 1] += v.y; acc[4 * a + 2] += v.z; acc[4 * a + 3] += v.w;
         }
-        if (t == 0) counters[tile_id] = 0;   // ready for the next launch (graph replays)
     }
+    if (t == 0) counters[tile_id] = 0;   // ready for the next launch (graph replays)
+    return true;
+}
 
-    // Epilogue: acc + bias -> y's type -> the staged tile [TM][TN] (row stride kRowBytes).
-    __syncthreads();   // every warpgroup is done with the pipeline's shared memory
-    const int lane = t % 32, warp_row = wg * 64 + (t % 128) / 32 * 16 + lane / 4;
+// acc + bias, converted to ST, into the staged tile [TM][TN] (row stride kRowBytes).
+template <typename ST, typename BT, int TM, int TN>
+__device__ __forceinline__ void stage_tile(const float* acc, const BT* bias, unsigned char* smem, int n0, int k) {
+    using S = Shape<ST, TM, TN, 3>;
+    const int t = threadIdx.x, lane = t % 32, wg = t / 128;
+    const int row = wg * 64 + (t % 128) / 32 * 16 + lane / 4;   // WGMMA's accumulator layout
     #pragma unroll
     for (int b = 0; b < TN / 8; ++b) {
         const int col = b * 8 + (lane % 4) * 2;
         float b0 = 0.f, b1 = 0.f;
-        if (n0 + col < k) { const float2 bb = convwg::load2(bias + n0 + col); b0 = bb.x; b1 = bb.y; }
-        YT* r0 = reinterpret_cast<YT*>(smem + warp_row * S::kRowBytes) + col;
-        YT* r1 = reinterpret_cast<YT*>(smem + (warp_row + 8) * S::kRowBytes) + col;
-        convwg::store2(r0, acc[4 * b] + b0, acc[4 * b + 1] + b1);
-        convwg::store2(r1, acc[4 * b + 2] + b0, acc[4 * b + 3] + b1);
+        if (n0 + col < k) { const float2 bb = load2(bias + n0 + col); b0 = bb.x; b1 = bb.y; }
+        store2(reinterpret_cast<ST*>(smem + row * S::kRowBytes) + col, acc[4 * b] + b0, acc[4 * b + 1] + b1);
+        store2(reinterpret_cast<ST*>(smem + (row + 8) * S::kRowBytes) + col, acc[4 * b + 2] + b0, acc[4 * b + 3] + b1);
     }
-    __syncthreads();
-    constexpr int V = 16 / sizeof(YT), RV = TN / V;   // 16-byte vectors per tile row
-    const int m_end = min(m0 + TM, M);
-    for (int e = t; e < TM * RV; e += NT) {
-        const int row = e / RV, col = (e % RV) * V;
-        if (m0 + row < m_end && n0 + col < k)
-            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * k + n0 + col) =
-                *reinterpret_cast<const uint4*>(smem + row * S::kRowBytes + col * sizeof(YT));
-    }
-    if (!with_stats) return;
+}
 
-    // Per channel and image segment: shifted sums over the rows (shift = the
-    // segment's first row, so M2 = S2 - S1^2/n cancels little when |mean| >> std).
-    const int boundary = min((m0 / hw + 1) * hw, m_end);
-    float* scratch = reinterpret_cast<float*>(smem + TM * S::kRowBytes);   // [kSlices][2][TN] (S1, S2)
-    float* chan = scratch + S::kSlices * 2 * TN * 2;                        // [2][TN] (mean, M2)
+// The GroupNorm partials of the staged tile (rows [m0, m_end), the second image's
+// from `boundary` on) into out: per channel and segment, shifted sums over the rows
+// (shift = the segment's first row, so M2 = S2 - S1^2/n cancels little when
+// |mean| >> std), then the channels of each group merged (groupnorm.cuh).
+template <typename ST, int TM, int TN>
+__device__ __forceinline__ void tile_partials(const unsigned char* smem, float2* out, int m0, int m_end, int boundary,
+                                              int n0, int k, int cpg, int gs) {
+    using S = Shape<ST, TM, TN, 3>;
+    constexpr int NT = S::kThreads;
+    const int t = threadIdx.x;
+    float* scratch = reinterpret_cast<float*>(const_cast<unsigned char*>(smem) + TM * S::kRowBytes);  // [kSlices][2][TN] (S1, S2)
+    float* chan = scratch + S::kSlices * 2 * TN * 2;                                                   // [2][TN] (mean, M2)
+    auto at = [&](int row) { return reinterpret_cast<const ST*>(smem + row * S::kRowBytes); };
     const int cp = t % (TN / 2), sl = t / (TN / 2);
     if (sl < S::kSlices) {
         float sh[2][2], s1[2][2] = {}, s2[2][2] = {};
         #pragma unroll
         for (int sg = 0; sg < 2; ++sg) {
             const int row = (sg == 0 ? m0 : boundary) - m0;
-            const float2 v = row < m_end - m0 ? convwg::load2(reinterpret_cast<const YT*>(smem + row * S::kRowBytes) + 2 * cp)
-                                              : make_float2(0.f, 0.f);
+            const float2 v = row < m_end - m0 ? load2(at(row) + 2 * cp) : make_float2(0.f, 0.f);
             sh[sg][0] = v.x; sh[sg][1] = v.y;
         }
         #pragma unroll 4
         for (int row = sl; row < m_end - m0; row += S::kSlices) {   // unrolled: several loads in flight
-            const float2 v = convwg::load2(reinterpret_cast<const YT*>(smem + row * S::kRowBytes) + 2 * cp);
+            const float2 v = load2(at(row) + 2 * cp);
             if (m0 + row < boundary) {   // branches, not an index: the sums stay in registers
                 const float d0 = v.x - sh[0][0], d1 = v.y - sh[0][1];
                 s1[0][0] += d0; s2[0][0] += d0 * d0; s1[0][1] += d1; s2[0][1] += d1 * d1;
@@ -290,14 +284,152 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
             a += d[0];
             b += d[1];
         }
-        const float shv = rows > 0 ? (float)reinterpret_cast<const YT*>(smem + ((sg == 0 ? m0 : boundary) - m0) * S::kRowBytes)[col]
-                                   : 0.f;
+        const float shv = rows > 0 ? (float)at((sg == 0 ? m0 : boundary) - m0)[col] : 0.f;
         const float md = rows > 0 ? a / rows : 0.f;
         chan[e * 2] = shv + md;
         chan[e * 2 + 1] = rows > 0 ? fmaxf(b - a * md, 0.f) : 0.f;
     }
     __syncthreads();
-    float2* out = reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs;
     channels_to_groups(chan, out, TN, n0, k, cpg, gs, boundary - m0, m_end - boundary);
+}
+
+// A barrier of `count` CTAs (all resident: the launch is cooperative), reusable
+// launch after launch: bar[0] counts arrivals, bar[1] is a generation number the
+// last arrival bumps after resetting the count.  Release/acquire through
+// __threadfence, so every CTA's writes before it are visible to all after it.
+__device__ __forceinline__ void grid_barrier(int* bar, int count) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        volatile int* generation = bar + 1;
+        const int gen = *generation;   // read before arriving: it cannot move until everyone has
+        if (atomicAdd(bar, 1) == count - 1) {
+            atomicExch(bar, 0);
+            __threadfence();
+            atomicAdd(bar + 1, 1);
+        } else {
+            while (*generation == gen) __nanosleep(64);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+}  // namespace convwg
+
+// Launch 1 of 2: y [N*H*W, K] = conv(x [N,H,W,C], w [K,R,R,C]) + bias (stride 1, padding
+// pad), and the GroupNorm partials of every tile (with_stats).  Grid (M tiles, K tiles,
+// split-K slices); stats [MT, NT, KS * 2 * GS * 2]: the final values go to the last
+// slice's slot.  Needs C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
+template <typename YT, int TM, int TN, int STAGES>
+__global__ void __launch_bounds__(TM * 2, 1)
+conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, const YT* bias, float* partials,
+                      int* counters, int n, int h, int wd, int c, int k, int r, int pad, int cpg, int gs,
+                      int with_stats) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using S = convwg::Shape<YT, TM, TN, STAGES>;
+    // The apply kernel (launched with PDL) may start now: its CTAs take SM room
+    // this grid leaves free and wait in griddepcontrol.wait for this grid to end.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    extern __shared__ unsigned char smem_raw[];
+    uint32_t smem_base;
+    unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
+    const int hw = h * wd, M = n * hw, kb_total = r * r * c / 64, slices = gridDim.z, z = blockIdx.z;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tile_id = blockIdx.x * gridDim.y + blockIdx.y;
+    float acc[S::kAcc];
+    convwg::mainloop<TM, TN, STAGES>(acc, smem_base, x, w, n, h, wd, c, k, r, pad, m0, n0,
+                                     (int)((long long)kb_total * z / slices), (int)((long long)kb_total * (z + 1) / slices));
+    if (slices > 1 && !convwg::splitk_reduce<S::kThreads, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
+
+    __syncthreads();   // every warpgroup is done with the pipeline's shared memory
+    convwg::stage_tile<YT, YT, TM, TN>(acc, bias, smem, n0, k);
+    __syncthreads();
+    constexpr int V = 16 / sizeof(YT), RV = TN / V;   // 16-byte vectors per tile row
+    const int m_end = min(m0 + TM, M);
+    for (int e = threadIdx.x; e < TM * RV; e += S::kThreads) {   // coalesced 16-byte stores of y
+        const int row = e / RV, col = (e % RV) * V;
+        if (m0 + row < m_end && n0 + col < k)
+            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * k + n0 + col) =
+                *reinterpret_cast<const uint4*>(smem + row * S::kRowBytes + col * sizeof(YT));
+    }
+    if (!with_stats) return;
+    float2* out = reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs;
+    convwg::tile_partials<YT, TM, TN>(smem, out, m0, m_end, min((m0 / hw + 1) * hw, m_end), n0, k, cpg, gs);
+#endif
+}
+
+// The whole op in one cooperative launch (every CTA resident; small N): the conv
+// tile stays in shared memory in fp32, its GroupNorm partials go to `stats`, a grid
+// barrier waits for every tile's, then each CTA merges the partials of its groups
+// (for its one or two images), folds gamma/beta into a scale and shift per channel,
+// and writes act(tile * scale + shift) to out.  y never goes to memory.
+// counters: [MT * NT] split-K counters, then the barrier's 2 words.
+template <typename OT, typename BT, int TM, int TN, int STAGES>
+__global__ void __launch_bounds__(TM * 2, 1)
+conv2d_gn_act_wgmma(float* stats, OT* out, const __half* x, const __half* w, const BT* bias, const float* gamma,
+                    const float* beta, float* partials, int* counters, int n, int h, int wd, int c, int k, int r,
+                    int pad, int cpg, int gs, int groups, float eps, int act) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using S = convwg::Shape<float, TM, TN, STAGES>;
+    constexpr int NT = S::kThreads;
+    extern __shared__ unsigned char smem_raw[];
+    uint32_t smem_base;
+    unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
+    const int t = threadIdx.x, hw = h * wd, M = n * hw, kb_total = r * r * c / 64, slices = gridDim.z, z = blockIdx.z;
+    const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tiles = gridDim.x * gridDim.y;
+    const int tile_id = blockIdx.x * gridDim.y + blockIdx.y;
+    float acc[S::kAcc];
+    convwg::mainloop<TM, TN, STAGES>(acc, smem_base, x, w, n, h, wd, c, k, r, pad, m0, n0,
+                                     (int)((long long)kb_total * z / slices), (int)((long long)kb_total * (z + 1) / slices));
+    if (slices > 1 && !convwg::splitk_reduce<NT, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
+
+    __syncthreads();
+    convwg::stage_tile<float, BT, TM, TN>(acc, bias, smem, n0, k);
+    __syncthreads();
+    const int m_end = min(m0 + TM, M), boundary = min((m0 / hw + 1) * hw, m_end);
+    const float2* st = reinterpret_cast<const float2*>(stats);
+    convwg::tile_partials<float, TM, TN>(smem, reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs,
+                                         m0, m_end, boundary, n0, k, cpg, gs);
+    // gamma and beta (not another CTA's output) are fetched before the barrier
+    float* scale = reinterpret_cast<float*>(smem + TM * S::kRowBytes) + (S::kSlices * 2 + 2) * TN * 2;   // [2][TN]
+    float* shift = scale + 2 * TN;                                                                       // [2][TN]
+    for (int e = t; e < 2 * TN; e += NT) {
+        const int ch = n0 + e % TN;
+        scale[e] = ch < k ? gamma[ch] : 0.f;
+        shift[e] = ch < k ? beta[ch] : 0.f;
+    }
+    convwg::grid_barrier(counters + tiles, tiles);   // every tile's partials are in `stats` after this
+
+    // Each (segment, group) of this tile: 8 lanes merge its image's partials (warp-uniform loop).
+    const int lane = t % 32, sub = lane & 7, g0 = n0 / cpg, img0 = m0 / hw;
+    for (int base = (t / 32) * 4; base < 2 * gs; base += NT / 8) {
+        const int e = base + lane / 8, sg = e / gs, g = g0 + e % gs;
+        const bool valid = e < 2 * gs && g < groups && g * cpg < min(n0 + TN, k) &&
+                           (sg == 0 ? boundary > m0 : m_end > boundary);
+        float cnt, mean, m2;
+        merge_group(st, img0 + sg, g, valid, hw, cpg, TM, TN, gridDim.y, slices, gs, sub, cnt, mean, m2);
+        if (valid) {
+            const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
+            for (int ch = max(g * cpg, n0) + sub; ch < min(min((g + 1) * cpg, n0 + TN), k); ch += 8) {
+                const float sc = scale[sg * TN + ch - n0] * rstd;
+                shift[sg * TN + ch - n0] -= mean * sc;
+                scale[sg * TN + ch - n0] = sc;
+            }
+        }
+    }
+    __syncthreads();
+    for (int e = t; e < TM * TN / 8; e += NT) {   // 8 channels at a time, straight from the staged tile
+        const int row = e / (TN / 8), col = (e % (TN / 8)) * 8;
+        if (m0 + row >= m_end || n0 + col >= k) continue;
+        const int sg = m0 + row < boundary ? 0 : 1;
+        const float4* src = reinterpret_cast<const float4*>(smem + row * S::kRowBytes) + col / 4;
+        const float4 lo = src[0], hi = src[1];
+        float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        affine8(f, scale + sg * TN + col, shift + sg * TN + col);
+        #pragma unroll
+        for (int i = 0; i < 8; ++i)   // a uniform branch: the activation is an argument, not a template (fewer CUBINs)
+            f[i] = act == ACT_SILU ? activation<ACT_SILU>(f[i]) : act == ACT_MISH ? activation<ACT_MISH>(f[i]) : f[i];
+        store8(out + (size_t)(m0 + row) * k + n0 + col, f);
+    }
 #endif
 }

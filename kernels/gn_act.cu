@@ -9,19 +9,7 @@
 // bytes at a time: z = act(y * scale + shift), in place or into another buffer.
 #include <cuda_fp16.h>
 
-enum { ACT_IDENTITY = 0, ACT_SILU = 1, ACT_MISH = 2 };
-
-template <int ACT>
-__device__ __forceinline__ float activation(float v) {
-    if (ACT == ACT_SILU) return __fdividef(v, 1.f + __expf(-v));   // v -> -inf: v / inf = 0, the limit
-    if (ACT == ACT_MISH) {
-        // mish(v) = v tanh(softplus(v)) = v n / (n + 2), n = e^v (e^v + 2): exact, one exp
-        if (v > 20.f) return v;
-        const float e = __expf(v), n = e * (e + 2.f);
-        return v * __fdividef(n, n + 2.f);
-    }
-    return v;
-}
+#include "groupnorm.cuh"
 
 // 8 consecutive elements <-> floats (one 16-byte access for half, two for float)
 __device__ __forceinline__ void load8(const __half* p, float* f) {
@@ -34,36 +22,6 @@ __device__ __forceinline__ void load8(const float* p, float* f) {
     const float4 a = __ldcg(reinterpret_cast<const float4*>(p)), b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
     f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
-__device__ __forceinline__ void store8(__half* p, const float* f) {
-    uint4 v;
-    __half2* h = reinterpret_cast<__half2*>(&v);
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = v;
-}
-__device__ __forceinline__ void store8(float* p, const float* f) {
-    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
-}
-
-// Merge (cb, mb, m2b) into (cnt, mean, m2): Chan et al.
-__device__ __forceinline__ void chan_merge(float& cnt, float& mean, float& m2, float cb, float mb, float m2b) {
-    const float nn = cnt + cb;
-    if (nn > 0.f) {
-        const float d = mb - mean, r = __fdividef(cb, nn);
-        mean += d * r;
-        m2 += m2b + d * d * (cnt * r);
-    }
-    cnt = nn;
-}
-
-// f = act(f * scale + shift) for 8 consecutive channels
-template <int ACT>
-__device__ __forceinline__ void normalize8(float* f, const float* scale, const float* shift) {
-    #pragma unroll
-    for (int k = 0; k < 8; ++k) f[k] = activation<ACT>(f[k] * scale[k] + shift[k]);
-}
-
 constexpr int kApplyThreads = 256;
 constexpr int kMaxChannels = 4096;  // kernels/conv.py: MAX_CHANNELS
 constexpr int kPrefetch = 4;        // 16-byte vectors of y per thread read before the statistics merge
@@ -82,7 +40,7 @@ __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __rest
                                          const float* __restrict__ gamma, const float* __restrict__ beta,
                                          float eps, int HW, int C, int G, int TM, int TN, int NTILES, int KS,
                                          int GS, int rows_per) {
-    __shared__ float sh[2 * kMaxChannels];   // gamma -> scale[C], beta -> shift[C]
+    __shared__ __align__(16) float sh[2 * kMaxChannels];   // gamma -> scale[C], beta -> shift[C] (C % 8 == 0)
     float* scale = sh;
     float* shift = sh + C;
     const int n = blockIdx.x, cpg = C / G;
@@ -107,38 +65,12 @@ __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __rest
     }
     __syncthreads();
 
-    const int t_first = (n * HW) / TM, t_last = (n * HW + HW - 1) / TM;
     const float2* st = reinterpret_cast<const float2*>(stats);
     const int sub = lane & 7;
     for (int gb = warp * 4; gb < G; gb += 4 * (kApplyThreads / 32)) {   // warp-uniform
         const int g = gb + (lane >> 3);
-        float cnt = 0.f, mean = 0.f, m2 = 0.f;
-        if (g < G) {
-            const int j_first = (g * cpg) / TN, j_last = ((g + 1) * cpg - 1) / TN;
-            const int parts = j_last - j_first + 1, entries = (t_last - t_first + 1) * parts;
-            #pragma unroll 4
-            for (int e = sub; e < entries; e += 8) {
-                const int t = t_first + e / parts, j = j_first + e % parts;
-                const int rows = min((t + 1) * TM, (n + 1) * HW) - max(t * TM, n * HW);
-                const int sg = (n * HW > t * TM) ? 1 : 0;   // image n starts inside tile t: the tile's 2nd segment
-                const int chans = min((g + 1) * cpg, (j + 1) * TN) - max(g * cpg, j * TN);
-                const float2 v = st[(((size_t)t * NTILES + j) * KS + (KS - 1)) * 2 * GS + sg * GS + (g - (j * TN) / cpg)];
-                chan_merge(cnt, mean, m2, (float)rows * (float)chans, v.x, v.y);
-            }
-        }
-        #pragma unroll
-        for (int o = 1; o < 8; o <<= 1) {    // a fixed tree within the 8 lanes; the lower lane's side is "a"
-            const float cb = __shfl_xor_sync(0xffffffffu, cnt, o);
-            const float mb = __shfl_xor_sync(0xffffffffu, mean, o);
-            const float m2b = __shfl_xor_sync(0xffffffffu, m2, o);
-            if (lane & o) {
-                float c2 = cb, me2 = mb, mm2 = m2b;
-                chan_merge(c2, me2, mm2, cnt, mean, m2);
-                cnt = c2; mean = me2; m2 = mm2;
-            } else {
-                chan_merge(cnt, mean, m2, cb, mb, m2b);
-            }
-        }
+        float cnt, mean, m2;
+        merge_group(st, n, g, g < G, HW, cpg, TM, TN, NTILES, KS, GS, sub, cnt, mean, m2);
         if (g < G) {
             const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
             for (int c = g * cpg + sub; c < (g + 1) * cpg; c += 8) {

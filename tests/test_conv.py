@@ -42,15 +42,18 @@ def run(stream, plan, host, out_dtype="float16"):
 
 # -- everywhere (reference device on CPU, the kernels on the GPU) -------------------------
 
-@pytest.mark.parametrize("shape,groups,r,tile,act", [
-    ((2, 9, 9, 16, 24), 4, 3, "64x64", "silu"),        # tiles straddle images; 6-channel groups straddle nothing
-    ((3, 17, 17, 96, 96), 8, 3, "128x64", "mish"),     # C=96, H=W=17, N=3: tiles straddle images and groups
-    ((1, 8, 8, 32, 128), 32, 1, "64x64", "identity"),  # 1x1
-    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "silu"),   # the Hopper kernel's plan: K=200 divides no tile
+@pytest.mark.parametrize("shape,groups,r,tile,act,one_launch", [
+    ((2, 9, 9, 16, 24), 4, 3, "64x64", "silu", False),        # tiles straddle images; 6-channel groups straddle nothing
+    ((3, 17, 17, 96, 96), 8, 3, "128x64", "mish", False),     # C=96, H=W=17, N=3: tiles straddle images and groups
+    ((1, 8, 8, 32, 128), 32, 1, "64x64", "identity", False),  # 1x1
+    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "silu", False),   # the Hopper kernel: K=200 divides no tile
+    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "mish", True),    # ... and the whole op in one launch
 ])
-def test_fused_op_matches_float64(stream, rng, shape, groups, r, tile, act):
+def test_fused_op_matches_float64(stream, rng, shape, groups, r, tile, act, one_launch):
     n, h, w, c, k = shape
-    plan = ConvGnAct(n, h, w, c, k, kernel_size=r, groups=groups, act=act, tile=tile, stream=stream)
+    plan = ConvGnAct(n, h, w, c, k, kernel_size=r, groups=groups, act=act, tile=tile, one_launch=one_launch,
+                     stream=stream)
+    assert plan.one_launch == one_launch
     host = make_inputs(rng, n, h, w, c, k, r)
     got = run(stream, plan, host)
     mx, rel = errors(got, conv_gn_act_reference(*host, groups, 1e-5, act))
@@ -102,15 +105,17 @@ def test_building_the_op_runs_nothing(stream, rng):
     assert not np.all(out.numpy() == 7)
 
 
-def test_hopper_runs_the_wgmma_kernel_where_it_applies(monkeypatch):
+def test_hopper_runs_the_wgmma_kernel_where_it_applies():
     """On sm_90 (the reference device compiles for sm_90 too) a conv with C % 64 == 0
     gets conv_wgmma.cu; other channel counts and other GPUs get the CUTLASS 2.x conv."""
     unet = ConvGnAct(1, 64, 64, 320, 320, groups=32)
     assert unet.wgmma and (unet.tile.name, unet.split_k) == ("wg128x160", 2)
+    assert not unet.one_launch                      # conv, then apply: as fast as one launch, and any N
+    one = ConvGnAct(1, 64, 64, 320, 320, groups=32, one_launch=True)
+    assert one.one_launch and one.y is None        # 128 CTAs fit the 132 SMs at once: no y buffer at all
     assert not ConvGnAct(3, 17, 17, 96, 96, groups=32).wgmma        # C=96: not a multiple of 64
     assert "not a multiple of 64" in conv.wgmma_fits("sm_90", 1, 8, 8, 96, 96)
-    monkeypatch.setenv("DEVICEOP_ARCH", "sm_80")
-    assert not ConvGnAct(1, 64, 64, 320, 320, groups=32).wgmma      # an A100 plan: CUTLASS
+    assert "needs sm_90" in conv.wgmma_fits("sm_80", 1, 64, 64, 320, 320)   # an A100: CUTLASS
 
 
 def test_wgmma_heuristic_picks_the_fastest_configuration_of_the_recorded_h100_sweep():
@@ -178,6 +183,10 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
         ConvGnAct(1, 8, 8, 16, 16, groups=4, tile="128x128", stream=stream)
     with pytest.raises(dop.ShapeError, match="not a multiple of 64"):
         ConvGnAct(1, 16, 16, 96, 96, groups=4, tile="wg128x128", stream=stream)
+    with pytest.raises(dop.LaunchError, match="one_launch=True needs the WGMMA kernel"):
+        ConvGnAct(1, 16, 16, 96, 96, groups=4, one_launch=True, stream=stream)       # C=96: CUTLASS, two launches
+    with pytest.raises(dop.LaunchError, match="a grid the GPU holds at once"):
+        ConvGnAct(8, 64, 64, 320, 320, groups=32, one_launch=True, stream=stream)    # 512 CTAs
     with pytest.raises(dop.ShapeError, match="only 3x3"):
         ConvGnAct(n, h, w, c, k, kernel_size=5, groups=4, stream=stream)
     with pytest.raises(dop.LaunchError, match="act="):
@@ -190,7 +199,8 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
 
 def test_every_shipped_configuration_compiles_for_sm90():
     built = conv.compile_all("sm_90")
-    assert len(built) == 2 * len(conv.WGMMA_TILES) + 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    assert len(built) == 2 * 3 * len(conv.WGMMA_TILES) + 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    assert any("conv2d_gn_act_wgmma<__half, __half, 128, 160" in b for b in built)
     assert any("conv2d_gn_stats_wgmma<__half, 128, 160" in b for b in built)
     assert any("128, 128" in b for b in built) and any("gn_act_apply_inplace" in b for b in built)
 
@@ -222,15 +232,38 @@ def test_every_tile_and_split_k_on_the_gpu(stream, rng, tile, split):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,split,y_dtype", [(t, s, "float16") for t in conv.WGMMA_TILES for s in (1, 3)]
-                         + [("wg128x160", 2, "float32")])
-def test_every_wgmma_tile_and_split_k_on_the_gpu(stream, rng, tile, split, y_dtype):
+@pytest.mark.parametrize("tile,split,y_dtype,one_launch",
+                         [(t, s, "float16", o) for t in conv.WGMMA_TILES for s in (1, 3) for o in (False, True)]
+                         + [("wg128x160", 2, "float32", False), ("wg128x160", 2, "float32", True)])
+def test_every_wgmma_tile_and_split_k_on_the_gpu(stream, rng, tile, split, y_dtype, one_launch):
     n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20      # K=200 divides no tile width
     plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile=tile, split_k=split, y_dtype=y_dtype,
-                     stream=stream)
+                     out_dtype=y_dtype, one_launch=one_launch, stream=stream)
     host = make_inputs(rng, n, h, w, c, k, y_dtype=y_dtype)
-    mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    mx, rel = errors(run(stream, plan, host, y_dtype), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
     assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+@pytest.mark.gpu
+def test_one_launch_replays_and_matches_two_launches(stream, rng):
+    """The cooperative one-launch op in a graph: its grid barrier resets itself, so
+    replay after replay gives the same bits; and it agrees with the two-launch op."""
+    n, h, w, c, k, groups = 1, 32, 32, 320, 320, 32
+    args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
+    one = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", one_launch=True, stream=stream)
+    two = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", stream=stream)
+    assert one.one_launch and not two.one_launch
+    out1, out2 = (dop.empty([n, h, w, k], "float16", stream=stream) for _ in range(2))
+    graph = one(out1, *args).graph_on(stream)
+    first = None
+    for _ in range(10):
+        graph.replay()
+        stream.synchronize()
+        got = out1.numpy().copy()
+        first = got if first is None else first
+        assert np.array_equal(got.view(np.uint16), first.view(np.uint16))
+    two(out2, *args).sync_on(stream)
+    assert np.abs(first.astype(np.float32) - out2.numpy().astype(np.float32)).max() < 1e-2
 
 
 @pytest.mark.gpu

@@ -131,3 +131,21 @@ def test_pdl_launches_carry_the_programmatic_serialization_attribute(monkeypatch
     assert c is fake.ex_configs[0]               # one CUlaunchConfig per (config, stream), reused
     assert c.numAttrs == 1 and c.attrs[0].value.programmaticStreamSerializationAllowed == 1
     assert c.attrs[0].id == real_cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def test_cooperative_launches_carry_the_cooperative_attribute(monkeypatch, rng):
+    """A grid whose CTAs wait for each other (a grid barrier) must be resident at
+    once: launched cooperatively, the driver refuses a grid that cannot be."""
+    fn, fake = make_function(monkeypatch, [dop.ptr("float32"), dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    y, x = dop.from_numpy(rng.standard_normal(4).astype(np.float32)), dop.empty(4)
+    fn.launch_cooperative(FakeStream(), dop.LaunchConfig(4, 256), y, x, 2.5, 3)
+    c = fake.ex_configs[-1]
+    assert c.numAttrs == 1 and c.attrs[0].value.cooperative == 1
+    assert c.attrs[0].id == real_cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+
+
+def test_a_launch_is_pdl_or_cooperative_not_both():
+    from kernels import add
+    launch = add(dop.empty([1024]).partition([1024]), dop.empty([1024]), dop.empty([1024])).pdl()
+    with pytest.raises(dop.LaunchError, match="either PDL or cooperative"):
+        launch.cooperative()

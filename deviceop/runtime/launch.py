@@ -133,9 +133,10 @@ class Function:
         self._params_addr = ctypes.addressof(self._param_ptrs)
         self._lock = threading.Lock()
         self._smem_limit = 48 * 1024
-        self._pdl_configs: dict = {}  # (LaunchConfig, stream handle) -> CUlaunchConfig with the PDL attribute
+        self._ex_configs: dict = {}  # (attribute, LaunchConfig, stream handle) -> CUlaunchConfig
         self.launch = self._build_launcher()
-        self.launch_pdl = self._build_launcher(pdl=True)
+        self.launch_pdl = self._build_launcher("pdl")
+        self.launch_cooperative = self._build_launcher("cooperative")
 
     def _verify_layout(self, offsets) -> None:
         """Compare the declared signature with the CUBIN's parameter layout."""
@@ -180,27 +181,35 @@ class Function:
         raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
                           f"({', '.join(map(repr, self.signature))}), got {got}")
 
-    def _pdl_config(self, config: "LaunchConfig", stream):
-        """The cuLaunchKernelEx configuration of a launch with programmatic stream
-        serialization (PDL): the kernel may start before the previous one on the
-        stream ends; it must ``griddepcontrol.wait`` before reading that one's output."""
-        key = (config, int(stream.handle))  # not the stream object: the cache must not keep streams alive
-        c = self._pdl_configs.get(key)
+    def _ex_config(self, attribute: str, config: "LaunchConfig", stream):
+        """The cuLaunchKernelEx configuration of a launch with one attribute:
+
+        * ``"pdl"``, programmatic stream serialization: the kernel may start before
+          the previous one on the stream ends; it must ``griddepcontrol.wait``
+          before reading that one's output;
+        * ``"cooperative"``: every CTA of the grid is resident at once (the driver
+          refuses a grid that cannot be), so the CTAs may wait for each other."""
+        key = (attribute, config, int(stream.handle))  # not the stream object: the cache must not keep streams alive
+        c = self._ex_configs.get(key)
         if c is None:
             c = cu.CUlaunchConfig()
             c.gridDimX, c.gridDimY, c.gridDimZ = config.grid
             c.blockDimX, c.blockDimY, c.blockDimZ = config.block
             c.sharedMemBytes, c.hStream = config.shared_mem, stream.handle
             attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
+            if attribute == "pdl":
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                attr.value.programmaticStreamSerializationAllowed = 1
+            else:
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+                attr.value.cooperative = 1
             c.attrs, c.numAttrs = [attr], 1
-            if len(self._pdl_configs) > 4096:
-                self._pdl_configs.clear()
-            self._pdl_configs[key] = c
+            if len(self._ex_configs) > 4096:
+                self._ex_configs.clear()
+            self._ex_configs[key] = c
         return c
 
-    def _build_launcher(self, pdl: bool = False):
+    def _build_launcher(self, attribute: str | None = None):
         """Generate ``launch(stream, config, *args)`` for this signature.
 
         The generated code checks each argument with one ``type(...) is``
@@ -215,7 +224,8 @@ class Function:
         env = {"Tensor": Tensor, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
                "cuLaunchKernel": cu.cuLaunchKernel, "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
-               "label": f"{'cuLaunchKernelEx' if pdl else 'cuLaunchKernel'}({self.name})", "fn": self, "MISSING": _MISSING}
+               "label": f"{'cuLaunchKernelEx' if attribute else 'cuLaunchKernel'}({self.name})", "fn": self,
+               "MISSING": _MISSING, "attribute": attribute}
         # Arguments are named parameters defaulting to a sentinel: a missing one
         # is the sentinel, extras land in *extra; both cost one test each.
         params = "".join(f"{a}=MISSING, " for a in names)
@@ -251,7 +261,7 @@ class Function:
             "    acquire()",
             "    try:",
             f"        pack_into(buf, 0{''.join(', ' + a for a in names)})",
-            ("        code = cuLaunchKernelEx(fn._pdl_config(config, stream), handle, params, 0)[0]" if pdl else
+            ("        code = cuLaunchKernelEx(fn._ex_config(attribute, config, stream), handle, params, 0)[0]" if attribute else
              "        code = cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem, stream.handle, params, 0)[0]"),
             "    finally:",
             "        release()",
@@ -259,7 +269,7 @@ class Function:
         ]
         exec(compile("\n".join(body), f"<deviceop launcher {self.name}>", "exec"), env)
         launcher = env["launch"]
-        launcher.__name__ = "launch_pdl" if pdl else "launch"
+        launcher.__name__ = f"launch_{attribute}" if attribute else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
 
