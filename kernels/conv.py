@@ -212,7 +212,7 @@ class WgmmaTile:
         return 2 * self.tm
 
     def generics(self, y_dtype: str) -> list:
-        return [_WG_CPP[y_dtype], self.tm, self.tn, self.stages]
+        return [_CUDA_TYPE[y_dtype], self.tm, self.tn, self.stages]
 
     def shared_bytes(self, staged_dtype: str) -> int:
         """convwg::Shape::kSmem: the larger of the mainloop's ring and the epilogue's
@@ -231,7 +231,7 @@ class WgmmaTile:
 # tile and keep more wgmma in flight; 64x128 stays for images of 64-127 pixels.
 # 4 stages were as fast as 5 or 6 (30.5 / 31.0 / 31.2 us at C=320 64x64 N=1).
 WGMMA_TILES = {t.name: t for t in (WgmmaTile(64, 128, 6), WgmmaTile(128, 128, 4), WgmmaTile(128, 160, 4))}
-_WG_CPP = {"float16": "__half", "float32": "float"}
+_CUDA_TYPE = {"float16": "__half", "float32": "float"}   # the C++ type of a dtype in the non-CUTLASS kernels
 WGMMA_MAX_SPLIT_K = 8
 
 
@@ -685,7 +685,7 @@ class ConvGnAct:
                 self.stats.partition([1, 1, 4 * self.gs]), out, x, w, bias, gamma, beta, self.partials,
                 self.semaphore, n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, self.groups,
                 self.eps, ACTS[self.act])
-                .generics([_APPLY_OT[self.out_dtype], _APPLY_OT[self.y_dtype], t.tm, t.tn, t.stages])
+                .generics([_CUDA_TYPE[self.out_dtype], _CUDA_TYPE[self.y_dtype], t.tm, t.tn, t.stages])
                 .cooperative().map(lambda _: out))
         y = out if self.inplace else self.y
         scalars = (self.eps, self.hw, self.k, self.groups, t.tm, t.tn, self.nt, self.split_k, self.gs, self.rows_per)
@@ -694,12 +694,12 @@ class ConvGnAct:
         if self.inplace:
             apply = gn_act_apply_inplace[self.y_dtype](y.view([n, self.chunks, self.rows_per * self.k]).partition(tiles),
                                                        self.stats, gamma, beta, *scalars)
-            apply = apply.generics([ACTS[self.act], _APPLY_OT[self.y_dtype]])
+            apply = apply.generics([ACTS[self.act], _CUDA_TYPE[self.y_dtype]])
         else:
             z = out.view([n, self.chunks, self.rows_per * self.k])
             apply = gn_act_apply[(self.y_dtype, self.out_dtype)](z.partition(tiles), y, self.stats, gamma, beta,
                                                                   *scalars)
-            apply = apply.generics([ACTS[self.act], _APPLY_OT[self.y_dtype], _APPLY_OT[self.out_dtype]])
+            apply = apply.generics([ACTS[self.act], _CUDA_TYPE[self.y_dtype], _CUDA_TYPE[self.out_dtype]])
         # PDL: the apply kernel's launch and its gamma/beta loads overlap the conv (which
         # triggers its dependents when it starts); it waits for the conv before reading y
         return dop.zip_(conv, apply.pdl()).map(lambda _: out)
@@ -711,7 +711,6 @@ class ConvGnAct:
         return self._conv_launch(y, x, w, bias, 0).map(lambda _: y)
 
 
-_APPLY_OT = {"float16": "__half", "float32": "float"}
 
 
 def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
@@ -725,7 +724,7 @@ def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
                 built.append(conv2d_gn_stats_wgmma[yd].name_expression(tile.generics(yd)))
                 for od in DTYPES:
                     kern = conv2d_gn_act_wgmma[(yd, od)]
-                    gen = [_APPLY_OT[od], _APPLY_OT[yd], tile.tm, tile.tn, tile.stages]
+                    gen = [_CUDA_TYPE[od], _CUDA_TYPE[yd], tile.tm, tile.tn, tile.stages]
                     kern.compile(gen, arch=arch)
                     built.append(kern.name_expression(gen))
         for tile in TILES.values():
@@ -734,11 +733,11 @@ def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
                 built.append(kern.name_expression(tile.generics(yd)))
         for act in ACTS.values():
             kern = gn_act_apply_inplace[yd]
-            kern.compile([act, _APPLY_OT[yd]], arch=arch)
-            built.append(kern.name_expression([act, _APPLY_OT[yd]]))
+            kern.compile([act, _CUDA_TYPE[yd]], arch=arch)
+            built.append(kern.name_expression([act, _CUDA_TYPE[yd]]))
             for od in DTYPES:
                 kern = gn_act_apply[(yd, od)]
-                gen = [act, _APPLY_OT[yd], _APPLY_OT[od]]
+                gen = [act, _CUDA_TYPE[yd], _CUDA_TYPE[od]]
                 kern.compile(gen, arch=arch)
                 built.append(kern.name_expression(gen))
     return built
