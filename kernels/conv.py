@@ -39,6 +39,7 @@ import numpy as np
 
 import deviceop as dop
 from deviceop.compile import normalize_arch
+from deviceop.runtime.tma import TENSOR_MAP_BYTES, tensor_map
 from deviceop.kernel import In, Kernel, Out, Scalar
 
 HERE = Path(__file__).resolve().parent
@@ -211,8 +212,18 @@ class WgmmaTile:
     def threads(self) -> int:
         return 2 * self.tm
 
-    def generics(self, y_dtype: str) -> list:
-        return [_CUDA_TYPE[y_dtype], self.tm, self.tn, self.stages]
+    def generics(self, y_dtype: str, loads: int = 2) -> list:
+        """The conv kernel's template arguments; ``loads``: 2 = A and B by TMA, 1 = B
+        by TMA and A gathered by cp.async (conv_wgmma.cu, mainloop)."""
+        return [_CUDA_TYPE[y_dtype], self.tm, self.tn, self.stages, loads]
+
+    def a_box(self, h: int, w: int) -> tuple[int, int] | None:
+        """(image rows, pixels per row) of the box in which TMA loads this tile's A
+        from x -- whole rows, or a run of one row, so that the box is the tile's rows
+        in order -- or None when the image width does not fit the tile that way."""
+        if w <= self.tm:
+            return (self.tm // w, w) if self.tm % w == 0 and (h * w) % self.tm == 0 else None
+        return (1, self.tm) if w % self.tm == 0 else None
 
     def shared_bytes(self, staged_dtype: str) -> int:
         """convwg::Shape::kSmem: the larger of the mainloop's ring and the epilogue's
@@ -248,13 +259,16 @@ def wgmma_fits(arch: str, n: int, h: int, w: int, c: int, k: int) -> str | None:
     return None
 
 
-# The WGMMA cost model, fitted to the same sweep: time = rounds of CTAs on the busiest
-# SM x k-blocks per CTA x the tile's cost per k-block (us), + a split-K slice's fix-up.
-# The kernel is fed from L2 (x read 9 times over), so a k-block of 128x160 costs
-# barely more than 128x128 (36 vs 32 KB of operands); 64-row tiles cost nearly as
-# much as 128-row ones.  It picks the sweep's fastest for all nine U-Net problems.
-_WG_K_BLOCK_US = {"wg64x128": 0.55, "wg128x128": 0.5, "wg128x160": 0.56}
-_WG_SPLIT_US = 2.5
+# The WGMMA cost model, fitted to the same sweep (A and B by TMA): time = rounds of CTAs
+# on the busiest SM x k-blocks per CTA x the tile's cost per k-block (us), + a split-K
+# slice's fix-up.  A k-block of 128x160 costs barely more than one of 128x128 (25 %
+# more FLOPs, 12 % more bytes; the tensor cores are not what bounds them); 64-row
+# tiles cost nearly as much as 128-row ones.  With a slice at 2 us, any 128x128 cost
+# in 0.4-0.78 with 128x160 at 1-1.15x of it picks the sweep's fastest for all six
+# N <= 2 U-Net problems (C=1280 16x16 N=1 is a tie within noise: 28.9 us for
+# 128x128 split 6, 29.1 for 128x160 split 7); these sit inside that band.
+_WG_K_BLOCK_US = {"wg64x128": 0.7, "wg128x128": 0.5, "wg128x160": 0.54}
+_WG_SPLIT_US = 2.0
 
 
 def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132) -> tuple[str, int]:
@@ -329,13 +343,14 @@ def _conv_ref(g, stats, y, x, w, bias, blob, semaphore, hw, cpg, gs, with_stats)
     _conv_and_partials(g, stats, y, x, w, bias, hw, cpg, gs, with_stats)
 
 
-def _conv_wgmma_ref(g, stats, y, x, w, bias, partials, counters, n, h, wd, c, k, r, pad, cpg, gs, with_stats):
+def _conv_wgmma_ref(g, stats, y, x, w, bias, partials, counters, tmaps, n, h, wd, c, k, r, pad, cpg, gs,
+                    with_stats):
     """Reference of conv2d_gn_stats_wgmma: the same results (split-K leaves no trace)."""
     _conv_and_partials(g, stats, y, x, w, bias, h * wd, cpg, gs, with_stats)
 
 
-def _one_launch_ref(g, stats, out, x, w, bias, gamma, beta, partials, counters, n, h, wd, c, k, r, pad, cpg, gs,
-                    groups, eps, act):
+def _one_launch_ref(g, stats, out, x, w, bias, gamma, beta, partials, counters, tmaps, n, h, wd, c, k, r, pad, cpg,
+                    gs, groups, eps, act):
     """Reference of conv2d_gn_act_wgmma: the partials of the unrounded conv (the
     kernel stages its tile in fp32), then GroupNorm and the activation into out."""
     y = conv2d_reference(x, w, bias, pad)
@@ -460,9 +475,9 @@ def _wgmma_kernel(y_dtype: str) -> Kernel:
         f"conv2d_gn_stats_wgmma_{suffix}", HERE / "conv_wgmma.cu",
         [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
          In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("partials", "float32", rank=1),
-         In("counters", "int32", rank=1)] + [Scalar(n, "int32") for n in (
+         In("counters", "int32", rank=1), In("tmaps", "uint8", rank=1)] + [Scalar(n, "int32") for n in (
              "n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats")],
-        entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES"],
+        entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES", "CM"],
         block=lambda g: 2 * g["TM"],
         shared_mem=lambda g: WgmmaTile(g["TM"], g["TN"], g["STAGES"]).shared_bytes(
             "float16" if g["YT"] == "__half" else "float32"),
@@ -475,10 +490,11 @@ def _one_launch_kernel(bias_dtype: str, out_dtype: str) -> Kernel:
         f"conv2d_gn_act_wgmma_{sb}_{so}", HERE / "conv_wgmma.cu",
         [Out("stats", "float32", rank=3), In("out", out_dtype, rank=4), In("x", "float16", rank=4),
          In("w", "float16", rank=4), In("bias", bias_dtype, rank=1), In("gamma", "float32", rank=1),
-         In("beta", "float32", rank=1), In("partials", "float32", rank=1), In("counters", "int32", rank=1)]
+         In("beta", "float32", rank=1), In("partials", "float32", rank=1), In("counters", "int32", rank=1),
+         In("tmaps", "uint8", rank=1)]
         + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "groups")]
         + [Scalar("eps", "float32"), Scalar("act", "int32")],
-        entry="conv2d_gn_act_wgmma", generics=["OT", "BT", "TM", "TN", "STAGES"],
+        entry="conv2d_gn_act_wgmma", generics=["OT", "BT", "TM", "TN", "STAGES", "LOADS"],
         block=lambda g: 2 * g["TM"],
         shared_mem=lambda g: WgmmaTile(g["TM"], g["TN"], g["STAGES"]).shared_bytes("float32"),
         reference=_one_launch_ref, options=CUTLASS_OPTIONS)
@@ -546,12 +562,15 @@ class ConvGnAct:
     buffer; ``out`` must then have the intermediate's dtype).  ``one_launch=True``
     (WGMMA tiles, a grid that fits the GPU at once): the whole op in one cooperative
     launch, y kept in shared memory in fp32 (see the measurements in __init__).
+    ``a_tma``: the WGMMA conv loads x by TMA, a box of whole image rows per k-block,
+    where the image width fits the tile (None: wherever it does; False: gathered
+    by every thread with cp.async, for comparisons).
     """
 
     def __init__(self, n: int, h: int, w: int, c: int, k: int, *, kernel_size: int = 3, groups: int = 32,
                  act: str = "silu", eps: float = 1e-5, y_dtype: str = "float16", out_dtype: str = "float16",
                  inplace: bool = False, tile: str | None = None, split_k: int | None = None,
-                 one_launch: bool = False, stream=None):
+                 a_tma: bool | None = None, one_launch: bool = False, stream=None):
         _need(act in ACTS, f"act={act!r} is not one of {', '.join(ACTS)}", dop.LaunchError)
         _need(kernel_size in (1, 3), f"kernel_size={kernel_size}: only 3x3 (padding 1) and 1x1 (padding 0) "
                                      "convolutions are supported")
@@ -622,13 +641,43 @@ class ConvGnAct:
         # the WGMMA kernel's split-K slices leave their fp32 tiles here (the semaphore counts them)
         self.partials = mk([self.mt * self.nt * self.split_k * t.tm * t.tn if self.wgmma and self.split_k > 1 else 4],
                            "float32")
+        # The WGMMA conv launch reads w, and x where the tile is whole image rows, by TMA
+        self.loads, self.tmaps = 0, None
+        _need(not a_tma or self.wgmma, "a_tma=True needs the WGMMA kernel (sm_90, C % 64 == 0)", dop.LaunchError)
+        if self.wgmma:
+            rows_fit = t.a_box(h, w) is not None
+            _need(not a_tma or rows_fit, f"a_tma=True: TMA loads a tile's rows of x as one box of whole image rows "
+                                         f"(W={w} must divide the tile's {t.tm} rows and they H*W={hw}, or be a "
+                                         "multiple of them); use a_tma=None", dop.ShapeError)
+            self.loads = 2 if rows_fit and a_tma is not False else 1
+            self.tmaps = self._tensor_maps(device)
         if not device.is_reference and not self.wgmma:   # CUTLASS's Params constructor, once, on one GPU thread
             (conv2d_params[y_dtype](self.blob.partition([BLOB_BYTES]), n, h, w, c, k, self.r, self.r, self.pad,
                                     self.split_k).generics(t.generics(y_dtype)).sync_on(stream or device.new_stream()))
 
+    def _tensor_maps(self, device):
+        """The WGMMA kernel's tensor-map workspace (conv_wgmma.cu, tensor_map): two
+        templates -- x as [N, H, W, C] with a box of the tile's image rows x 64
+        channels, w as [K, R*S*C] with a box of TN rows x 64 -- in the 128-byte
+        swizzle, then two maps and two tags per CTA, filled in on the device.  The
+        templates' address is a placeholder (any aligned device address): the
+        kernel patches in x's and w's."""
+        ctas = self.mt * self.nt * self.split_k
+        raw = np.zeros(2 * TENSOR_MAP_BYTES * (1 + ctas) + 16 * ctas, np.uint8)
+        if not device.is_reference:
+            at = self.partials.data_ptr
+            if self.loads == 2:
+                rows, cols = self.tile.a_box(self.h, self.w)
+                a = tensor_map("float16", at, [self.n, self.h, self.w, self.c], [1, rows, cols, 64])
+                raw[:TENSOR_MAP_BYTES] = np.frombuffer(a, np.uint8)
+            b = tensor_map("float16", at, [self.k, self.r * self.r * self.c], [self.tile.tn, 64])
+            raw[TENSOR_MAP_BYTES:2 * TENSOR_MAP_BYTES] = np.frombuffer(b, np.uint8)
+        return dop.from_numpy(raw, stream=self.stream)
+
     def __repr__(self) -> str:
+        loads = {0: "", 1: ", B by TMA", 2: ", A and B by TMA"}[self.loads]
         return (f"ConvGnAct(N={self.n}, H={self.h}, W={self.w}, C={self.c}, K={self.k}, {self.r}x{self.r}, "
-                f"groups={self.groups}, act={self.act}, tile={self.tile.name}, split_k={self.split_k}, "
+                f"groups={self.groups}, act={self.act}, tile={self.tile.name}, split_k={self.split_k}{loads}, "
                 f"grid={self.mt}x{self.nt}x{self.split_k}, {'one launch' if self.one_launch else 'two launches'})")
 
     @property
@@ -669,9 +718,9 @@ class ConvGnAct:
         t = self.tile
         if self.wgmma:
             return (conv2d_gn_stats_wgmma[self.y_dtype](
-                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.partials, self.semaphore, self.n,
-                self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, with_stats)
-                .generics(t.generics(self.y_dtype)))
+                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.partials, self.semaphore, self.tmaps,
+                self.n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, with_stats)
+                .generics(t.generics(self.y_dtype, self.loads)))
         return (conv2d_gn_stats[self.y_dtype](self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.blob,
                                               self.semaphore, self.hw, self.cpg, self.gs, with_stats)
                 .generics(t.generics(self.y_dtype)))
@@ -683,9 +732,9 @@ class ConvGnAct:
         if self.one_launch:   # cooperative: its CTAs wait for each other at a grid barrier
             return (conv2d_gn_act_wgmma[(self.y_dtype, self.out_dtype)](
                 self.stats.partition([1, 1, 4 * self.gs]), out, x, w, bias, gamma, beta, self.partials,
-                self.semaphore, n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, self.groups,
-                self.eps, ACTS[self.act])
-                .generics([_CUDA_TYPE[self.out_dtype], _CUDA_TYPE[self.y_dtype], t.tm, t.tn, t.stages])
+                self.semaphore, self.tmaps, n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs,
+                self.groups, self.eps, ACTS[self.act])
+                .generics([_CUDA_TYPE[self.out_dtype], _CUDA_TYPE[self.y_dtype], t.tm, t.tn, t.stages, self.loads])
                 .cooperative().map(lambda _: out))
         y = out if self.inplace else self.y
         scalars = (self.eps, self.hw, self.k, self.groups, t.tm, t.tn, self.nt, self.split_k, self.gs, self.rows_per)
@@ -720,13 +769,14 @@ def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
     for yd in y_dtypes:
         if normalize_arch(arch).removesuffix("a") == "sm_90":
             for tile in WGMMA_TILES.values():
-                conv2d_gn_stats_wgmma[yd].compile(tile.generics(yd), arch=arch)
-                built.append(conv2d_gn_stats_wgmma[yd].name_expression(tile.generics(yd)))
-                for od in DTYPES:
-                    kern = conv2d_gn_act_wgmma[(yd, od)]
-                    gen = [_CUDA_TYPE[od], _CUDA_TYPE[yd], tile.tm, tile.tn, tile.stages]
-                    kern.compile(gen, arch=arch)
-                    built.append(kern.name_expression(gen))
+                for loads in (1, 2):
+                    conv2d_gn_stats_wgmma[yd].compile(tile.generics(yd, loads), arch=arch)
+                    built.append(conv2d_gn_stats_wgmma[yd].name_expression(tile.generics(yd, loads)))
+                    for od in DTYPES:
+                        kern = conv2d_gn_act_wgmma[(yd, od)]
+                        gen = [_CUDA_TYPE[od], _CUDA_TYPE[yd], tile.tm, tile.tn, tile.stages, loads]
+                        kern.compile(gen, arch=arch)
+                        built.append(kern.name_expression(gen))
         for tile in TILES.values():
             for kern in (conv2d_gn_stats[yd], conv2d_params[yd]):
                 kern.compile(tile.generics(yd), arch=arch)

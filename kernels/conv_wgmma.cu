@@ -7,12 +7,13 @@
 //
 // * Mainloop: one k-block is 64 channels of one filter tap, so each A row is
 //   128 contiguous bytes of x (an input pixel, or zeros in the padding) and each
-//   B row 128 contiguous bytes of w (KRSC).  Every thread gathers 16-byte pieces
-//   with cp.async (zero-fill for padding and for rows past M or K) into a ring of
-//   STAGES shared-memory stages laid out in WGMMA's 128-byte swizzle; each of
-//   the TM/64 warpgroups multiplies its 64 rows by the TN columns with
-//   wgmma.m64nTNk16, both operands read straight from shared memory.  Loads run
-//   STAGES-2 k-blocks ahead; one wgmma batch stays in flight across iterations.
+//   B row 128 contiguous bytes of w (KRSC).  The TMA unit copies both tiles
+//   (where the image width allows A as one box, else every thread gathers A with
+//   cp.async) into a ring of STAGES shared-memory stages laid out in WGMMA's
+//   128-byte swizzle; each of the TM/64 warpgroups multiplies its 64 rows by the
+//   TN columns with wgmma.m64nTNk16, both operands read straight from shared
+//   memory.  Loads run STAGES-2 k-blocks ahead; one wgmma batch stays in flight
+//   across iterations.
 // * Split-K (grid z = slices): each slice stores its fp32 accumulators to a
 //   workspace; the CTA that arrives last at the tile's counter adds all slices
 //   in slice order (deterministic whoever is last), resets the counter for the
@@ -63,6 +64,73 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
+// -- operands through TMA (tensor memory access) -----------------------------------------
+//
+// One thread asks the TMA unit for a whole box (a 128-row A tile, a TN-row B tile),
+// which lands in the 128-byte swizzle WGMMA reads and completes on the stage's
+// mbarrier.  Measured on the H100 (C=320 64x64 N=1, wg128x160 split 2, bare conv,
+// graph replays): every thread gathering 16-byte pieces with cp.async, A and B,
+// 27.4 us; B by TMA 26.0; A and B by TMA: see kernels/conv.py.  With A's loads
+// compiled out the kernel ran 19.5 us, with B's 24.8: the per-thread gather, not
+// L2's bandwidth, was what cost.  So weight tiles shared by a cluster (TMA
+// multicast, 2 or 4 CTAs along M) bought nothing: 26.6 / 43 us with a relaxed
+// cluster barrier per k-block, 42 / 68 us with a release/acquire one.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile("{\n\t.reg .pred done;\n"
+                 "WAIT:\n\tmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "\t@!done bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// The box of the tensor map at these coordinates (innermost first; out of the
+// tensor's bounds reads zeros) into dst, completing on bar.
+__device__ __forceinline__ void tma_load(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void tma_load(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%3, %4, %5, %6}], [%2];"
+                 ::"r"(dst), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
+// Tensor map `which` (0: x, 1: w) of this launch, pointing at `ptr`; the whole warp
+// calls it.  The plan encoded a template of each once on the host (shape, strides,
+// box, swizzle: kernels/conv.py); each CTA keeps its own copies in the workspace
+// (`tmaps`: the 2 templates, 2 maps per CTA, then 2 tags per CTA) with the address
+// patched in on the device, so a new x or w -- a graph parameter update included --
+// needs nothing from the host.  Steady state: the tag already names ptr, one load.
+__device__ __forceinline__ const void* tensor_map(unsigned char* tmaps, int which, const void* ptr) {
+    __shared__ __align__(128) unsigned int scratch[32];
+    const int lane = threadIdx.x & 31;
+    const int ctas = gridDim.x * gridDim.y * gridDim.z;
+    const int slot = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    unsigned char* map = tmaps + 128 * (2 + 2 * slot + which);
+    unsigned long long* tag = reinterpret_cast<unsigned long long*>(tmaps + 256 * (1 + ctas)) + 2 * slot + which;
+    const unsigned long long want = (unsigned long long)ptr;
+    if (__ldcg(tag) != want) {   // the same address for every lane: a uniform branch
+        __syncwarp();
+        scratch[lane] = __ldcg(reinterpret_cast<const unsigned int*>(tmaps + 128 * which) + lane);
+        __syncwarp();
+        if (lane == 0)
+            asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;"
+                         ::"r"(smem_u32(scratch)), "l"(want) : "memory");
+        __syncwarp();
+        asm volatile("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned"
+                     " [%0], [%1], 128;" ::"l"(map), "r"(smem_u32(scratch)) : "memory");
+        if (lane == 0) *tag = want;
+    }
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+    return map;
+}
+
 // Row r's 16-byte chunk j of a 128-byte-swizzled tile
 __device__ __forceinline__ uint32_t swizzled(uint32_t tile, int r, int j) {
     return tile + r * 128 + ((j ^ (r & 7)) << 4);
@@ -106,16 +174,28 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw, uint3
 
 // acc (this thread's part of the CTA's TM x TN fp32 tile) = im2col(x) . w^T over
 // k-blocks [kb_begin, kb_end) of R*S*C / 64.
-template <int TM, int TN, int STAGES>
-__device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const __half* x, const __half* w, int n,
-                                         int h, int wd, int c, int k, int r, int pad, int m0, int n0, int kb_begin,
-                                         int kb_end) {
+//
+// B (TN rows of w x 64 channels) always comes by TMA (tmap_b, made by warp 0).
+// LOADS = 2: A too, as a box of whole image rows of x (tmap_a: [N, H, W, C], box
+// [1, TM/W rows, W, 64 channels]; the plan picks it when W divides TM and TM
+// divides H*W), shifted by the filter tap, the padding being the box's
+// out-of-bounds zeros; thread 0 issues both copies of a stage.  LOADS = 1 (other
+// widths): every thread gathers 16-byte pieces of A with cp.async (zero-fill for
+// the padding and rows past M).
+template <int TM, int TN, int STAGES, int LOADS>
+__device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const __half* x, const __half* w,
+                                         const void* tmap_a, const void* tmap_b, int n, int h, int wd, int c, int k,
+                                         int r, int pad, int m0, int n0, int kb_begin, int kb_end) {
     using S = Shape<float, TM, TN, STAGES>;
     constexpr int NT = S::kThreads;
-    constexpr int A_PER = TM * 8 / NT, B_PER = TN * 8 / NT;   // 16-byte pieces per thread per stage
-    const int t = threadIdx.x, hw = h * wd, M = n * hw, KG = r * r * c, kt = kb_end - kb_begin;
+    constexpr int A_PER = TM * 8 / NT;   // 16-byte pieces of A per thread per stage (LOADS = 1)
+    static_assert(LOADS == 1 || LOADS == 2, "w always comes through TMA");
+    const int t = threadIdx.x, hw = h * wd, M = n * hw, kt = kb_end - kb_begin;
+    __shared__ __align__(8) unsigned long long full[STAGES];   // stage s's TMA copies have landed
+    const uint32_t bars = smem_u32(full);
+    const int img0 = m0 / hw, p0 = (m0 - img0 * hw) / wd, q0 = m0 - img0 * hw - p0 * wd;   // the A box's origin
 
-    // Each thread loads 16-byte piece j of rows row0 + i * NT/8 of A and B.
+    // LOADS = 1: each thread loads 16-byte piece j of rows row0 + i * NT/8 of A.
     const int j = t % 8, row0 = t / 8;
     int a_off[A_PER], a_p[A_PER], a_q[A_PER];
     #pragma unroll
@@ -126,44 +206,48 @@ __device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const _
         a_p[i] = m < M ? p : -(1 << 20);   // rows past M read nothing (zeros)
         a_q[i] = q;
     }
-    const __half* w_row[B_PER];
-    bool b_ok[B_PER];
-    #pragma unroll
-    for (int i = 0; i < B_PER; ++i) {
-        const int kout = n0 + row0 + i * (NT / 8);
-        b_ok[i] = kout < k;
-        w_row[i] = w + (size_t)(b_ok[i] ? kout : 0) * KG + j * 8;
-    }
     auto load_stage = [&](int stage, int kb) {
         const int tap = kb * 64 / c, c0 = kb * 64 - tap * c, rr = tap / r, dy = rr - pad, dx = tap - rr * r - pad;
         const uint32_t a_tile = smem_base + stage * S::kStageBytes, b_tile = a_tile + TM * 128;
         const int shift = (dy * wd + dx) * c + c0;
-        #pragma unroll
-        for (int i = 0; i < A_PER; ++i) {
-            const int ih = a_p[i] + dy, iw = a_q[i] + dx;
-            const bool ok = (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)wd;
-            cp_async16(swizzled(a_tile, row0 + i * (NT / 8), j), ok ? x + a_off[i] + shift : x, ok);
+        if constexpr (LOADS < 2) {
+            #pragma unroll
+            for (int i = 0; i < A_PER; ++i) {
+                const int ih = a_p[i] + dy, iw = a_q[i] + dx;
+                const bool ok = (unsigned)ih < (unsigned)h && (unsigned)iw < (unsigned)wd;
+                cp_async16(swizzled(a_tile, row0 + i * (NT / 8), j), ok ? x + a_off[i] + shift : x, ok);
+            }
         }
-        #pragma unroll
-        for (int i = 0; i < B_PER; ++i)
-            cp_async16(swizzled(b_tile, row0 + i * (NT / 8), j), w_row[i] + kb * 64, b_ok[i]);
+        if (t == 0) {   // rows past K, pixels in the padding: zeros (the maps' bounds)
+            const uint32_t bar = bars + stage * 8;
+            mbar_expect_tx(bar, (LOADS == 2 ? TM + TN : TN) * 128);
+            if constexpr (LOADS == 2) tma_load(a_tile, tmap_a, bar, c0, q0 + dx, p0 + dy, img0);
+            tma_load(b_tile, tmap_b, bar, kb * 64, n0);
+        }
     };
 
     #pragma unroll
     for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
     const int wg = t / 128;
+    if (t == 0) {   // the stages' mbarriers, initialized before any copy lands
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) mbar_init(bars + s * 8, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
     #pragma unroll
     for (int s = 0; s < STAGES - 2; ++s) {
         if (s < kt) load_stage(s, kb_begin + s);
-        cp_async_commit();
+        if constexpr (LOADS < 2) cp_async_commit();
     }
     #pragma unroll 1
     for (int i = 0; i < kt; ++i) {
-        cp_async_wait<STAGES - 3>();                                 // this thread's pieces of k-block i landed
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // visible to wgmma (the async proxy)
+        if constexpr (LOADS < 2) cp_async_wait<STAGES - 3>();          // this thread's pieces of k-block i landed
+        mbar_wait(bars + (i % STAGES) * 8, (i / STAGES) & 1);         // and the TMA's boxes
+        if constexpr (LOADS < 2) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async -> wgmma
         __syncthreads();                                              // everyone's landed; wgmma(i-2) retired
         if (i + STAGES - 2 < kt) load_stage((i + STAGES - 2) % STAGES, kb_begin + i + STAGES - 2);
-        cp_async_commit();
+        if constexpr (LOADS < 2) cp_async_commit();
         const uint32_t stage = smem_base + (i % STAGES) * S::kStageBytes;
         const uint64_t da = sw128_desc(stage + wg * 64 * 128), db = sw128_desc(stage + TM * 128);
         #pragma unroll
@@ -320,12 +404,13 @@ __device__ __forceinline__ void grid_barrier(int* bar, int count) {
 // Launch 1 of 2: y [N*H*W, K] = conv(x [N,H,W,C], w [K,R,R,C]) + bias (stride 1, padding
 // pad), and the GroupNorm partials of every tile (with_stats).  Grid (M tiles, K tiles,
 // split-K slices); stats [MT, NT, KS * 2 * GS * 2]: the final values go to the last
-// slice's slot.  Needs C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
-template <typename YT, int TM, int TN, int STAGES>
+// slice's slot.  LOADS (1 or 2) and tmaps: see mainloop and tensor_map.  Needs
+// C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
+template <typename YT, int TM, int TN, int STAGES, int LOADS>
 __global__ void __launch_bounds__(TM * 2, 1)
 conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, const YT* bias, float* partials,
-                      int* counters, int n, int h, int wd, int c, int k, int r, int pad, int cpg, int gs,
-                      int with_stats) {
+                      int* counters, unsigned char* tmaps, int n, int h, int wd, int c, int k, int r, int pad, int cpg,
+                      int gs, int with_stats) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using S = convwg::Shape<YT, TM, TN, STAGES>;
     // The apply kernel (launched with PDL) may start now: its CTAs take SM room
@@ -336,9 +421,15 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
     unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
     const int hw = h * wd, M = n * hw, kb_total = r * r * c / 64, slices = gridDim.z, z = blockIdx.z;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tile_id = blockIdx.x * gridDim.y + blockIdx.y;
+    const void *tmap_a = nullptr, *tmap_b = nullptr;   // used by thread 0
+    if (threadIdx.x < 32) {
+        if (LOADS == 2) tmap_a = convwg::tensor_map(tmaps, 0, x);
+        tmap_b = convwg::tensor_map(tmaps, 1, w);
+    }
     float acc[S::kAcc];
-    convwg::mainloop<TM, TN, STAGES>(acc, smem_base, x, w, n, h, wd, c, k, r, pad, m0, n0,
-                                     (int)((long long)kb_total * z / slices), (int)((long long)kb_total * (z + 1) / slices));
+    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmap_a, tmap_b, n, h, wd, c, k, r, pad, m0, n0,
+                                            (int)((long long)kb_total * z / slices),
+                                            (int)((long long)kb_total * (z + 1) / slices));
     if (slices > 1 && !convwg::splitk_reduce<S::kThreads, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
 
     __syncthreads();   // every warpgroup is done with the pipeline's shared memory
@@ -364,11 +455,11 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
 // (for its one or two images), folds gamma/beta into a scale and shift per channel,
 // and writes act(tile * scale + shift) to out.  y never goes to memory.
 // counters: [MT * NT] split-K counters, then the barrier's 2 words.
-template <typename OT, typename BT, int TM, int TN, int STAGES>
+template <typename OT, typename BT, int TM, int TN, int STAGES, int LOADS>
 __global__ void __launch_bounds__(TM * 2, 1)
 conv2d_gn_act_wgmma(float* stats, OT* out, const __half* x, const __half* w, const BT* bias, const float* gamma,
-                    const float* beta, float* partials, int* counters, int n, int h, int wd, int c, int k, int r,
-                    int pad, int cpg, int gs, int groups, float eps, int act) {
+                    const float* beta, float* partials, int* counters, unsigned char* tmaps, int n, int h, int wd,
+                    int c, int k, int r, int pad, int cpg, int gs, int groups, float eps, int act) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using S = convwg::Shape<float, TM, TN, STAGES>;
     constexpr int NT = S::kThreads;
@@ -378,9 +469,15 @@ conv2d_gn_act_wgmma(float* stats, OT* out, const __half* x, const __half* w, con
     const int t = threadIdx.x, hw = h * wd, M = n * hw, kb_total = r * r * c / 64, slices = gridDim.z, z = blockIdx.z;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tiles = gridDim.x * gridDim.y;
     const int tile_id = blockIdx.x * gridDim.y + blockIdx.y;
+    const void *tmap_a = nullptr, *tmap_b = nullptr;   // used by thread 0
+    if (t < 32) {
+        if (LOADS == 2) tmap_a = convwg::tensor_map(tmaps, 0, x);
+        tmap_b = convwg::tensor_map(tmaps, 1, w);
+    }
     float acc[S::kAcc];
-    convwg::mainloop<TM, TN, STAGES>(acc, smem_base, x, w, n, h, wd, c, k, r, pad, m0, n0,
-                                     (int)((long long)kb_total * z / slices), (int)((long long)kb_total * (z + 1) / slices));
+    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmap_a, tmap_b, n, h, wd, c, k, r, pad, m0, n0,
+                                        (int)((long long)kb_total * z / slices),
+                                        (int)((long long)kb_total * (z + 1) / slices));
     if (slices > 1 && !convwg::splitk_reduce<NT, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
 
     __syncthreads();

@@ -118,6 +118,33 @@ def test_hopper_runs_the_wgmma_kernel_where_it_applies():
     assert "needs sm_90" in conv.wgmma_fits("sm_80", 1, 64, 64, 320, 320)   # an A100: CUTLASS
 
 
+def test_tma_loads_x_where_a_tile_is_whole_image_rows():
+    """TMA reads a tile's A as one box of x: whole image rows (W divides the tile's
+    128 rows) or a run of one row (W a multiple of them); elsewhere every thread
+    gathers its pieces with cp.async.  w always comes by TMA."""
+    for hw in (64, 32, 16):                                          # the U-Net shapes
+        assert ConvGnAct(1, hw, hw, 320, 320, groups=32).loads == 2
+    assert ConvGnAct(1, 4, 256, 64, 64, groups=32, tile="wg128x128").loads == 2      # 2 tiles per image row
+    assert conv.WGMMA_TILES["wg128x128"].a_box(32, 32) == (4, 32)
+    assert conv.WGMMA_TILES["wg128x128"].a_box(4, 256) == (1, 128)
+    assert ConvGnAct(2, 9, 9, 64, 200, groups=20, tile="wg64x128").loads == 1        # 9 divides no tile
+    assert ConvGnAct(1, 64, 64, 320, 320, groups=32, a_tma=False).loads == 1
+    with pytest.raises(dop.ShapeError, match="a_tma=True: TMA loads"):
+        ConvGnAct(2, 9, 9, 64, 200, groups=20, tile="wg64x128", a_tma=True)
+    with pytest.raises(dop.LaunchError, match="a_tma=True needs the WGMMA kernel"):
+        ConvGnAct(1, 16, 16, 96, 96, groups=32, a_tma=True)
+
+
+def test_a_tensor_map_refuses_what_tma_cannot_do():
+    from deviceop.runtime.tma import tensor_map
+    with pytest.raises(dop.LaunchError, match="16-byte aligned"):
+        tensor_map("float16", 0x1008, [64, 576], [128, 64])
+    with pytest.raises(dop.LaunchError, match="fit the 128-byte swizzle"):
+        tensor_map("float16", 0x1000, [64, 576], [64, 128])
+    with pytest.raises(dop.LaunchError, match="1-5 dimensions"):
+        tensor_map("float16", 0x1000, [64, 576], [64])
+
+
 def test_wgmma_heuristic_picks_the_fastest_configuration_of_the_recorded_h100_sweep():
     """The WGMMA cost model was fitted to this sweep (every tile x split-K 1-8 of
     the shipped menu at the six N<=2 U-Net problems, bare conv as graph replays)."""
@@ -199,8 +226,9 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
 
 def test_every_shipped_configuration_compiles_for_sm90():
     built = conv.compile_all("sm_90")
-    assert len(built) == 2 * 3 * len(conv.WGMMA_TILES) + 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
-    assert any("conv2d_gn_act_wgmma<__half, __half, 128, 160" in b for b in built)
+    wgmma = len(conv.WGMMA_TILES) * 2 * 3   # per load path (A by TMA or cp.async): conv, one-launch per out dtype
+    assert len(built) == 2 * wgmma + 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    assert any("conv2d_gn_act_wgmma<__half, __half, 128, 160, 4, 2>" in b for b in built)
     assert any("conv2d_gn_stats_wgmma<__half, 128, 160" in b for b in built)
     assert any("128, 128" in b for b in built) and any("gn_act_apply_inplace" in b for b in built)
 
@@ -232,16 +260,38 @@ def test_every_tile_and_split_k_on_the_gpu(stream, rng, tile, split):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,split,y_dtype,one_launch",
-                         [(t, s, "float16", o) for t in conv.WGMMA_TILES for s in (1, 3) for o in (False, True)]
-                         + [("wg128x160", 2, "float32", False), ("wg128x160", 2, "float32", True)])
-def test_every_wgmma_tile_and_split_k_on_the_gpu(stream, rng, tile, split, y_dtype, one_launch):
+@pytest.mark.parametrize("tile,split,a_tma,y_dtype,one_launch",
+                         [(t, s, a, "float16", False) for t in conv.WGMMA_TILES for s in (1, 3) for a in (True, False)]
+                         + [(t, s, a, "float16", True) for t in conv.WGMMA_TILES for s in (1, 3) for a in (None, False)]
+                         + [("wg128x160", 2, None, "float32", False), ("wg128x160", 2, None, "float32", True)])
+def test_every_wgmma_tile_split_k_and_load_path_on_the_gpu(stream, rng, tile, split, a_tma, y_dtype, one_launch):
     n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20      # K=200 divides no tile width
-    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile=tile, split_k=split, y_dtype=y_dtype,
-                     out_dtype=y_dtype, one_launch=one_launch, stream=stream)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile=tile, split_k=split, a_tma=a_tma,
+                     y_dtype=y_dtype, out_dtype=y_dtype, one_launch=one_launch, stream=stream)
+    assert plan.loads == (1 if a_tma is False else 2)
     host = make_inputs(rng, n, h, w, c, k, y_dtype=y_dtype)
     mx, rel = errors(run(stream, plan, host, y_dtype), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
     assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+@pytest.mark.gpu
+def test_the_tensor_maps_follow_x_and_w(stream, rng):
+    """The WGMMA kernel reads x and w through TMA tensor maps it patches on the
+    device (conv_wgmma.cu, tensor_map): one plan called with one (x, w), another,
+    then the first again gives each one's result; and 32x32 images (W=32: a tile
+    is 4 image rows) whose border taps read the box's out-of-bounds zeros."""
+    n, h, w, c, k, groups = 1, 32, 32, 64, 128, 16
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x128", stream=stream)
+    assert plan.loads == 2
+    x1, w1, b, ga, be = make_inputs(rng, n, h, w, c, k)
+    x2, w2, _, _, _ = make_inputs(rng, n, h, w, c, k, x_mean=0.5)
+    dev = {name: dop.from_numpy(a, stream=stream) for name, a in (("x1", x1), ("x2", x2), ("w1", w1), ("w2", w2),
+                                                                    ("b", b), ("ga", ga), ("be", be))}
+    out = dop.empty([n, h, w, k], "float16", stream=stream)
+    for xs, ws, hx, hw_ in (("x1", "w1", x1, w1), ("x2", "w2", x2, w2), ("x1", "w2", x1, w2), ("x1", "w1", x1, w1)):
+        plan(out, dev[xs], dev[ws], dev["b"], dev["ga"], dev["be"]).sync_on(stream)
+        mx, rel = errors(out.numpy(), conv_gn_act_reference(hx, hw_, b, ga, be, groups, 1e-5, "silu"))
+        assert mx <= 1e-2 and rel <= 1e-3, (xs, ws, mx, rel)
 
 
 @pytest.mark.gpu
