@@ -70,11 +70,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // which lands in the 128-byte swizzle WGMMA reads and completes on the stage's
 // mbarrier.  Measured on the H100 (C=320 64x64 N=1, wg128x160 split 2, bare conv,
 // graph replays): every thread gathering 16-byte pieces with cp.async, A and B,
-// 27.4 us; B by TMA 26.0; A and B by TMA: see kernels/conv.py.  With A's loads
-// compiled out the kernel ran 19.5 us, with B's 24.8: the per-thread gather, not
-// L2's bandwidth, was what cost.  So weight tiles shared by a cluster (TMA
-// multicast, 2 or 4 CTAs along M) bought nothing: 26.6 / 43 us with a relaxed
-// cluster barrier per k-block, 42 / 68 us with a release/acquire one.
+// 27.4 us; B by TMA 26.0; A and B by TMA 24.2-24.5 (docs/conv.md has the rest).
+// With B by TMA and A's loads compiled out the kernel ran 19.5 us, with B's 24.8:
+// the per-thread gather, not L2's bandwidth, was what cost.  So weight tiles
+// shared by a cluster (TMA multicast, 2 or 4 CTAs along M) bought nothing: 26.6 /
+// 43 us with a relaxed cluster barrier per k-block, 42 / 68 us with a
+// release/acquire one.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
