@@ -174,7 +174,7 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw, uint3
 }
 
 // acc (this thread's part of the CTA's TM x TN fp32 tile) = im2col(x) . w^T over
-// k-blocks [kb_begin, kb_end) of R*S*C / 64.
+// this split-K slice's share of the R*S*C / 64 k-blocks.
 //
 // B (TN rows of w x 64 channels) always comes by TMA (tmap_b, made by warp 0).
 // LOADS = 2: A too, as a box of whole image rows of x (tmap_a: [N, H, W, C], box
@@ -185,13 +185,21 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw, uint3
 // the padding and rows past M).
 template <int TM, int TN, int STAGES, int LOADS>
 __device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const __half* x, const __half* w,
-                                         const void* tmap_a, const void* tmap_b, int n, int h, int wd, int c, int k,
-                                         int r, int pad, int m0, int n0, int kb_begin, int kb_end) {
+                                         unsigned char* tmaps, int n, int h, int wd, int c, int k, int r, int pad,
+                                         int m0, int n0) {
     using S = Shape<float, TM, TN, STAGES>;
     constexpr int NT = S::kThreads;
     constexpr int A_PER = TM * 8 / NT;   // 16-byte pieces of A per thread per stage (LOADS = 1)
     static_assert(LOADS == 1 || LOADS == 2, "w always comes through TMA");
-    const int t = threadIdx.x, hw = h * wd, M = n * hw, kt = kb_end - kb_begin;
+    const int t = threadIdx.x, hw = h * wd, M = n * hw, kb_total = r * r * c / 64;
+    // split-K slice blockIdx.z of gridDim.z takes k-blocks [kb_begin, kb_end)
+    const int kb_begin = (int)((long long)kb_total * blockIdx.z / gridDim.z);
+    const int kt = (int)((long long)kb_total * (blockIdx.z + 1) / gridDim.z) - kb_begin;
+    const void *tmap_a = nullptr, *tmap_b = nullptr;   // made by warp 0, used by thread 0
+    if (t < 32) {
+        if (LOADS == 2) tmap_a = tensor_map(tmaps, 0, x);
+        tmap_b = tensor_map(tmaps, 1, w);
+    }
     __shared__ __align__(8) unsigned long long full[STAGES];   // stage s's TMA copies have landed
     const uint32_t bars = smem_u32(full);
     const int img0 = m0 / hw, p0 = (m0 - img0 * hw) / wd, q0 = m0 - img0 * hw - p0 * wd;   // the A box's origin
@@ -420,17 +428,10 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
     extern __shared__ unsigned char smem_raw[];
     uint32_t smem_base;
     unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
-    const int hw = h * wd, M = n * hw, kb_total = r * r * c / 64, slices = gridDim.z, z = blockIdx.z;
+    const int hw = h * wd, M = n * hw, slices = gridDim.z, z = blockIdx.z;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tile_id = blockIdx.x * gridDim.y + blockIdx.y;
-    const void *tmap_a = nullptr, *tmap_b = nullptr;   // used by thread 0
-    if (threadIdx.x < 32) {
-        if (LOADS == 2) tmap_a = convwg::tensor_map(tmaps, 0, x);
-        tmap_b = convwg::tensor_map(tmaps, 1, w);
-    }
     float acc[S::kAcc];
-    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmap_a, tmap_b, n, h, wd, c, k, r, pad, m0, n0,
-                                            (int)((long long)kb_total * z / slices),
-                                            (int)((long long)kb_total * (z + 1) / slices));
+    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmaps, n, h, wd, c, k, r, pad, m0, n0);
     if (slices > 1 && !convwg::splitk_reduce<S::kThreads, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
 
     __syncthreads();   // every warpgroup is done with the pipeline's shared memory
@@ -467,18 +468,11 @@ conv2d_gn_act_wgmma(float* stats, OT* out, const __half* x, const __half* w, con
     extern __shared__ unsigned char smem_raw[];
     uint32_t smem_base;
     unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
-    const int t = threadIdx.x, hw = h * wd, M = n * hw, kb_total = r * r * c / 64, slices = gridDim.z, z = blockIdx.z;
+    const int t = threadIdx.x, hw = h * wd, M = n * hw, slices = gridDim.z, z = blockIdx.z;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tiles = gridDim.x * gridDim.y;
     const int tile_id = blockIdx.x * gridDim.y + blockIdx.y;
-    const void *tmap_a = nullptr, *tmap_b = nullptr;   // used by thread 0
-    if (t < 32) {
-        if (LOADS == 2) tmap_a = convwg::tensor_map(tmaps, 0, x);
-        tmap_b = convwg::tensor_map(tmaps, 1, w);
-    }
     float acc[S::kAcc];
-    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmap_a, tmap_b, n, h, wd, c, k, r, pad, m0, n0,
-                                        (int)((long long)kb_total * z / slices),
-                                        (int)((long long)kb_total * (z + 1) / slices));
+    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmaps, n, h, wd, c, k, r, pad, m0, n0);
     if (slices > 1 && !convwg::splitk_reduce<NT, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
 
     __syncthreads();
