@@ -219,8 +219,11 @@ def main() -> int:
     if sweep_rows:
         import json
         sweep_path = ROOT / "bench" / "results" / f"conv_gn_act_{'wgmma' if args.sweep == 'wgmma' else 'tile'}_sweep.json"
-        sweep_path.write_text(json.dumps({"device": device.name, "command": " ".join(sys.argv),
-                                          "tile_sweep": sweep_rows}, indent=1) + "\n")
+        record = {"device": device.name, "command": " ".join(sys.argv), "tile_sweep": sweep_rows}
+        if args.sweep == "wgmma":   # what the cost model counts rounds of clusters against
+            from kernels.conv import cluster_capacity
+            record["cluster_capacity"] = cluster_capacity(device)
+        sweep_path.write_text(json.dumps(record, indent=1) + "\n")
         print(f"sweep written to {sweep_path}")
     path = write_result("conv_gn_act", device, rows, headlines,
                         {"tile_sweep": sweep_rows, "accuracy_ok": accuracy_ok,

@@ -7,7 +7,8 @@ A kernel is CUDA C++ (a ``.cu`` file or a string) plus a declaration:
   ``entry<v0, v1, ...>``),
 * the role of each parameter, output first: ``Out`` (a partition the kernel
   writes, one block per tile), ``In`` (a tensor it reads), ``Scalar``,
-* its block shape (a function of the generics),
+* its block shape and dynamic shared memory (functions of the generics), and
+  optionally its thread-block cluster (a function of the generics and the grid),
 * a NumPy reference that computes the same output — what the reference
   device runs, and what tests compare the GPU against.
 
@@ -72,7 +73,7 @@ class Kernel:
     """A CUDA C++ kernel and its declaration (see the module docstring)."""
 
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
-                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0):
+                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None):
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
@@ -86,7 +87,7 @@ class Kernel:
             raise LaunchError(f"kernel {name}: the first parameter, and only the first, must be Out(...)")
         self.generic_names = tuple(generics)
         self.block, self.reference, self.validate = block, reference, validate
-        self.shared_mem = shared_mem
+        self.shared_mem, self.cluster = shared_mem, cluster
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
         self._functions: dict = {}
@@ -149,7 +150,8 @@ class Kernel:
             smem = self.shared_mem(g) if callable(self.shared_mem) else self.shared_mem
             if len(grid) > 3:
                 raise LaunchError(f"{self.name}: an output partition of rank {len(grid)} has no CUDA grid (max 3 axes)")
-            cfg = self._configs[key] = LaunchConfig(grid, block, smem)
+            cluster = self.cluster(g, grid) if callable(self.cluster) else self.cluster
+            cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
         return cfg
 
 
@@ -180,6 +182,16 @@ class _Output(DeviceOp):
         return f"{self.launch.describe()}.first(){'.unpartition()' if self.as_tensor else ''}"
 
     _execute = _run
+
+
+def _launcher(fn, pdl: bool, cooperative: bool, config: LaunchConfig):
+    """The plan of a launch: the Function's launcher for its attributes, and its config."""
+    if config.cluster is not None and (pdl or cooperative):
+        raise LaunchError(f"{fn.name}: a launch in thread-block clusters cannot also be "
+                          f"{'PDL' if pdl else 'cooperative'} (not supported)")
+    launcher = (fn.launch_pdl if pdl else fn.launch_cooperative if cooperative else
+                fn.launch_cluster if config.cluster is not None else fn.launch)
+    return launcher, config
 
 
 def _as_tensor_arg(v):
@@ -299,8 +311,7 @@ class KernelLaunch(DeviceOp):
             launch_args = self._check(values, gen)
             fn = None if device.is_reference else kernel.function(device, gen)
             plan = (None, None) if fn is None else \
-                (fn.launch_pdl if self._pdl else fn.launch_cooperative if self._cooperative else fn.launch,
-                 kernel.config(part.grid, gen))
+                _launcher(fn, self._pdl, self._cooperative, kernel.config(part.grid, gen))
             if key is not None:
                 if len(kernel._verified) > 65536:
                     kernel._verified.clear()

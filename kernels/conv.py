@@ -226,15 +226,19 @@ class WgmmaTile:
         return (1, self.tm) if w % self.tm == 0 else None
 
     def shared_bytes(self, staged_dtype: str) -> int:
-        """convwg::Shape::kSmem: the larger of the mainloop's ring and the epilogue's
+        """convwg::Shape::kSmem: the largest of the mainloop's ring, the epilogue's
         staged tile (in y's dtype, or fp32 in the one-launch kernel) + statistics
-        scratch, plus 1 KB to align the ring to 1024 bytes (the kernel traps if it
-        gets less; tests/test_conv.py runs every tile)."""
+        scratch, and the split-K cluster's epilogue (this slice's fp32 tile, half a
+        tile of staged rows, the scratch and the last slice's inbox of partials),
+        plus 1 KB to align the ring to 1024 bytes (the kernel traps if it gets
+        less; tests/test_conv.py runs every tile)."""
         ring = self.stages * (self.tm + self.tn) * 128
         row = self.tn * np.dtype(staged_dtype).itemsize + 16
         slices = 2 * self.tm // (self.tn // 2)
-        epilogue = self.tm * row + (slices * 2 + 4) * self.tn * 2 * 4
-        return max(ring, epilogue) + 1024
+        scratch = (slices * 2 + 4) * self.tn * 2 * 4
+        epilogue = self.tm * row + scratch
+        cluster = self.tm * (self.tn * 4 + 16) + self.tm // 2 * row + scratch + 8 * 2 * (self.tn + 1) * 8
+        return max(ring, epilogue, cluster) + 1024
 
 
 # Measured on the H100 (bench/results/conv_gn_act_wgmma_sweep.json): two warpgroups
@@ -259,21 +263,34 @@ def wgmma_fits(arch: str, n: int, h: int, w: int, c: int, k: int) -> str | None:
     return None
 
 
-# The WGMMA cost model, fitted to the same sweep (A and B by TMA): time = rounds of CTAs
-# on the busiest SM x k-blocks per CTA x the tile's cost per k-block (us), + a split-K
-# slice's fix-up.  A k-block of 128x160 costs barely more than one of 128x128 (25 %
-# more FLOPs, 12 % more bytes; the tensor cores are not what bounds them); 64-row
-# tiles cost nearly as much as 128-row ones.  With a slice at 2 us, any 128x128 cost
-# in 0.4-0.78 with 128x160 at 1-1.15x of it picks the sweep's fastest for all six
-# N <= 2 U-Net problems (C=1280 16x16 N=1 is a tie within noise: 28.9 us for
-# 128x128 split 6, 29.1 for 128x160 split 7); these sit inside that band.
-_WG_K_BLOCK_US = {"wg64x128": 0.7, "wg128x128": 0.5, "wg128x160": 0.54}
-_WG_SPLIT_US = 2.0
+# The WGMMA cost model, fitted to the same sweep (A and B by TMA, the producer warp, split-K
+# in clusters): time = rounds x k-blocks per CTA x the tile's cost per k-block (us), + the
+# cluster's fix-up when split.  A split-K tile is a cluster of `split` CTAs and a GPC holds
+# whole clusters only, so the rounds count clusters against how many the GPU keeps
+# resident (measured on the H100, one 128-row CTA per SM: 66 / 39 / 30 / 22 / 17 / 15 /
+# 15 clusters of 2-8): C=1280 16x16 N=2 is 32 tiles of 128x160, and 4 slices would
+# need 32 clusters of 4, two rounds.  Per k-block the mainloop measured 0.41-0.45 us
+# for 128x160 (C=320-1280) with the fix-up ~3 us (the cross-slice sum 2.6-3.0, the
+# barriers ~1.4, less the single-slice epilogue it replaces); any 128x160 cost in
+# 0.38-0.49 with 128x128 at 0.9-1.0x of it and a fix-up of 0-6 us picks the sweep's
+# fastest for all six N <= 2 U-Net problems.  64-row tiles keep their measured ratio
+# (1.3x a 128x160 k-block).
+_WG_K_BLOCK_US = {"wg64x128": 0.57, "wg128x128": 0.42, "wg128x160": 0.44}
+_WG_SPLIT_US = 3.0
 
 
-def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132) -> tuple[str, int]:
+def ideal_cluster_capacity(sms: int = 132) -> dict:
+    """Clusters of 1-8 CTAs (one per SM) resident at once if any SMs could form one;
+    the cost model's default where no GPU is at hand."""
+    return {s: sms // s for s in range(1, WGMMA_MAX_SPLIT_K + 1)}
+
+
+def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132,
+                      clusters: dict | None = None) -> tuple[str, int]:
     """The (WGMMA tile, split-K) the model above ranks fastest, among tiles whose M
-    fits H*W and splits that leave each slice 4 k-blocks at least."""
+    fits H*W and splits that leave each slice 4 k-blocks at least.  ``clusters``:
+    split -> clusters of that many CTAs the GPU holds at once (cluster_capacity)."""
+    clusters = clusters or ideal_cluster_capacity(sms)
     best = None
     k_blocks = r * r * c // 64
     for name, t in WGMMA_TILES.items():
@@ -282,13 +299,35 @@ def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: i
         for split in range(1, WGMMA_MAX_SPLIT_K + 1):
             if split > 1 and k_blocks // split < 4:
                 break
-            ctas = math.ceil(n * h * w / t.tm) * math.ceil(k / t.tn) * split
-            cost = math.ceil(ctas / sms) * (k_blocks / split) * _WG_K_BLOCK_US[name] + _WG_SPLIT_US * (split - 1)
+            tiles = math.ceil(n * h * w / t.tm) * math.ceil(k / t.tn)
+            rounds = math.ceil(tiles / (sms if split == 1 else max(1, clusters[split])))
+            cost = rounds * (k_blocks / split) * _WG_K_BLOCK_US[name] + (_WG_SPLIT_US if split > 1 else 0.0)
             if best is None or cost < best[0]:
                 best = (cost, name, split)
     if best is None:
         raise dop.ShapeError(f"no WGMMA tile fits H*W={h * w}")
     return best[1], best[2]
+
+
+_CAPACITY: dict = {}
+
+
+def cluster_capacity(device) -> dict:
+    """split -> clusters of `split` conv CTAs ``device`` keeps resident at once, asked of
+    the driver once per device (every WGMMA tile takes a whole SM, so one tile answers
+    for all); the ideal packing on the reference device."""
+    if device.is_reference:
+        return ideal_cluster_capacity(device.sm_count or 132)
+    caps = _CAPACITY.get(device.ordinal)
+    if caps is None:
+        tile, kern = WGMMA_TILES["wg128x128"], conv2d_gn_stats_wgmma["float16"]
+        gen = tuple(tile.generics("float16", 2))
+        fn = kern.function(device, gen)
+        caps = {1: device.sm_count}
+        for s in range(2, WGMMA_MAX_SPLIT_K + 1):
+            caps[s] = fn.max_active_clusters(kern.config((1, 1, s), gen))
+        _CAPACITY[device.ordinal] = caps
+    return caps
 
 
 # -- references (float64) -------------------------------------------------------------
@@ -343,8 +382,7 @@ def _conv_ref(g, stats, y, x, w, bias, blob, semaphore, hw, cpg, gs, with_stats)
     _conv_and_partials(g, stats, y, x, w, bias, hw, cpg, gs, with_stats)
 
 
-def _conv_wgmma_ref(g, stats, y, x, w, bias, partials, counters, tmaps, n, h, wd, c, k, r, pad, cpg, gs,
-                    with_stats):
+def _conv_wgmma_ref(g, stats, y, x, w, bias, tmaps, n, h, wd, c, k, r, pad, cpg, gs, with_stats):
     """Reference of conv2d_gn_stats_wgmma: the same results (split-K leaves no trace)."""
     _conv_and_partials(g, stats, y, x, w, bias, h * wd, cpg, gs, with_stats)
 
@@ -474,13 +512,14 @@ def _wgmma_kernel(y_dtype: str) -> Kernel:
     return HopperKernel(
         f"conv2d_gn_stats_wgmma_{suffix}", HERE / "conv_wgmma.cu",
         [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
-         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("partials", "float32", rank=1),
-         In("counters", "int32", rank=1), In("tmaps", "uint8", rank=1)] + [Scalar(n, "int32") for n in (
-             "n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats")],
-        entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES", "CM"],
-        block=lambda g: 2 * g["TM"],
+         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("tmaps", "uint8", rank=1)]
+        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats")],
+        entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES", "LOADS"],
+        # two warpgroups of consumers, and the producer warp when A and B come by TMA
+        block=lambda g: 2 * g["TM"] + (32 if g["LOADS"] == 2 else 0),
         shared_mem=lambda g: WgmmaTile(g["TM"], g["TN"], g["STAGES"]).shared_bytes(
             "float16" if g["YT"] == "__half" else "float32"),
+        cluster=lambda g, grid: (1, 1, grid[2]),   # a tile's split-K slices: one cluster
         reference=_conv_wgmma_ref, options=CUTLASS_OPTIONS)
 
 
@@ -593,7 +632,10 @@ class ConvGnAct:
         hw = h * w
         if tile is None:   # the Hopper kernel where it applies, else CUTLASS 2.x
             why_not = wgmma_fits(device.arch, n, h, w, c, k)
-            tile, auto_split = (choose_wgmma_tile if why_not is None else choose_tile)(n, h, w, c, k, kernel_size, sms)
+            if why_not is None:
+                tile, auto_split = choose_wgmma_tile(n, h, w, c, k, kernel_size, sms, cluster_capacity(device))
+            else:
+                tile, auto_split = choose_tile(n, h, w, c, k, kernel_size, sms)
             split_k = auto_split if split_k is None else split_k
         _need(tile in TILES or tile in WGMMA_TILES,
               f"tile={tile!r} is not one of {', '.join([*TILES, *WGMMA_TILES])}", dop.LaunchError)
@@ -638,9 +680,10 @@ class ConvGnAct:
         self.semaphore = dop.from_numpy(np.zeros(self.mt * self.nt + 2, np.int32), stream=stream)
         self.stats = mk([self.mt, self.nt, self.split_k * 4 * self.gs], "float32")
         self.y = None if inplace or self.one_launch else mk([n, h, w, k], y_dtype)
-        # the WGMMA kernel's split-K slices leave their fp32 tiles here (the semaphore counts them)
-        self.partials = mk([self.mt * self.nt * self.split_k * t.tm * t.tn if self.wgmma and self.split_k > 1 else 4],
-                           "float32")
+        # the one-launch kernel's split-K slices leave their fp32 tiles here (the semaphore
+        # counts them); the two-launch conv adds its slices in a cluster, in shared memory
+        split_tiles = self.one_launch and self.split_k > 1
+        self.partials = mk([self.mt * self.nt * self.split_k * t.tm * t.tn if split_tiles else 4], "float32")
         # The WGMMA conv launch reads w, and x where the tile is whole image rows, by TMA
         self.loads, self.tmaps = 0, None
         _need(not a_tma or self.wgmma, "a_tma=True needs the WGMMA kernel (sm_90, C % 64 == 0)", dop.LaunchError)
@@ -718,7 +761,7 @@ class ConvGnAct:
         t = self.tile
         if self.wgmma:
             return (conv2d_gn_stats_wgmma[self.y_dtype](
-                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.partials, self.semaphore, self.tmaps,
+                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.tmaps,
                 self.n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, with_stats)
                 .generics(t.generics(self.y_dtype, self.loads)))
         return (conv2d_gn_stats[self.y_dtype](self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.blob,

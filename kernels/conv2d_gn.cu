@@ -155,7 +155,7 @@ __device__ __forceinline__ void tile_stats(const YT* y, float2* out, float* smem
         chan[e * 2 + 1] = rows > 0 ? fmaxf(b - a * md, 0.f) : 0.f;
     }
     __syncthreads();
-    channels_to_groups(chan, out, TN, n0, K, cpg, GS, boundary - m0, m_end - boundary);
+    channels_to_groups(chan, out, TN, n0, K, cpg, GS, boundary - m0, m_end - boundary, NT);
 }
 
 // y [N*P*Q, K] = conv(x, w) + bias; with with_stats, the partials of every tile.

@@ -7,22 +7,33 @@
 //
 // * Mainloop: one k-block is 64 channels of one filter tap, so each A row is
 //   128 contiguous bytes of x (an input pixel, or zeros in the padding) and each
-//   B row 128 contiguous bytes of w (KRSC).  The TMA unit copies both tiles
-//   (where the image width allows A as one box, else every thread gathers A with
-//   cp.async) into a ring of STAGES shared-memory stages laid out in WGMMA's
-//   128-byte swizzle; each of the TM/64 warpgroups multiplies its 64 rows by the
-//   TN columns with wgmma.m64nTNk16, both operands read straight from shared
-//   memory.  Loads run STAGES-2 k-blocks ahead; one wgmma batch stays in flight
-//   across iterations.
-// * Split-K (grid z = slices): each slice stores its fp32 accumulators to a
-//   workspace; the CTA that arrives last at the tile's counter adds all slices
-//   in slice order (deterministic whoever is last), resets the counter for the
-//   next launch, and runs the epilogue.  Nothing is atomic but the counter.
+//   B row 128 contiguous bytes of w (KRSC).  The TMA unit copies both tiles into
+//   a ring of STAGES shared-memory stages laid out in WGMMA's 128-byte swizzle;
+//   each of the TM/64 warpgroups multiplies its 64 rows by the TN columns with
+//   wgmma.m64nTNk16, both operands read straight from shared memory.  Where the
+//   image width lets A be one TMA box (LOADS = 2) the loads are warp-specialized:
+//   one extra producer warp refills each stage as soon as every consumer warp's
+//   wgmma reading it has retired (a full and an empty mbarrier per stage), so the
+//   consumers never wait at a CTA-wide barrier.  Otherwise (LOADS = 1) every
+//   thread gathers A with cp.async, loads run STAGES-2 k-blocks ahead, and a
+//   __syncthreads per k-block recycles the stages.
+// * Split-K (grid z = slices): the slices of one tile form a thread-block cluster.
+//   Each leaves its fp32 accumulators in its own shared memory; after a cluster
+//   barrier slice z adds rows [z R, z R + R) of every slice's tile through
+//   distributed shared memory (in slice order: deterministic) and runs the
+//   epilogue on those rows; the last slice merges the slices' GroupNorm partials.
+//   No global workspace, no atomics, the epilogue split S ways.
 // * Epilogue: acc + bias, rounded to y's type, staged in shared memory; from
 //   there it leaves in coalesced 16-byte stores, and the GroupNorm partials of
 //   the values as stored are computed from the same shared tile (no re-read of
 //   y), per image segment and channel with shifted sums, then merged per group
 //   (groupnorm.cuh).  Deterministic: fixed orders, no float atomics.
+//
+// Measured on the H100 (bare conv, graph replays, us; docs/conv.md has the rest):
+// before the cluster split-K, the last-arriving slice added every slice's tile
+// from a global workspace and ran the whole epilogue alone: at C=1280 16x16 N=2
+// (128x160, 4 slices) the mainloop alone took 22.3, with the epilogue but no
+// fix-up 27.5, the whole kernel 41.9; with the producer warp 35.1.
 #include <cuda_fp16.h>
 #include <cuda/std/utility>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -90,6 +101,33 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
                  "\t@!done bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
 }
 
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// A barrier of the CTA's first NT threads (the consumers; named barrier 1):
+// the producer warp, which has its own path, is not waited for.
+template <int NT>
+__device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory"); }
+
+// Thread-block cluster: every thread of every CTA of the cluster arrives (release)
+// and waits (acquire); the calls must be warp-uniform.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ unsigned cluster_size() {
+    unsigned n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+// The address of *p in the shared memory of the cluster's CTA `rank` (a generic
+// pointer: plain loads and stores reach it through distributed shared memory)
+template <typename T>
+__device__ __forceinline__ T* cluster_map(T* p, int rank) {
+    uint64_t r;
+    asm volatile("mapa.u64 %0, %1, %2;" : "=l"(r) : "l"(p), "r"(rank));
+    return reinterpret_cast<T*>(r);
+}
+
 // The box of the tensor map at these coordinates (innermost first; out of the
 // tensor's bounds reads zeros) into dst, completing on bar.
 __device__ __forceinline__ void tma_load(uint32_t dst, const void* tmap, uint32_t bar, int c0, int c1) {
@@ -146,19 +184,30 @@ __device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_ca
 
 template <typename ST, int TM, int TN, int STAGES>
 struct Shape {   // ST: the type the output tile is staged in (y's type, or float for the one-launch kernel)
-    static constexpr int kThreads = TM * 2;                    // TM / 64 warpgroups
+    static constexpr int kThreads = TM * 2;                    // TM / 64 warpgroups (the consumers)
     static constexpr int kStageBytes = (TM + TN) * 128;         // A then B, 64 fp16 of K per row
     static constexpr int kAcc = TN / 2;                         // fp32 accumulators per thread
     static constexpr int kRowBytes = TN * (int)sizeof(ST) + 16; // staged output row (padded: no bank conflicts)
     static constexpr int kSlices = kThreads / (TN / 2);         // row slices of the statistics pass
-    // staged tile, then [kSlices][2][TN] (S1, S2) scratch, [2][TN] (mean, M2), [2][TN] scale and shift
-    static constexpr int kEpilogueBytes = TM * kRowBytes + (kSlices * 2 + 4) * TN * 2 * 4;
+    // [kSlices][2][TN] (S1, S2) scratch, [2][TN] (mean, M2), [2][TN] scale and shift
+    static constexpr int kScratchBytes = (kSlices * 2 + 4) * TN * 2 * 4;
+    // staged tile, then the scratch
+    static constexpr int kEpilogueBytes = TM * kRowBytes + kScratchBytes;
+    // split-K in a cluster: this slice's fp32 tile (read by the others), the staged
+    // rows of this slice (at most TM / 2), the scratch, and the last slice's inbox of
+    // every slice's group partials ([8 slices][2][GS <= TN + 1] float2)
+    static constexpr int kAccRowBytes = TN * 4 + 16;
+    static constexpr int kAccBytes = TM * kAccRowBytes;
+    static constexpr int kInboxBytes = 8 * 2 * (TN + 1) * 8;
+    static constexpr int kClusterEpilogueBytes = kAccBytes + TM / 2 * kRowBytes + kScratchBytes + kInboxBytes;
     static constexpr int kMain = STAGES * kStageBytes;
-    static constexpr int kSmem = (kMain > kEpilogueBytes ? kMain : kEpilogueBytes) + 1024;  // + alignment slack
+    static constexpr int kMax1 = kMain > kEpilogueBytes ? kMain : kEpilogueBytes;
+    static constexpr int kSmem = (kMax1 > kClusterEpilogueBytes ? kMax1 : kClusterEpilogueBytes) + 1024;  // + alignment
     static_assert(TM % 64 == 0 && TN % 16 == 0 && STAGES >= 3, "tile shape");
     static_assert((TM * 8) % kThreads == 0 && (TN * 8) % kThreads == 0, "loaders cover the tile evenly");
     static_assert(kSlices >= 1, "one thread per channel pair at least");
     static_assert(kStageBytes % 1024 == 0 && (TM * 128) % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
+    static_assert(kAccBytes % 16 == 0 && kRowBytes % 16 == 0 && kScratchBytes % 16 == 0, "16-byte aligned regions");
 };
 
 // The shared memory, aligned to 1024 bytes; traps if the launch gave less than
@@ -173,8 +222,48 @@ __device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw, uint3
     return raw + (base - raw_addr);
 }
 
+// Split-K slice blockIdx.z of gridDim.z takes k-blocks [kb_begin, kb_begin + kt).
+__device__ __forceinline__ void slice_kblocks(int kb_total, int& kb_begin, int& kt) {
+    kb_begin = (int)((long long)kb_total * blockIdx.z / gridDim.z);
+    kt = (int)((long long)kb_total * (blockIdx.z + 1) / gridDim.z) - kb_begin;
+}
+
+// k-block kb (64 channels of one filter tap): its first channel and the tap's offset.
+__device__ __forceinline__ void tap_of(int kb, int c, int r, int pad, int& c0, int& dy, int& dx) {
+    const int tap = kb * 64 / c, rr = tap / r;
+    c0 = kb * 64 - tap * c;
+    dy = rr - pad;
+    dx = tap - rr * r - pad;
+}
+
+// One k-block of this warpgroup's 64 x TN accumulators from the stage at `stage`
+// (A: TM rows, then B: TN rows); leaves this batch in flight and retires the previous.
+template <int TM, int TN>
+__device__ __forceinline__ void mma_kblock(float* acc, uint32_t stage, int wg) {
+    using S = Shape<float, TM, TN, 3>;
+    const uint64_t da = sw128_desc(stage + wg * 64 * 128), db = sw128_desc(stage + TM * 128);
+    #pragma unroll
+    for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
+    cute::warpgroup_arrive();
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk)   // 4 x k16; +32 bytes = +2 in the descriptor's 16-byte units
+        gmma<typename Gmma<TN>::Op>(da + 2 * kk, db + 2 * kk, acc, cuda::std::make_integer_sequence<int, S::kAcc>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();
+    #pragma unroll
+    for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
+}
+
+template <int TN>
+__device__ __forceinline__ void mma_drain(float* acc) {
+    cute::warpgroup_wait<0>();
+    #pragma unroll
+    for (int a = 0; a < TN / 2; ++a) cute::warpgroup_fence_operand(acc[a]);
+}
+
 // acc (this thread's part of the CTA's TM x TN fp32 tile) = im2col(x) . w^T over
-// this split-K slice's share of the R*S*C / 64 k-blocks.
+// this split-K slice's share of the R*S*C / 64 k-blocks; every thread of the CTA
+// computes (the LOADS = 1 conv and the one-launch kernel).
 //
 // B (TN rows of w x 64 channels) always comes by TMA (tmap_b, made by warp 0).
 // LOADS = 2: A too, as a box of whole image rows of x (tmap_a: [N, H, W, C], box
@@ -191,10 +280,9 @@ __device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const _
     constexpr int NT = S::kThreads;
     constexpr int A_PER = TM * 8 / NT;   // 16-byte pieces of A per thread per stage (LOADS = 1)
     static_assert(LOADS == 1 || LOADS == 2, "w always comes through TMA");
-    const int t = threadIdx.x, hw = h * wd, M = n * hw, kb_total = r * r * c / 64;
-    // split-K slice blockIdx.z of gridDim.z takes k-blocks [kb_begin, kb_end)
-    const int kb_begin = (int)((long long)kb_total * blockIdx.z / gridDim.z);
-    const int kt = (int)((long long)kb_total * (blockIdx.z + 1) / gridDim.z) - kb_begin;
+    const int t = threadIdx.x, hw = h * wd, M = n * hw;
+    int kb_begin, kt;
+    slice_kblocks(r * r * c / 64, kb_begin, kt);
     const void *tmap_a = nullptr, *tmap_b = nullptr;   // made by warp 0, used by thread 0
     if (t < 32) {
         if (LOADS == 2) tmap_a = tensor_map(tmaps, 0, x);
@@ -216,7 +304,8 @@ __device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const _
         a_q[i] = q;
     }
     auto load_stage = [&](int stage, int kb) {
-        const int tap = kb * 64 / c, c0 = kb * 64 - tap * c, rr = tap / r, dy = rr - pad, dx = tap - rr * r - pad;
+        int c0, dy, dx;
+        tap_of(kb, c, r, pad, c0, dy, dx);
         const uint32_t a_tile = smem_base + stage * S::kStageBytes, b_tile = a_tile + TM * 128;
         const int shift = (dy * wd + dx) * c + c0;
         if constexpr (LOADS < 2) {
@@ -257,23 +346,71 @@ __device__ __forceinline__ void mainloop(float* acc, uint32_t smem_base, const _
         __syncthreads();                                              // everyone's landed; wgmma(i-2) retired
         if (i + STAGES - 2 < kt) load_stage((i + STAGES - 2) % STAGES, kb_begin + i + STAGES - 2);
         if constexpr (LOADS < 2) cp_async_commit();
-        const uint32_t stage = smem_base + (i % STAGES) * S::kStageBytes;
-        const uint64_t da = sw128_desc(stage + wg * 64 * 128), db = sw128_desc(stage + TM * 128);
-        #pragma unroll
-        for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
-        cute::warpgroup_arrive();
-        #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)   // 4 x k16; +32 bytes = +2 in the descriptor's 16-byte units
-            gmma<typename Gmma<TN>::Op>(da + 2 * kk, db + 2 * kk, acc, cuda::std::make_integer_sequence<int, S::kAcc>{});
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();
-        #pragma unroll
-        for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
+        mma_kblock<TM, TN>(acc, smem_base + (i % STAGES) * S::kStageBytes, wg);
     }
-    cute::warpgroup_wait<0>();
-    #pragma unroll
-    for (int a = 0; a < S::kAcc; ++a) cute::warpgroup_fence_operand(acc[a]);
+    mma_drain<TN>(acc);
     cp_async_wait<0>();
+}
+
+// The same product with A and B by TMA (LOADS = 2), warp-specialized: the CTA's
+// NT consumer threads (TM / 64 warpgroups) only multiply; one more warp, the
+// producer, issues each stage's two copies as soon as the stage is free.  A stage
+// has a full mbarrier (the copies' bytes landed) and an empty one (every consumer
+// warp's wgmma reading it retired: NT / 32 arrivals), so the loads run up to
+// STAGES k-blocks ahead and no CTA-wide barrier stalls the tensor cores.
+// Returns true in the consumers, false in the producer warp (acc untouched).
+// Measured on the H100 (bare conv, us): C=1280 16x16 N=2 41.9 -> 35.1, N=1
+// 29.5 -> 25.0, C=320 64x64 N=1 23.8 -> 22.6 (docs/conv.md).
+template <int TM, int TN, int STAGES>
+__device__ __forceinline__ bool mainloop_ws(float* acc, uint32_t smem_base, const __half* x, const __half* w,
+                                            unsigned char* tmaps, int n, int h, int wd, int c, int k, int r, int pad,
+                                            int m0, int n0) {
+    using S = Shape<float, TM, TN, STAGES>;
+    constexpr int NT = S::kThreads;
+    const int t = threadIdx.x, hw = h * wd;
+    int kb_begin, kt;
+    slice_kblocks(r * r * c / 64, kb_begin, kt);
+    __shared__ __align__(8) unsigned long long full[STAGES], empty[STAGES];
+    const uint32_t full_bar = smem_u32(full), empty_bar = smem_u32(empty);
+    if (t == 0) {
+        #pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full_bar + s * 8, 1);
+            mbar_init(empty_bar + s * 8, NT / 32);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (t >= NT) {   // the producer warp
+        const void* tmap_a = tensor_map(tmaps, 0, x);
+        const void* tmap_b = tensor_map(tmaps, 1, w);
+        if (t == NT) {
+            const int img0 = m0 / hw, p0 = (m0 - img0 * hw) / wd, q0 = m0 - img0 * hw - p0 * wd;  // A box origin
+            for (int i = 0; i < kt; ++i) {
+                const int s = i % STAGES;
+                if (i >= STAGES) mbar_wait(empty_bar + s * 8, (i / STAGES - 1) & 1);   // k-block i - STAGES retired
+                int c0, dy, dx;
+                tap_of(kb_begin + i, c, r, pad, c0, dy, dx);
+                const uint32_t a_tile = smem_base + s * S::kStageBytes, bar = full_bar + s * 8;
+                mbar_expect_tx(bar, (TM + TN) * 128);
+                tma_load(a_tile, tmap_a, bar, c0, q0 + dx, p0 + dy, img0);
+                tma_load(a_tile + TM * 128, tmap_b, bar, (kb_begin + i) * 64, n0);
+            }
+        }
+        __syncwarp();
+        return false;
+    }
+    #pragma unroll
+    for (int i = 0; i < S::kAcc; ++i) acc[i] = 0.f;
+    const int wg = t / 128;
+    #pragma unroll 1
+    for (int i = 0; i < kt; ++i) {
+        mbar_wait(full_bar + (i % STAGES) * 8, (i / STAGES) & 1);
+        mma_kblock<TM, TN>(acc, smem_base + (i % STAGES) * S::kStageBytes, wg);
+        if (i > 0 && (t & 31) == 0) mbar_arrive(empty_bar + ((i - 1) % STAGES) * 8);   // wgmma(i-1) retired
+    }
+    mma_drain<TN>(acc);
+    return true;
 }
 
 // Split-K: every slice stores its accumulators to the workspace; the CTA that
@@ -309,7 +446,8 @@ __device__ __forceinline__ bool splitk_reduce(float* acc, float* partials, int* 
     return true;
 }
 
-// acc + bias, converted to ST, into the staged tile [TM][TN] (row stride kRowBytes).
+// acc + bias (none if bias is null), converted to ST, into the staged tile [TM][TN]
+// (row stride kRowBytes).
 template <typename ST, typename BT, int TM, int TN>
 __device__ __forceinline__ void stage_tile(const float* acc, const BT* bias, unsigned char* smem, int n0, int k) {
     using S = Shape<ST, TM, TN, 3>;
@@ -319,24 +457,25 @@ __device__ __forceinline__ void stage_tile(const float* acc, const BT* bias, uns
     for (int b = 0; b < TN / 8; ++b) {
         const int col = b * 8 + (lane % 4) * 2;
         float b0 = 0.f, b1 = 0.f;
-        if (n0 + col < k) { const float2 bb = load2(bias + n0 + col); b0 = bb.x; b1 = bb.y; }
+        if (bias != nullptr && n0 + col < k) { const float2 bb = load2(bias + n0 + col); b0 = bb.x; b1 = bb.y; }
         store2(reinterpret_cast<ST*>(smem + row * S::kRowBytes) + col, acc[4 * b] + b0, acc[4 * b + 1] + b1);
         store2(reinterpret_cast<ST*>(smem + (row + 8) * S::kRowBytes) + col, acc[4 * b + 2] + b0, acc[4 * b + 3] + b1);
     }
 }
 
-// The GroupNorm partials of the staged tile (rows [m0, m_end), the second image's
-// from `boundary` on) into out: per channel and segment, shifted sums over the rows
-// (shift = the segment's first row, so M2 = S2 - S1^2/n cancels little when
-// |mean| >> std), then the channels of each group merged (groupnorm.cuh).
+// The GroupNorm partials of the staged rows (smem: rows [m0, m_end), the second
+// image's from `boundary` on) into out: per channel and segment, shifted sums over
+// the rows (shift = the segment's first row, so M2 = S2 - S1^2/n cancels little
+// when |mean| >> std), then the channels of each group merged (groupnorm.cuh).
+// scratch: kScratchBytes of shared memory; the consumer threads call it.
 template <typename ST, int TM, int TN>
-__device__ __forceinline__ void tile_partials(const unsigned char* smem, float2* out, int m0, int m_end, int boundary,
-                                              int n0, int k, int cpg, int gs) {
+__device__ __forceinline__ void tile_partials(const unsigned char* smem, unsigned char* scratch_bytes, float2* out,
+                                              int m0, int m_end, int boundary, int n0, int k, int cpg, int gs) {
     using S = Shape<ST, TM, TN, 3>;
     constexpr int NT = S::kThreads;
     const int t = threadIdx.x;
-    float* scratch = reinterpret_cast<float*>(const_cast<unsigned char*>(smem) + TM * S::kRowBytes);  // [kSlices][2][TN] (S1, S2)
-    float* chan = scratch + S::kSlices * 2 * TN * 2;                                                   // [2][TN] (mean, M2)
+    float* scratch = reinterpret_cast<float*>(scratch_bytes);   // [kSlices][2][TN] (S1, S2)
+    float* chan = scratch + S::kSlices * 2 * TN * 2;             // [2][TN] (mean, M2)
     auto at = [&](int row) { return reinterpret_cast<const ST*>(smem + row * S::kRowBytes); };
     const int cp = t % (TN / 2), sl = t / (TN / 2);
     if (sl < S::kSlices) {
@@ -367,7 +506,7 @@ __device__ __forceinline__ void tile_partials(const unsigned char* smem, float2*
                 d[1] = s2[sg][u];
             }
     }
-    __syncthreads();
+    csync<NT>();
     for (int e = t; e < 2 * TN; e += NT) {   // slices in a fixed order
         const int sg = e / TN, col = e % TN;
         const int rows = sg == 0 ? boundary - m0 : m_end - boundary;
@@ -382,8 +521,102 @@ __device__ __forceinline__ void tile_partials(const unsigned char* smem, float2*
         chan[e * 2] = shv + md;
         chan[e * 2 + 1] = rows > 0 ? fmaxf(b - a * md, 0.f) : 0.f;
     }
-    __syncthreads();
-    channels_to_groups(chan, out, TN, n0, k, cpg, gs, boundary - m0, m_end - boundary);
+    csync<NT>();
+    channels_to_groups(chan, out, TN, n0, k, cpg, gs, boundary - m0, m_end - boundary, NT);
+}
+
+// y rows [m0, m_end) from the staged rows (row 0 = m0) in coalesced 16-byte stores.
+template <typename ST, int TM, int TN>
+__device__ __forceinline__ void store_rows(const unsigned char* staged, ST* y, int m0, int m_end, int n0, int k) {
+    using S = Shape<ST, TM, TN, 3>;
+    constexpr int V = 16 / sizeof(ST), RV = TN / V;   // 16-byte vectors per tile row
+    for (int e = threadIdx.x; e < (m_end - m0) * RV; e += S::kThreads) {
+        const int row = e / RV, col = (e % RV) * V;
+        if (n0 + col < k)
+            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * k + n0 + col) =
+                *reinterpret_cast<const uint4*>(staged + row * S::kRowBytes + col * sizeof(ST));
+    }
+}
+
+__device__ __forceinline__ void store4(__half* p, float4 v) {
+    store2(p, v.x, v.y);
+    store2(p + 2, v.z, v.w);
+}
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+// -- split-K in a thread-block cluster -------------------------------------------------
+//
+// The cluster is the tile's `slices` CTAs (rank = blockIdx.z); each has left its fp32
+// tile in `mine` (kAccRowBytes rows).  Rows [r0, r0 + rows) summed over the slices in
+// rank order through distributed shared memory, + bias, as ST into `staged`.
+// Measured on the H100 (bare conv, us; 1 k-block per slice to expose the fixed
+// costs): C=1280 16x16 N=1, 128x160 x 6 slices: 10.0 in all, 7.0 without this sum,
+// 5.6 without the two cluster barriers either, 4.2 without any epilogue.  Every
+// slice pushing its rows into the owners' shared memory (remote stores) instead
+// of the owners pulling them was 2-10 us slower at every shape and split.
+template <typename ST, int TM, int TN>
+__device__ __forceinline__ void cluster_sum_rows(float* mine, const ST* bias, unsigned char* staged, int r0, int rows,
+                                                 int slices, int n0, int k) {
+    using S = Shape<ST, TM, TN, 3>;
+    constexpr int V = TN / 4, ROW = S::kAccRowBytes / 4;   // float4 per row; floats per fp32 row
+    const float* src[8];
+    #pragma unroll
+    for (int s = 0; s < 8; ++s) src[s] = cluster_map(mine, s < slices ? s : 0);
+    for (int e = threadIdx.x; e < rows * V; e += S::kThreads) {
+        const int row = e / V, col = (e % V) * 4, at = (r0 + row) * ROW + col;
+        float4 v[8];
+        #pragma unroll
+        for (int s = 0; s < 8; ++s)   // every slice's load in flight before the adds
+            if (s < slices) v[s] = *reinterpret_cast<const float4*>(src[s] + at);
+        float4 sum = v[0];
+        #pragma unroll
+        for (int s = 1; s < 8; ++s)
+            if (s < slices) { sum.x += v[s].x; sum.y += v[s].y; sum.z += v[s].z; sum.w += v[s].w; }
+        if (n0 + col < k) {   // K % 8 == 0: the 4 columns are in or out together
+            const float2 b0 = load2(bias + n0 + col), b1 = load2(bias + n0 + col + 2);
+            sum.x += b0.x; sum.y += b0.y; sum.z += b1.x; sum.w += b1.y;
+        }
+        store4(reinterpret_cast<ST*>(staged + row * S::kRowBytes) + col, sum);
+    }
+}
+
+// The rows of slice s of a tile of TM rows from m0 (M rows in all): [ms, me), the
+// second image's from bd on.  Slices are ceil(TM / slices) rows; the last may be short
+// or empty.
+struct SliceRows {
+    int ms, me, bd;
+    __device__ __forceinline__ SliceRows(int m0, int TM, int M, int hw, int slices, int s) {
+        const int per = (TM + slices - 1) / slices;
+        ms = min(m0 + s * per, m0 + TM);
+        me = max(ms, min(min(ms + per, m0 + TM), M));
+        bd = min((ms / hw + 1) * hw, me);
+    }
+};
+
+// The tile's GroupNorm partials ([2 segments][gs] (mean, M2), as tile_partials makes
+// them for a whole tile) from the slices' (`inbox`: [slices][2][gs]), merged in slice
+// order (Chan).  A slice's segment 0 is the tile's second when the slice starts in
+// the tile's second image.
+template <int NT, int TN>
+__device__ __forceinline__ void merge_slices(const float2* inbox, float2* out, int slices, int m0, int TM, int M, int hw,
+                                             int n0, int k, int cpg, int gs) {
+    const int img0 = m0 / hw, g0 = n0 / cpg;
+    for (int e = threadIdx.x; e < 2 * gs; e += NT) {
+        const int seg = e / gs, lg = e % gs, g = g0 + lg;
+        const int chans = min(min((g + 1) * cpg, n0 + TN), k) - max(g * cpg, n0);
+        float cnt = 0.f, mean = 0.f, m2 = 0.f;
+        for (int s = 0; s < slices && chans > 0; ++s) {
+            const SliceRows sr(m0, TM, M, hw, slices, s);
+            #pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const int rows = u == 0 ? sr.bd - sr.ms : sr.me - sr.bd;
+                if (rows <= 0 || sr.ms / hw + u - img0 != seg) continue;
+                const float2 v = inbox[(s * 2 + u) * gs + lg];
+                chan_merge(cnt, mean, m2, (float)rows * (float)chans, v.x, v.y);
+            }
+        }
+        out[e] = make_float2(mean, m2);
+    }
 }
 
 // A barrier of `count` CTAs (all resident: the launch is cooperative), reusable
@@ -412,16 +645,17 @@ __device__ __forceinline__ void grid_barrier(int* bar, int count) {
 
 // Launch 1 of 2: y [N*H*W, K] = conv(x [N,H,W,C], w [K,R,R,C]) + bias (stride 1, padding
 // pad), and the GroupNorm partials of every tile (with_stats).  Grid (M tiles, K tiles,
-// split-K slices); stats [MT, NT, KS * 2 * GS * 2]: the final values go to the last
-// slice's slot.  LOADS (1 or 2) and tmaps: see mainloop and tensor_map.  Needs
-// C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
+// split-K slices), the slices of a tile one cluster; stats [MT, NT, KS * 2 * GS * 2]:
+// the tile's values go to the last slice's slot.  Block: 2 * TM consumer threads, +
+// the producer warp when LOADS = 2.  LOADS and tmaps: see mainloop, mainloop_ws and
+// tensor_map.  Needs C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
 template <typename YT, int TM, int TN, int STAGES, int LOADS>
-__global__ void __launch_bounds__(TM * 2, 1)
-conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, const YT* bias, float* partials,
-                      int* counters, unsigned char* tmaps, int n, int h, int wd, int c, int k, int r, int pad, int cpg,
-                      int gs, int with_stats) {
+__global__ void __launch_bounds__(TM * 2 + 32, 1)
+conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, const YT* bias, unsigned char* tmaps,
+                      int n, int h, int wd, int c, int k, int r, int pad, int cpg, int gs, int with_stats) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using S = convwg::Shape<YT, TM, TN, STAGES>;
+    constexpr int NT = S::kThreads;
     // The apply kernel (launched with PDL) may start now: its CTAs take SM room
     // this grid leaves free and wait in griddepcontrol.wait for this grid to end.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -430,24 +664,51 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
     unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
     const int hw = h * wd, M = n * hw, slices = gridDim.z, z = blockIdx.z;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tile_id = blockIdx.x * gridDim.y + blockIdx.y;
-    float acc[S::kAcc];
-    convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmaps, n, h, wd, c, k, r, pad, m0, n0);
-    if (slices > 1 && !convwg::splitk_reduce<S::kThreads, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
-
-    __syncthreads();   // every warpgroup is done with the pipeline's shared memory
-    convwg::stage_tile<YT, YT, TM, TN>(acc, bias, smem, n0, k);
-    __syncthreads();
-    constexpr int V = 16 / sizeof(YT), RV = TN / V;   // 16-byte vectors per tile row
-    const int m_end = min(m0 + TM, M);
-    for (int e = threadIdx.x; e < TM * RV; e += S::kThreads) {   // coalesced 16-byte stores of y
-        const int row = e / RV, col = (e % RV) * V;
-        if (m0 + row < m_end && n0 + col < k)
-            *reinterpret_cast<uint4*>(y + (size_t)(m0 + row) * k + n0 + col) =
-                *reinterpret_cast<const uint4*>(smem + row * S::kRowBytes + col * sizeof(YT));
-    }
-    if (!with_stats) return;
+    if (slices > 1 && convwg::cluster_size() != (unsigned)slices) __trap();   // launched without its cluster
     float2* out = reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs;
-    convwg::tile_partials<YT, TM, TN>(smem, out, m0, m_end, min((m0 / hw + 1) * hw, m_end), n0, k, cpg, gs);
+    float acc[S::kAcc];
+    bool consumer = true;
+    if constexpr (LOADS == 2)
+        consumer = convwg::mainloop_ws<TM, TN, STAGES>(acc, smem_base, x, w, tmaps, n, h, wd, c, k, r, pad, m0, n0);
+    else
+        convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmaps, n, h, wd, c, k, r, pad, m0, n0);
+
+    if (slices == 1) {   // the whole tile here
+        if (!consumer) return;
+        const int m_end = min(m0 + TM, M);
+        convwg::csync<NT>();   // every warpgroup is done with the pipeline's shared memory
+        convwg::stage_tile<YT, YT, TM, TN>(acc, bias, smem, n0, k);
+        convwg::csync<NT>();
+        convwg::store_rows<YT, TM, TN>(smem, y, m0, m_end, n0, k);
+        if (with_stats)
+            convwg::tile_partials<YT, TM, TN>(smem, smem + TM * S::kRowBytes, out, m0, m_end,
+                                              min((m0 / hw + 1) * hw, m_end), n0, k, cpg, gs);
+        return;
+    }
+    // Split-K: shared memory is [this slice's fp32 tile][staged rows][scratch][inbox].
+    float* mine = reinterpret_cast<float*>(smem);
+    unsigned char* staged = smem + S::kAccBytes;
+    unsigned char* scratch = staged + TM / 2 * S::kRowBytes;
+    float2* inbox = reinterpret_cast<float2*>(scratch + S::kScratchBytes);
+    if (consumer) {
+        convwg::csync<NT>();
+        convwg::stage_tile<float, YT, TM, TN>(acc, nullptr, smem, n0, k);   // kAccRowBytes rows
+    }
+    convwg::cluster_arrive();   // every slice's tile is in its shared memory after this
+    convwg::cluster_wait();
+    const convwg::SliceRows sr(m0, TM, M, hw, slices, z);
+    if (consumer) {
+        convwg::cluster_sum_rows<YT, TM, TN>(mine, bias, staged, sr.ms - m0, sr.me - sr.ms, slices, n0, k);
+        convwg::csync<NT>();
+        convwg::store_rows<YT, TM, TN>(staged, y, sr.ms, sr.me, n0, k);
+        if (with_stats)   // this slice's partials into the last slice's inbox
+            convwg::tile_partials<YT, TM, TN>(staged, scratch, convwg::cluster_map(inbox, slices - 1) + z * 2 * gs,
+                                              sr.ms, sr.me, sr.bd, n0, k, cpg, gs);
+    }
+    convwg::cluster_arrive();   // no slice reads another's shared memory after this; the inbox is full
+    convwg::cluster_wait();
+    if (consumer && with_stats && z == slices - 1)
+        convwg::merge_slices<NT, TN>(inbox, out, slices, m0, TM, M, hw, n0, k, cpg, gs);
 #endif
 }
 
@@ -480,7 +741,8 @@ conv2d_gn_act_wgmma(float* stats, OT* out, const __half* x, const __half* w, con
     __syncthreads();
     const int m_end = min(m0 + TM, M), boundary = min((m0 / hw + 1) * hw, m_end);
     const float2* st = reinterpret_cast<const float2*>(stats);
-    convwg::tile_partials<float, TM, TN>(smem, reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs,
+    convwg::tile_partials<float, TM, TN>(smem, smem + TM * S::kRowBytes,
+                                         reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs,
                                          m0, m_end, boundary, n0, k, cpg, gs);
     // gamma and beta (not another CTA's output) are fetched before the barrier
     float* scale = reinterpret_cast<float*>(smem + TM * S::kRowBytes) + (S::kSlices * 2 + 2) * TN * 2;   // [2][TN]

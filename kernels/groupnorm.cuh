@@ -57,11 +57,12 @@ __device__ __forceinline__ void normalize8(float* f, const float* scale, const f
 // segment in shared memory (`chan`, [2][TN][2] floats); this merges the
 // channels of each group, in a fixed order (deterministic), into the CTA's
 // slot of the partials: [2 segments][GS groups] of (mean, M2).  The counts
-// follow from the geometry and are recomputed by merge_group (below).
+// follow from the geometry and are recomputed by merge_group (below).  The
+// first `threads` threads of the CTA share the work.
 __device__ __forceinline__ void channels_to_groups(const float* chan, float2* out, int TN, int n0, int K, int cpg,
-                                                   int GS, int rows_seg0, int rows_seg1) {
+                                                   int GS, int rows_seg0, int rows_seg1, int threads) {
     const int g0 = n0 / cpg;
-    for (int e = threadIdx.x; e < 2 * GS; e += blockDim.x) {
+    for (int e = threadIdx.x; e < 2 * GS; e += threads) {
         const int sg = e / GS, g = g0 + e % GS;
         const int rows = sg == 0 ? rows_seg0 : rows_seg1;
         const int ca = max(g * cpg, n0), cb = min(min((g + 1) * cpg, n0 + TN), K);

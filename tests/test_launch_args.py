@@ -149,3 +149,43 @@ def test_a_launch_is_pdl_or_cooperative_not_both():
     launch = add(dop.empty([1024]).partition([1024]), dop.empty([1024]), dop.empty([1024])).pdl()
     with pytest.raises(dop.LaunchError, match="either PDL or cooperative"):
         launch.cooperative()
+
+
+def test_cluster_launches_carry_the_cluster_dimension(monkeypatch, rng):
+    """A LaunchConfig with cluster=(x, y, z) launches the grid in thread-block
+    clusters (cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)."""
+    fn, fake = make_function(monkeypatch, [dop.ptr("float32"), dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    y, x = dop.from_numpy(rng.standard_normal(4).astype(np.float32)), dop.empty(4)
+    config = dop.LaunchConfig((2, 3, 4), 256, cluster=(1, 1, 4))
+    fn.launch_cluster(FakeStream(), config, y, x, 2.5, 3)
+    c = fake.ex_configs[-1]
+    assert (c.gridDimX, c.gridDimY, c.gridDimZ) == (2, 3, 4)
+    assert c.numAttrs == 1 and c.attrs[0].id == real_cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert (c.attrs[0].value.clusterDim.x, c.attrs[0].value.clusterDim.y, c.attrs[0].value.clusterDim.z) == (1, 1, 4)
+
+
+def test_a_cluster_must_divide_the_grid_and_stay_portable():
+    assert dop.LaunchConfig(8, 128, cluster=1).cluster is None          # a cluster of one CTA is no cluster
+    assert dop.LaunchConfig((4, 2, 6), 128, cluster=(1, 1, 6)).cluster == (1, 1, 6)
+    with pytest.raises(dop.LaunchError, match="does not divide grid"):
+        dop.LaunchConfig((4, 2, 6), 128, cluster=(1, 1, 4))
+    with pytest.raises(dop.LaunchError, match="at most 8 are portable"):
+        dop.LaunchConfig(16, 128, cluster=16)
+    with pytest.raises(dop.LaunchError, match="1 to 3 positive ints"):
+        dop.LaunchConfig(16, 128, cluster=0)
+
+
+def test_a_kernel_declares_its_cluster_from_generics_and_grid():
+    """Kernel(cluster=f): f(generics, grid) gives the cluster of each launch config."""
+    from deviceop.kernel import Kernel, Out, In, _launcher
+    k = Kernel("k", "__global__ void k(float* y, const float* x) {}",
+               [Out("y", "float32", rank=3), In("x", "float32", rank=1)], cluster=lambda g, grid: (1, 1, grid[2]))
+    cfg = k.config((4, 2, 3))
+    assert cfg.cluster == (1, 1, 3) and k.config((4, 2, 1)).cluster is None
+
+    class Fn:
+        name, launch, launch_pdl, launch_cooperative, launch_cluster = "k", "plain", "pdl", "coop", "cluster"
+    assert _launcher(Fn, False, False, cfg) == ("cluster", cfg)
+    assert _launcher(Fn, False, False, k.config((4, 2, 1)))[0] == "plain"
+    with pytest.raises(dop.LaunchError, match="cannot also be PDL"):
+        _launcher(Fn, True, False, cfg)

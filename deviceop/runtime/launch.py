@@ -72,11 +72,16 @@ def _as_config(config) -> "LaunchConfig":
 
 
 class LaunchConfig:
-    """Grid, block and dynamic shared memory of a launch, validated once."""
+    """Grid, block, dynamic shared memory and thread-block cluster of a launch, validated once.
 
-    __slots__ = ("grid", "block", "shared_mem")
+    ``cluster`` (1 to 3 ints dividing the grid, at most 8 CTAs) groups the grid's
+    CTAs into clusters the hardware schedules together on one GPC, so they may
+    read each other's shared memory and wait at a cluster barrier (sm_90+); None
+    (the default) launches without clusters."""
 
-    def __init__(self, grid, block, shared_mem: int = 0):
+    __slots__ = ("grid", "block", "shared_mem", "cluster")
+
+    def __init__(self, grid, block, shared_mem: int = 0, cluster=None):
         self.grid = _dims(grid, "grid")
         self.block = _dims(block, "block")
         threads = self.block[0] * self.block[1] * self.block[2]
@@ -87,9 +92,19 @@ class LaunchConfig:
         if not isinstance(shared_mem, int) or shared_mem < 0:
             raise LaunchError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
         self.shared_mem = shared_mem
+        self.cluster = None
+        if cluster is not None:
+            dims = _dims(cluster, "cluster")
+            if any(g % c for g, c in zip(self.grid, dims)):
+                raise LaunchError(f"cluster {dims} does not divide grid {self.grid}: every cluster must be whole")
+            if dims[0] * dims[1] * dims[2] > 8:
+                raise LaunchError(f"cluster {dims} has {dims[0] * dims[1] * dims[2]} CTAs; at most 8 are portable "
+                                  "across GPUs: use a smaller cluster")
+            self.cluster = None if dims == (1, 1, 1) else dims
 
     def __repr__(self) -> str:
-        return f"LaunchConfig(grid={self.grid}, block={self.block}, shared_mem={self.shared_mem})"
+        tail = f", cluster={self.cluster}" if self.cluster else ""
+        return f"LaunchConfig(grid={self.grid}, block={self.block}, shared_mem={self.shared_mem}{tail})"
 
 
 def pointer_of(value, spec: ptr, index: int, name: str) -> int:
@@ -137,6 +152,7 @@ class Function:
         self.launch = self._build_launcher()
         self.launch_pdl = self._build_launcher("pdl")
         self.launch_cooperative = self._build_launcher("cooperative")
+        self.launch_cluster = self._build_launcher("cluster")
 
     def _verify_layout(self, offsets) -> None:
         """Compare the declared signature with the CUBIN's parameter layout."""
@@ -188,7 +204,8 @@ class Function:
           the previous one on the stream ends; it must ``griddepcontrol.wait``
           before reading that one's output;
         * ``"cooperative"``: every CTA of the grid is resident at once (the driver
-          refuses a grid that cannot be), so the CTAs may wait for each other."""
+          refuses a grid that cannot be), so the CTAs may wait for each other;
+        * ``"cluster"``: the grid in thread-block clusters of ``config.cluster``."""
         key = (attribute, config, int(stream.handle))  # not the stream object: the cache must not keep streams alive
         c = self._ex_configs.get(key)
         if c is None:
@@ -200,9 +217,14 @@ class Function:
             if attribute == "pdl":
                 attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
                 attr.value.programmaticStreamSerializationAllowed = 1
-            else:
+            elif attribute == "cooperative":
                 attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
                 attr.value.cooperative = 1
+            else:
+                if config.cluster is None:
+                    raise LaunchError(f"{self.name}: a cluster launch needs a LaunchConfig with cluster=(x, y, z)")
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = config.cluster
             c.attrs, c.numAttrs = [attr], 1
             if len(self._ex_configs) > 4096:
                 self._ex_configs.clear()
@@ -272,6 +294,24 @@ class Function:
         launcher.__name__ = f"launch_{attribute}" if attribute else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
+
+    def max_active_clusters(self, config: "LaunchConfig") -> int:
+        """How many clusters of ``config.cluster`` CTAs (each with ``config``'s block and
+        shared memory) the GPU keeps resident at once (cuOccupancyMaxActiveClusters):
+        a GPC holds whole clusters only, so this can be well below SMs / cluster size."""
+        if config.cluster is None:
+            raise LaunchError(f"{self.name}: max_active_clusters needs a LaunchConfig with cluster=(x, y, z)")
+        if config.shared_mem > self._smem_limit:
+            self.set_max_dynamic_shared_memory(config.shared_mem)
+        c = cu.CUlaunchConfig()
+        c.gridDimX, c.gridDimY, c.gridDimZ = config.grid
+        c.blockDimX, c.blockDimY, c.blockDimZ = config.block
+        c.sharedMemBytes = config.shared_mem
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = config.cluster
+        c.attrs, c.numAttrs = [attr], 1
+        return int(check(cu.cuOccupancyMaxActiveClusters(self.handle, c), "cuOccupancyMaxActiveClusters"))
 
     def param_buffer(self):
         """A fresh parameter buffer for this signature: ``(buffer, void** address)``
