@@ -16,10 +16,11 @@
   (kernels/gn_act.cu): Chan's merge of the partials, then normalize, affine
   and activation in one pass over y.
 * Building a plan is eager, like allocating a buffer: it picks a tile
-  configuration, allocates a small workspace (CUTLASS's Params blob, the
-  split-K semaphores, the partials, and y unless the op runs in place) and
-  runs CUTLASS's Params constructor once on the GPU.  Calling the plan builds
-  a lazy op and runs nothing.
+  configuration (for split-K WGMMA tiles, against the clusters the GPU holds at
+  once), allocates a small workspace (CUTLASS's Params blob, split-K semaphores,
+  the one-launch kernel's partials, the tensor maps, and y unless the op runs in
+  place) and runs CUTLASS's Params constructor once on the GPU.  Calling the
+  plan builds a lazy op and runs nothing.
 
 The intermediate y is fp16 by default.  When a group's |mean| is more than
 ~20x its standard deviation, fp16 cannot hold y finely enough for 1e-2
