@@ -110,10 +110,11 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 template <int NT>
 __device__ __forceinline__ void csync() { asm volatile("bar.sync 1, %0;" ::"n"(NT) : "memory"); }
 
-// Thread-block cluster: every thread of every CTA of the cluster arrives (release)
-// and waits (acquire); the calls must be warp-uniform.
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+// Thread-block cluster barrier: every thread of every CTA of the cluster arrives
+// (release) and waits (acquire); the call must be warp-uniform.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
 __device__ __forceinline__ unsigned cluster_size() {
     unsigned n;
     asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
@@ -413,9 +414,11 @@ __device__ __forceinline__ bool mainloop_ws(float* acc, uint32_t smem_base, cons
     return true;
 }
 
-// Split-K: every slice stores its accumulators to the workspace; the CTA that
-// arrives last at the tile's counter gets every slice's tile added in slice
-// order (deterministic whoever is last) and returns true; the others false.
+// Split-K of the one-launch kernel (cooperative, so no clusters): every slice stores
+// its accumulators to the workspace; the CTA that arrives last at the tile's counter
+// gets every slice's tile added in slice order (deterministic whoever is last) and
+// returns true; the others false.  (The two-launch conv sums its slices in a cluster,
+// below: measured on the H100, this fix-up cost it up to 14 us.)
 template <int NT, int ACC>
 __device__ __forceinline__ bool splitk_reduce(float* acc, float* partials, int* counters, int tile_id, int slices,
                                               int z) {
@@ -694,8 +697,7 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
         convwg::csync<NT>();
         convwg::stage_tile<float, YT, TM, TN>(acc, nullptr, smem, n0, k);   // kAccRowBytes rows
     }
-    convwg::cluster_arrive();   // every slice's tile is in its shared memory after this
-    convwg::cluster_wait();
+    convwg::cluster_sync();   // every slice's tile is in its shared memory after this
     const convwg::SliceRows sr(m0, TM, M, hw, slices, z);
     if (consumer) {
         convwg::cluster_sum_rows<YT, TM, TN>(mine, bias, staged, sr.ms - m0, sr.me - sr.ms, slices, n0, k);
@@ -705,8 +707,7 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
             convwg::tile_partials<YT, TM, TN>(staged, scratch, convwg::cluster_map(inbox, slices - 1) + z * 2 * gs,
                                               sr.ms, sr.me, sr.bd, n0, k, cpg, gs);
     }
-    convwg::cluster_arrive();   // no slice reads another's shared memory after this; the inbox is full
-    convwg::cluster_wait();
+    convwg::cluster_sync();   // no slice reads another's shared memory after this; the inbox is full
     if (consumer && with_stats && z == slices - 1)
         convwg::merge_slices<NT, TN>(inbox, out, slices, m0, TM, M, hw, n0, k, cpg, gs);
 #endif

@@ -206,13 +206,14 @@ class Function:
         * ``"cooperative"``: every CTA of the grid is resident at once (the driver
           refuses a grid that cannot be), so the CTAs may wait for each other;
         * ``"cluster"``: the grid in thread-block clusters of ``config.cluster``."""
-        key = (attribute, config, int(stream.handle))  # not the stream object: the cache must not keep streams alive
+        handle = 0 if stream is None else int(stream.handle)   # None: no stream (an occupancy query)
+        key = (attribute, config, handle)  # not the stream object: the cache must not keep streams alive
         c = self._ex_configs.get(key)
         if c is None:
             c = cu.CUlaunchConfig()
             c.gridDimX, c.gridDimY, c.gridDimZ = config.grid
             c.blockDimX, c.blockDimY, c.blockDimZ = config.block
-            c.sharedMemBytes, c.hStream = config.shared_mem, stream.handle
+            c.sharedMemBytes, c.hStream = config.shared_mem, handle
             attr = cu.CUlaunchAttribute()
             if attribute == "pdl":
                 attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -303,14 +304,7 @@ class Function:
             raise LaunchError(f"{self.name}: max_active_clusters needs a LaunchConfig with cluster=(x, y, z)")
         if config.shared_mem > self._smem_limit:
             self.set_max_dynamic_shared_memory(config.shared_mem)
-        c = cu.CUlaunchConfig()
-        c.gridDimX, c.gridDimY, c.gridDimZ = config.grid
-        c.blockDimX, c.blockDimY, c.blockDimZ = config.block
-        c.sharedMemBytes = config.shared_mem
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = config.cluster
-        c.attrs, c.numAttrs = [attr], 1
+        c = self._ex_config("cluster", config, None)
         return int(check(cu.cuOccupancyMaxActiveClusters(self.handle, c), "cuOccupancyMaxActiveClusters"))
 
     def param_buffer(self):
