@@ -189,3 +189,10 @@ def test_a_kernel_declares_its_cluster_from_generics_and_grid():
     assert _launcher(Fn, False, False, k.config((4, 2, 1)))[0] == "plain"
     with pytest.raises(dop.LaunchError, match="cannot also be PDL"):
         _launcher(Fn, True, False, cfg)
+
+
+def test_cluster_occupancy_needs_a_cluster(monkeypatch):
+    """max_active_clusters asks the driver about clusters; a config without one is refused first."""
+    fn, _ = make_function(monkeypatch, [dop.ptr("float32"), dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    with pytest.raises(dop.LaunchError, match="needs a LaunchConfig with cluster"):
+        fn.max_active_clusters(dop.LaunchConfig(8, 128))
