@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from _common import gpu_device, headline, print_headlines, print_table, write_result  # noqa: E402
-from kernels.conv import MAX_SPLIT_K, TILES, WGMMA_MAX_SPLIT_K, WGMMA_TILES, ConvGnAct  # noqa: E402
+from kernels.conv import MAX_SPLIT_K, SPLIT_FIXUPS, TILES, WGMMA_MAX_SPLIT_K, WGMMA_TILES, ConvGnAct  # noqa: E402
 
 SHAPES = [(c, hw, n) for c, hw in ((320, 64), (640, 32), (1280, 16)) for n in (1, 2, 8)]
 PEAK_TFLOPS = 989.4
@@ -69,6 +69,22 @@ def torch_graph(fn, stream):
     with torch.cuda.graph(g, stream=stream):
         fn()
     return g.replay
+
+
+def sweep_one(n, hw, c, tile, split, fixup, tensors, stream, sync, args) -> dict:
+    """One configuration of the --sweep menu: bare conv and fused, or why it cannot run."""
+    Y, X, W, B, GA, BE, OUT = tensors
+    row = {"C": c, "HW": hw, "N": n, "tile": tile, "split_k": split, "split_fixup": fixup}
+    try:
+        p = ConvGnAct(n, hw, hw, c, c, groups=32, tile=tile, split_k=split, split_fixup=fixup, stream=stream)
+    except dop.DeviceOpError as exc:
+        return {**row, "error": str(exc)[:120]}
+    row["ctas"] = p.mt * p.nt * split
+    for key, op in (("bare_conv_us", p.conv(Y, X, W, B)), ("fused_us", p(OUT, X, W, B, GA, BE))):
+        graph = op.graph_on(stream)
+        row[key] = time_graph(graph.replay, sync, args.reps, args.inner)
+        graph.close()
+    return row
 
 
 def main() -> int:
@@ -125,7 +141,8 @@ def main() -> int:
         def cudnn():
             return F.conv2d(x, w, b, padding=1)
 
-        row = {"C": c, "HW": hw, "N": n, "tile": plan.tile.name, "split_k": plan.split_k}
+        row = {"C": c, "HW": hw, "N": n, "tile": plan.tile.name, "split_k": plan.split_k,
+               "split_fixup": plan.split_fixup}
         with torch.cuda.stream(tstream):
             for name, fn in (("cudnn_conv_us", cudnn), ("torch_eager_us", eager)):
                 for _ in range(3):
@@ -165,26 +182,18 @@ def main() -> int:
             menu, max_split = (WGMMA_TILES, WGMMA_MAX_SPLIT_K) if args.sweep == "wgmma" else (TILES, MAX_SPLIT_K)
             for name in menu:
                 for split in range(1, max_split + 1):
-                    try:
-                        p2 = ConvGnAct(n, hw, hw, c, c, groups=32, tile=name, split_k=split, stream=stream)
-                    except dop.DeviceOpError as exc:
-                        sweep_rows.append({"C": c, "HW": hw, "N": n, "tile": name, "split_k": split,
-                                           "error": str(exc)[:120]})
-                        continue
-                    gr = p2.conv(Y, X, W, B).graph_on(stream)
-                    gf = p2(OUT, X, W, B, GA, BE).graph_on(stream)
-                    sweep_rows.append({"C": c, "HW": hw, "N": n, "tile": name, "split_k": split,
-                                       "ctas": p2.mt * p2.nt * split,
-                                       "bare_conv_us": time_graph(gr.replay, sync, args.reps, args.inner),
-                                       "fused_us": time_graph(gf.replay, sync, args.reps, args.inner)})
-                    gr.close() if hasattr(gr, "close") else None
-                    gf.close() if hasattr(gf, "close") else None
+                    for fixup in (SPLIT_FIXUPS if args.sweep == "wgmma" and split > 1 else (None,)):
+                        sweep_rows.append(sweep_one(n, hw, c, name, split, fixup, (Y, X, W, B, GA, BE, OUT), stream,
+                                                    sync, args))
 
     r2 = lambda v: None if v is None else round(v, 1)  # noqa: E731
-    print_table("conv -> GN -> SiLU, NHWC fp16, 3x3, G=32 (us per graph replay, medians)",
+    fix = lambda r: f"/{r['split_fixup'][0]}" if r.get("split_fixup") else ""  # noqa: E731  (c)luster, (w)orkspace
+    print_table("conv -> GN -> SiLU, NHWC fp16, 3x3, G=32 (us per graph replay, medians; split /c: in a cluster, "
+                "/w: through the workspace)",
                 ["C", "HW", "N", "tile", "split", "bare", "cuDNN", "bare/cuDNN", "fused", "eager", "compile",
                  "vs eager", "vs compile", "%peak", "max err", "rel rms"],
-                [[r["C"], r["HW"], r["N"], r["tile"], r["split_k"], r2(r["bare_conv_us"]), r2(r["cudnn_conv_us"]),
+                [[r["C"], r["HW"], r["N"], r["tile"], f"{r['split_k']}{fix(r)}", r2(r["bare_conv_us"]),
+                  r2(r["cudnn_conv_us"]),
                   f"{r['cudnn_conv_us'] / r['bare_conv_us']:.2f}x", r2(r["fused_us"]), r2(r["torch_eager_us"]),
                   r2(r["torch_compile_us"]) if r["torch_compile_us"] else "failed",
                   f"{r['torch_eager_us'] / r['fused_us']:.2f}x",
@@ -193,7 +202,8 @@ def main() -> int:
                  for r in rows])
     if sweep_rows:
         print_table("tile sweep (bare conv / fused, us)", ["C", "HW", "N", "tile", "split", "ctas", "bare", "fused"],
-                    [[r["C"], r["HW"], r["N"], r["tile"], r["split_k"], r.get("ctas", "-"), r2(r.get("bare_conv_us")),
+                    [[r["C"], r["HW"], r["N"], r["tile"], f"{r['split_k']}{fix(r)}", r.get("ctas", "-"),
+                      r2(r.get("bare_conv_us")),
                       r2(r.get("fused_us"))] for r in sweep_rows])
     for r in rows:
         if r.get("torch_compile_error"):

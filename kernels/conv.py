@@ -264,20 +264,28 @@ def wgmma_fits(arch: str, n: int, h: int, w: int, c: int, k: int) -> str | None:
     return None
 
 
-# The WGMMA cost model, fitted to the same sweep (A and B by TMA, the producer warp, split-K
-# in clusters): time = rounds x k-blocks per CTA x the tile's cost per k-block (us), + the
-# cluster's fix-up when split.  A split-K tile is a cluster of `split` CTAs and a GPC holds
-# whole clusters only, so the rounds count clusters against how many the GPU keeps
-# resident (measured on the H100, one 128-row CTA per SM: 66 / 39 / 30 / 22 / 17 / 15 /
-# 15 clusters of 2-8): C=1280 16x16 N=2 is 32 tiles of 128x160, and 4 slices would
-# need 32 clusters of 4, two rounds.  Per k-block the mainloop measured 0.41-0.45 us
-# for 128x160 (C=320-1280) with the fix-up ~3 us (the cross-slice sum 2.6-3.0, the
-# barriers ~1.4, less the single-slice epilogue it replaces); any 128x160 cost in
-# 0.38-0.49 with 128x128 at 0.9-1.0x of it and a fix-up of 0-6 us picks the sweep's
+# The WGMMA cost model, fitted to the same sweep (A and B by TMA, the producer warp):
+# time = rounds x k-blocks per CTA x the tile's cost per k-block (us), + the split-K
+# fix-up.  Two fix-ups (conv_wgmma.cu):
+#  * cluster: a split-K tile is a cluster of `split` CTAs and a GPC holds whole
+#    clusters only, so the rounds count clusters against how many the GPU keeps
+#    resident (measured on the H100, one 128-row CTA per SM: 66 / 39 / 30 / 22 / 17 /
+#    15 / 15 clusters of 2-8), + ~3 us (the cross-slice sum 2.6-3.0, the barriers
+#    ~1.4, less the single-slice epilogue it replaces);
+#  * workspace: no clusters, so the rounds count CTAs against the SMs, but the last
+#    slice of a tile reads every slice's fp32 tile back from L2 alone, at ~40 GB/s
+#    (C=1280 16x16 N=1, 128x160: 12.8 / 19.0 us over the mainloop at 4 / 8 slices).
+# C=1280 16x16 N=2 is 32 tiles of 128x160: 4 slices in clusters would need 32
+# clusters of 4, two rounds (60.2 us); in the workspace they take one (36.8 us, 3
+# slices in clusters 37.9).  Per k-block the mainloop measured 0.41-0.45 us for
+# 128x160 (C=320-1280); any 128x160 cost in 0.38-0.49 with 128x128 at 0.9-1.0x of it,
+# a cluster fix-up of 0-6 us and a workspace read of 40-50 GB/s picks the sweep's
 # fastest for all six N <= 2 U-Net problems.  64-row tiles keep their measured ratio
 # (1.3x a 128x160 k-block).
 _WG_K_BLOCK_US = {"wg64x128": 0.57, "wg128x128": 0.42, "wg128x160": 0.44}
 _WG_SPLIT_US = 3.0
+_WG_WORKSPACE_BYTES_PER_US = 40e3
+SPLIT_FIXUPS = ("cluster", "workspace")
 
 
 def ideal_cluster_capacity(sms: int = 132) -> dict:
@@ -286,12 +294,27 @@ def ideal_cluster_capacity(sms: int = 132) -> dict:
     return {s: sms // s for s in range(1, WGMMA_MAX_SPLIT_K + 1)}
 
 
-def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132,
-                      clusters: dict | None = None) -> tuple[str, int]:
-    """The (WGMMA tile, split-K) the model above ranks fastest, among tiles whose M
-    fits H*W and splits that leave each slice 4 k-blocks at least.  ``clusters``:
-    split -> clusters of that many CTAs the GPU holds at once (cluster_capacity)."""
+def wgmma_cost_us(n: int, h: int, w: int, c: int, k: int, tile: str, split: int, fixup: str | None, r: int = 3,
+                  sms: int = 132, clusters: dict | None = None) -> float:
+    """The model's time for one configuration (see above); ``fixup`` is None when split == 1."""
+    t = WGMMA_TILES[tile]
     clusters = clusters or ideal_cluster_capacity(sms)
+    tiles = math.ceil(n * h * w / t.tm) * math.ceil(k / t.tn)
+    k_blocks = r * r * c // 64 / split   # per CTA
+    if split == 1:
+        return math.ceil(tiles / sms) * k_blocks * _WG_K_BLOCK_US[tile]
+    if fixup == "cluster":
+        return math.ceil(tiles / max(1, clusters[split])) * k_blocks * _WG_K_BLOCK_US[tile] + _WG_SPLIT_US
+    return (math.ceil(tiles * split / sms) * k_blocks * _WG_K_BLOCK_US[tile]
+            + split * t.tm * t.tn * 4 / _WG_WORKSPACE_BYTES_PER_US)
+
+
+def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: int = 132,
+                      clusters: dict | None = None) -> tuple[str, int, str | None]:
+    """The (WGMMA tile, split-K, split fix-up) the model above ranks fastest, among
+    tiles whose M fits H*W and splits that leave each slice 4 k-blocks at least; the
+    fix-up is None without a split.  ``clusters``: split -> clusters of that many CTAs
+    the GPU holds at once (cluster_capacity)."""
     best = None
     k_blocks = r * r * c // 64
     for name, t in WGMMA_TILES.items():
@@ -300,14 +323,13 @@ def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: i
         for split in range(1, WGMMA_MAX_SPLIT_K + 1):
             if split > 1 and k_blocks // split < 4:
                 break
-            tiles = math.ceil(n * h * w / t.tm) * math.ceil(k / t.tn)
-            rounds = math.ceil(tiles / (sms if split == 1 else max(1, clusters[split])))
-            cost = rounds * (k_blocks / split) * _WG_K_BLOCK_US[name] + (_WG_SPLIT_US if split > 1 else 0.0)
-            if best is None or cost < best[0]:
-                best = (cost, name, split)
+            for fixup in (SPLIT_FIXUPS if split > 1 else (None,)):
+                cost = wgmma_cost_us(n, h, w, c, k, name, split, fixup, r, sms, clusters)
+                if best is None or cost < best[0] - 1e-6:   # a tie keeps the smaller tile / split
+                    best = (cost, name, split, fixup)
     if best is None:
         raise dop.ShapeError(f"no WGMMA tile fits H*W={h * w}")
-    return best[1], best[2]
+    return best[1], best[2], best[3]
 
 
 _CAPACITY: dict = {}
@@ -383,7 +405,8 @@ def _conv_ref(g, stats, y, x, w, bias, blob, semaphore, hw, cpg, gs, with_stats)
     _conv_and_partials(g, stats, y, x, w, bias, hw, cpg, gs, with_stats)
 
 
-def _conv_wgmma_ref(g, stats, y, x, w, bias, tmaps, n, h, wd, c, k, r, pad, cpg, gs, with_stats):
+def _conv_wgmma_ref(g, stats, y, x, w, bias, tmaps, partials, counters, n, h, wd, c, k, r, pad, cpg, gs, with_stats,
+                    workspace_split):
     """Reference of conv2d_gn_stats_wgmma: the same results (split-K leaves no trace)."""
     _conv_and_partials(g, stats, y, x, w, bias, h * wd, cpg, gs, with_stats)
 
@@ -508,19 +531,25 @@ class HopperKernel(CutlassKernel):
         return super().compile(values, "sm_90a")
 
 
-def _wgmma_kernel(y_dtype: str) -> Kernel:
+def _wgmma_kernel(y_dtype: str, split_in_cluster: bool = True) -> Kernel:
+    """The two-launch conv as declared for split-K in a cluster per tile (the grid's z
+    slices one cluster), or, ``split_in_cluster=False``, for split-K through the global
+    workspace (no clusters; the launch's workspace_split must be 1).  One CUDA kernel:
+    the two declarations differ only in how they launch, and share their CUBINs."""
     suffix = "f16" if y_dtype == "float16" else "f32"
     return HopperKernel(
-        f"conv2d_gn_stats_wgmma_{suffix}", HERE / "conv_wgmma.cu",
+        f"conv2d_gn_stats_wgmma{'' if split_in_cluster else '_workspace'}_{suffix}", HERE / "conv_wgmma.cu",
         [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
-         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("tmaps", "uint8", rank=1)]
-        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats")],
+         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("tmaps", "uint8", rank=1),
+         In("partials", "float32", rank=1), In("counters", "int32", rank=1)]
+        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats",
+                                        "workspace_split")],
         entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES", "LOADS"],
         # two warpgroups of consumers, and the producer warp when A and B come by TMA
         block=lambda g: 2 * g["TM"] + (32 if g["LOADS"] == 2 else 0),
         shared_mem=lambda g: WgmmaTile(g["TM"], g["TN"], g["STAGES"]).shared_bytes(
             "float16" if g["YT"] == "__half" else "float32"),
-        cluster=lambda g, grid: (1, 1, grid[2]),   # a tile's split-K slices: one cluster
+        cluster=(lambda g, grid: (1, 1, grid[2])) if split_in_cluster else None,   # a tile's split-K slices
         reference=_conv_wgmma_ref, options=CUTLASS_OPTIONS)
 
 
@@ -571,6 +600,7 @@ DTYPES = ("float16", "float32")
 conv2d_gn_stats = {d: _conv_kernel(d) for d in DTYPES}
 conv2d_params = {d: _params_kernel(d) for d in DTYPES}
 conv2d_gn_stats_wgmma = {d: _wgmma_kernel(d) for d in DTYPES}
+conv2d_gn_stats_wgmma_workspace = {d: _wgmma_kernel(d, split_in_cluster=False) for d in DTYPES}
 conv2d_gn_act_wgmma = {(b, o): _one_launch_kernel(b, o) for b in DTYPES for o in DTYPES}
 gn_act_apply = {(y, o): _apply_kernel(y, o) for y in DTYPES for o in DTYPES}
 gn_act_apply_inplace = {d: _apply_kernel(d, None) for d in DTYPES}
@@ -580,9 +610,13 @@ gn_act_apply_inplace = {d: _apply_kernel(d, None) for d in DTYPES}
 
 def _rows_per_chunk(hw: int, c: int, n: int, sms: int) -> int:
     """Rows of one image per apply CTA: a divisor of H*W (the output partition must
-    divide), about 2 CTAs per SM in all, at least ~8 KB of y per CTA."""
+    divide), about 2 CTAs per SM in all, at least ~4 KB of fp16 y per CTA.  Measured
+    on the H100 (conv + apply graph replays, us, rows per CTA): C=1280 16x16 N=1
+    33.3 at 4 rows (64 CTAs), 32.5-32.9 at 2; N=2 45.9-46.4 at 4, 45.1-45.6 at 2;
+    C=640 32x32 N=1 29.9 at 8, 29.4-29.6 at 4; at C=640 N=2 and C=320 N=1/2 (8/16/32
+    rows, 256 CTAs) half or twice the rows was 0.8-4 us slower."""
     want = max(1, math.ceil(n * hw / (2 * sms)))
-    want = max(want, math.ceil(4096 / c))
+    want = max(want, math.ceil(2048 / c))
     divisors = [d for d in range(1, hw + 1) if hw % d == 0]
     return min((d for d in divisors if d >= want), default=hw)
 
@@ -604,13 +638,17 @@ class ConvGnAct:
     launch, y kept in shared memory in fp32 (see the measurements in __init__).
     ``a_tma``: the WGMMA conv loads x by TMA, a box of whole image rows per k-block,
     where the image width fits the tile (None: wherever it does; False: gathered
-    by every thread with cp.async, for comparisons).
+    by every thread with cp.async, for comparisons).  ``split_fixup`` (WGMMA, split_k
+    > 1): where the split-K slices of a tile add up -- "cluster" (a thread-block
+    cluster per tile, distributed shared memory) or "workspace" (a global workspace,
+    the last slice to arrive); None: the cost model's choice with the tile and split.
     """
 
     def __init__(self, n: int, h: int, w: int, c: int, k: int, *, kernel_size: int = 3, groups: int = 32,
                  act: str = "silu", eps: float = 1e-5, y_dtype: str = "float16", out_dtype: str = "float16",
                  inplace: bool = False, tile: str | None = None, split_k: int | None = None,
-                 a_tma: bool | None = None, one_launch: bool = False, stream=None):
+                 a_tma: bool | None = None, split_fixup: str | None = None, one_launch: bool = False,
+                 stream=None):
         _need(act in ACTS, f"act={act!r} is not one of {', '.join(ACTS)}", dop.LaunchError)
         _need(kernel_size in (1, 3), f"kernel_size={kernel_size}: only 3x3 (padding 1) and 1x1 (padding 0) "
                                      "convolutions are supported")
@@ -631,10 +669,12 @@ class ConvGnAct:
         device = stream.device if stream is not None else dop.Device(0)
         sms = device.sm_count or 132
         hw = h * w
+        _need(split_fixup in (None, *SPLIT_FIXUPS), f"split_fixup={split_fixup!r} is not one of "
+              f"{', '.join(map(repr, SPLIT_FIXUPS))} or None", dop.LaunchError)
         if tile is None:   # the Hopper kernel where it applies, else CUTLASS 2.x
             why_not = wgmma_fits(device.arch, n, h, w, c, k)
             if why_not is None:
-                tile, auto_split = choose_wgmma_tile(n, h, w, c, k, kernel_size, sms, cluster_capacity(device))
+                tile, auto_split, _ = choose_wgmma_tile(n, h, w, c, k, kernel_size, sms, cluster_capacity(device))
             else:
                 tile, auto_split = choose_tile(n, h, w, c, k, kernel_size, sms)
             split_k = auto_split if split_k is None else split_k
@@ -655,6 +695,17 @@ class ConvGnAct:
             _need(self.split_k <= kernel_size ** 2 * c // 64, f"split_k={split_k} exceeds the "
                   f"{kernel_size ** 2 * c // 64} k-blocks of 64 channels", dop.LaunchError)
         t = self.tile
+        _need(split_fixup is None or (self.wgmma and self.split_k > 1 and not one_launch),
+              f"split_fixup={split_fixup!r} applies to the WGMMA two-launch conv with split_k > 1 (this plan: tile "
+              f"{t.name}, split_k={self.split_k}, one_launch={bool(one_launch)}): leave it None", dop.LaunchError)
+        # where the slices of a split tile add up (conv_wgmma.cu): the model's choice for
+        # this tile and split unless given; the one-launch kernel is cooperative, so it
+        # always uses the workspace
+        self.split_fixup = None
+        if self.wgmma and self.split_k > 1:
+            self.split_fixup = ("workspace" if one_launch else split_fixup or min(
+                SPLIT_FIXUPS, key=lambda f: wgmma_cost_us(n, h, w, c, k, t.name, self.split_k, f, kernel_size, sms,
+                                                          cluster_capacity(device))))
         # one_launch=True: the whole op as one cooperative launch (kernels/conv_wgmma.cu,
         # conv2d_gn_act_wgmma), possible when the grid fits on the GPU at once (one CTA
         # per SM: each takes >= 128 KB of shared memory).  Not the default: measured on
@@ -681,9 +732,9 @@ class ConvGnAct:
         self.semaphore = dop.from_numpy(np.zeros(self.mt * self.nt + 2, np.int32), stream=stream)
         self.stats = mk([self.mt, self.nt, self.split_k * 4 * self.gs], "float32")
         self.y = None if inplace or self.one_launch else mk([n, h, w, k], y_dtype)
-        # the one-launch kernel's split-K slices leave their fp32 tiles here (the semaphore
-        # counts them); the two-launch conv adds its slices in a cluster, in shared memory
-        split_tiles = self.one_launch and self.split_k > 1
+        # split-K slices meeting in the workspace leave their fp32 tiles here (the
+        # semaphore counts them); in a cluster they add up in shared memory
+        split_tiles = self.split_fixup == "workspace"
         self.partials = mk([self.mt * self.nt * self.split_k * t.tm * t.tn if split_tiles else 4], "float32")
         # The WGMMA conv launch reads w, and x where the tile is whole image rows, by TMA
         self.loads, self.tmaps = 0, None
@@ -721,7 +772,8 @@ class ConvGnAct:
     def __repr__(self) -> str:
         loads = {0: "", 1: ", B by TMA", 2: ", A and B by TMA"}[self.loads]
         return (f"ConvGnAct(N={self.n}, H={self.h}, W={self.w}, C={self.c}, K={self.k}, {self.r}x{self.r}, "
-                f"groups={self.groups}, act={self.act}, tile={self.tile.name}, split_k={self.split_k}{loads}, "
+                f"groups={self.groups}, act={self.act}, tile={self.tile.name}, split_k={self.split_k}"
+                f"{f' in a {self.split_fixup}' if self.split_fixup else ''}{loads}, "
                 f"grid={self.mt}x{self.nt}x{self.split_k}, {'one launch' if self.one_launch else 'two launches'})")
 
     @property
@@ -761,9 +813,11 @@ class ConvGnAct:
     def _conv_launch(self, y, x, w, bias, with_stats: int):
         t = self.tile
         if self.wgmma:
-            return (conv2d_gn_stats_wgmma[self.y_dtype](
-                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.tmaps,
-                self.n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, with_stats)
+            workspace = self.split_fixup == "workspace"
+            kernels = conv2d_gn_stats_wgmma_workspace if workspace else conv2d_gn_stats_wgmma
+            return (kernels[self.y_dtype](
+                self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.tmaps, self.partials, self.semaphore,
+                self.n, self.h, self.w, self.c, self.k, self.r, self.pad, self.cpg, self.gs, with_stats, int(workspace))
                 .generics(t.generics(self.y_dtype, self.loads)))
         return (conv2d_gn_stats[self.y_dtype](self.stats.partition([1, 1, 4 * self.gs]), y, x, w, bias, self.blob,
                                               self.semaphore, self.hw, self.cpg, self.gs, with_stats)

@@ -22,7 +22,13 @@
 //   barrier slice z adds rows [z R, z R + R) of every slice's tile through
 //   distributed shared memory (in slice order: deterministic) and runs the
 //   epilogue on those rows; the last slice merges the slices' GroupNorm partials.
-//   No global workspace, no atomics, the epilogue split S ways.
+//   No global workspace, no atomics, the epilogue split S ways.  Where the
+//   tiles' clusters would not all fit the GPU at once (the H100 holds 30
+//   clusters of 4, so C=1280 16x16 N=2 at 128x160 x 4 slices, 32 tiles, would
+//   run in two rounds) the same kernel launched without clusters
+//   (workspace_split) meets its slices in a global workspace instead: the last
+//   slice of a tile to arrive adds every slice's tile, in slice order, and runs
+//   the whole epilogue.
 // * Epilogue: acc + bias, rounded to y's type, staged in shared memory; from
 //   there it leaves in coalesced 16-byte stores, and the GroupNorm partials of
 //   the values as stored are computed from the same shared tile (no re-read of
@@ -414,11 +420,12 @@ __device__ __forceinline__ bool mainloop_ws(float* acc, uint32_t smem_base, cons
     return true;
 }
 
-// Split-K of the one-launch kernel (cooperative, so no clusters): every slice stores
-// its accumulators to the workspace; the CTA that arrives last at the tile's counter
-// gets every slice's tile added in slice order (deterministic whoever is last) and
-// returns true; the others false.  (The two-launch conv sums its slices in a cluster,
-// below: measured on the H100, this fix-up cost it up to 14 us.)
+// Split-K through a global workspace (the one-launch kernel, which is cooperative and
+// so has no clusters, and the two-launch conv where a cluster per tile would not fit
+// the GPU at once): every slice stores its accumulators to the workspace; the CTA
+// that arrives last at the tile's counter gets every slice's tile added in slice
+// order (deterministic whoever is last) and returns true; the others false.  The
+// NT consumer threads call it (the producer warp may have left).
 template <int NT, int ACC>
 __device__ __forceinline__ bool splitk_reduce(float* acc, float* partials, int* counters, int tile_id, int slices,
                                               int z) {
@@ -429,10 +436,10 @@ __device__ __forceinline__ bool splitk_reduce(float* acc, float* partials, int* 
     for (int a = 0; a < ACC / 4; ++a)
         ws[((size_t)z * (ACC / 4) + a) * NT + t] = make_float4(acc[4 * a], acc[4 * a + 1], acc[4 * a + 2], acc[4 * a + 3]);
     __threadfence();
-    __syncthreads();
+    csync<NT>();
     __shared__ int last;
     if (t == 0) last = atomicAdd(counters + tile_id, 1) == slices - 1;
-    __syncthreads();
+    csync<NT>();
     if (!last) return false;
     __threadfence();
     #pragma unroll
@@ -648,14 +655,17 @@ __device__ __forceinline__ void grid_barrier(int* bar, int count) {
 
 // Launch 1 of 2: y [N*H*W, K] = conv(x [N,H,W,C], w [K,R,R,C]) + bias (stride 1, padding
 // pad), and the GroupNorm partials of every tile (with_stats).  Grid (M tiles, K tiles,
-// split-K slices), the slices of a tile one cluster; stats [MT, NT, KS * 2 * GS * 2]:
-// the tile's values go to the last slice's slot.  Block: 2 * TM consumer threads, +
+// split-K slices), the slices of a tile one cluster, or (workspace_split) none, the
+// slices meeting in `partials` ([tiles][slices][TM * TN] fp32) and `counters` ([tiles],
+// zero, left zero); stats [MT, NT, KS * 2 * GS * 2]: the tile's values go to the last
+// slice's slot.  Block: 2 * TM consumer threads, +
 // the producer warp when LOADS = 2.  LOADS and tmaps: see mainloop, mainloop_ws and
 // tensor_map.  Needs C % 64 == 0, K % 8 == 0, H*W >= TM (checked by kernels/conv.py).
 template <typename YT, int TM, int TN, int STAGES, int LOADS>
 __global__ void __launch_bounds__(TM * 2 + 32, 1)
 conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, const YT* bias, unsigned char* tmaps,
-                      int n, int h, int wd, int c, int k, int r, int pad, int cpg, int gs, int with_stats) {
+                      float* partials, int* counters, int n, int h, int wd, int c, int k, int r, int pad, int cpg,
+                      int gs, int with_stats, int workspace_split) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using S = convwg::Shape<YT, TM, TN, STAGES>;
     constexpr int NT = S::kThreads;
@@ -667,7 +677,8 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
     unsigned char* smem = convwg::aligned_smem<S::kSmem>(smem_raw, smem_base);
     const int hw = h * wd, M = n * hw, slices = gridDim.z, z = blockIdx.z;
     const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TN, tile_id = blockIdx.x * gridDim.y + blockIdx.y;
-    if (slices > 1 && convwg::cluster_size() != (unsigned)slices) __trap();   // launched without its cluster
+    // launched without the cluster (or the workspace) its split-K needs
+    if (slices > 1 && convwg::cluster_size() != (workspace_split ? 1u : (unsigned)slices)) __trap();
     float2* out = reinterpret_cast<float2*>(stats) + ((size_t)tile_id * slices + (slices - 1)) * 2 * gs;
     float acc[S::kAcc];
     bool consumer = true;
@@ -676,7 +687,10 @@ conv2d_gn_stats_wgmma(float* stats, YT* y, const __half* x, const __half* w, con
     else
         convwg::mainloop<TM, TN, STAGES, LOADS>(acc, smem_base, x, w, tmaps, n, h, wd, c, k, r, pad, m0, n0);
 
-    if (slices == 1) {   // the whole tile here
+    if (slices > 1 && workspace_split) {   // the last slice to arrive gets the tile's sum
+        if (!consumer || !convwg::splitk_reduce<NT, S::kAcc>(acc, partials, counters, tile_id, slices, z)) return;
+    }
+    if (slices == 1 || workspace_split) {   // the whole tile here
         if (!consumer) return;
         const int m_end = min(m0 + TM, M);
         convwg::csync<NT>();   // every warpgroup is done with the pipeline's shared memory

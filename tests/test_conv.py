@@ -146,18 +146,56 @@ def test_a_tensor_map_refuses_what_tma_cannot_do():
 
 
 def test_wgmma_heuristic_picks_the_fastest_configuration_of_the_recorded_h100_sweep():
-    """The WGMMA cost model was fitted to this sweep (every tile x split-K 1-8 of
-    the shipped menu at the six N<=2 U-Net problems, bare conv as graph replays),
-    with the cluster capacity the H100 reported in the same run."""
+    """The WGMMA cost model was fitted to this sweep (every tile x split-K 1-8 x
+    split fix-up, cluster or workspace, of the shipped menu at the six N<=2 U-Net
+    problems, bare conv as graph replays), with the cluster capacity the H100
+    reported in the same run."""
     recorded = json.loads((ROOT / "bench" / "results" / "conv_gn_act_wgmma_sweep.json").read_text())
     sweep, clusters = recorded["tile_sweep"], {int(s): n for s, n in recorded["cluster_capacity"].items()}
     problems = sorted({(r["C"], r["HW"], r["N"]) for r in sweep})
     assert len(problems) == 6 and {r["tile"] for r in sweep} == set(conv.WGMMA_TILES)
+    assert {r["split_fixup"] for r in sweep if r["split_k"] > 1} == set(conv.SPLIT_FIXUPS)
     for c, hw, n in problems:
-        runs = [r for r in sweep if (r["C"], r["HW"], r["N"]) == (c, hw, n)]
+        runs = [r for r in sweep if (r["C"], r["HW"], r["N"]) == (c, hw, n) and "bare_conv_us" in r]
         fastest = min(runs, key=lambda r: r["bare_conv_us"])
-        assert conv.choose_wgmma_tile(n, hw, hw, c, c, clusters=clusters) == (fastest["tile"], fastest["split_k"]), \
-            (c, hw, n)
+        assert conv.choose_wgmma_tile(n, hw, hw, c, c, clusters=clusters) == \
+            (fastest["tile"], fastest["split_k"], fastest["split_fixup"]), (c, hw, n)
+
+
+def test_split_k_meets_in_the_workspace_where_its_clusters_would_not_fit_at_once():
+    """C=1280 16x16 N=2 is 32 tiles of 128x160.  The H100 holds 30 clusters of 4, so 4
+    slices in clusters would run in two rounds; through the global workspace they fit
+    in one.  With clusters packed ideally (33 of 4) the cluster wins the same split."""
+    h100 = {1: 132, 2: 66, 3: 39, 4: 30, 5: 22, 6: 17, 7: 15, 8: 15}
+    assert conv.choose_wgmma_tile(2, 16, 16, 1280, 1280, clusters=h100) == ("wg128x160", 4, "workspace")
+    assert conv.choose_wgmma_tile(1, 16, 16, 1280, 1280, clusters=h100) == ("wg128x160", 6, "cluster")
+    ideal = conv.ideal_cluster_capacity(132)
+    assert conv.choose_wgmma_tile(2, 16, 16, 1280, 1280, clusters=ideal)[2] == "cluster"
+    cost = lambda f, caps: conv.wgmma_cost_us(2, 16, 16, 1280, 1280, "wg128x160", 4, f, clusters=caps)  # noqa: E731
+    assert cost("cluster", h100) > 1.5 * cost("workspace", h100)     # two rounds against one
+    assert cost("cluster", ideal) < cost("workspace", ideal)
+
+
+def test_the_split_fixup_is_recorded_in_the_plan_and_refused_where_it_has_no_meaning(stream, rng):
+    n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20
+    for fixup in conv.SPLIT_FIXUPS:   # either way the same results (the reference device: the same arithmetic)
+        plan = ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x160", split_k=3, split_fixup=fixup, stream=stream)
+        assert plan.split_fixup == fixup and f"split_k=3 in a {fixup}" in repr(plan)
+        host = make_inputs(rng, n, h, w, c, k)
+        mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+        assert mx <= 1e-2 and rel <= 1e-3, (fixup, mx, rel)
+    assert ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x160", split_k=1, stream=stream).split_fixup is None
+    assert ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x160", split_k=2, one_launch=True,
+                     stream=stream).split_fixup == "workspace"     # cooperative: no clusters
+    with pytest.raises(dop.LaunchError, match="split_fixup='dsmem' is not one of"):
+        ConvGnAct(n, h, w, c, k, groups=groups, split_fixup="dsmem", stream=stream)
+    with pytest.raises(dop.LaunchError, match="split_k > 1"):
+        ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x160", split_k=1, split_fixup="cluster", stream=stream)
+    with pytest.raises(dop.LaunchError, match="the WGMMA two-launch conv"):
+        ConvGnAct(n, h, w, c, k, groups=groups, tile="64x64", split_k=2, split_fixup="workspace", stream=stream)
+    with pytest.raises(dop.LaunchError, match="one_launch=True"):
+        ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x160", split_k=2, split_fixup="cluster",
+                  one_launch=True, stream=stream)
 
 
 def test_heuristic_fills_the_sms_at_n1():
@@ -280,15 +318,20 @@ def test_every_wgmma_tile_split_k_and_load_path_on_the_gpu(stream, rng, tile, sp
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,h,w", [(3, 16, 16), (3, 12, 16)])   # A by TMA; A by cp.async with M = 4.5 tiles
 @pytest.mark.parametrize("split", range(2, 9))
-def test_split_k_slices_add_up_in_their_cluster(stream, rng, n, h, w, split):
-    """A split-K tile is a cluster of `split` CTAs: each slice takes ceil(128 / split)
+@pytest.mark.parametrize("fixup", conv.SPLIT_FIXUPS)
+def test_split_k_slices_add_up_in_their_cluster_or_the_workspace(stream, rng, n, h, w, split, fixup):
+    """In a cluster, a split-K tile is `split` CTAs: each slice takes ceil(128 / split)
     rows of the tile (the last fewer, or none), adds them over every slice's shared
-    memory and runs the epilogue on them; the last slice merges the GroupNorm partials."""
+    memory and runs the epilogue on them; the last slice merges the GroupNorm partials.
+    Through the workspace (no cluster), the last slice to arrive adds every slice's
+    tile and runs the whole epilogue."""
     c, k, groups = 128, 160, 20
-    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile="wg128x160", split_k=split, stream=stream)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", tile="wg128x160", split_k=split, split_fixup=fixup,
+                     stream=stream)
     assert plan.loads == (2 if h * w % 128 == 0 else 1)
-    kernel, generics = conv.conv2d_gn_stats_wgmma["float16"], tuple(plan.tile.generics("float16", plan.loads))
-    assert kernel.config((plan.mt, plan.nt, split), generics).cluster == (1, 1, split)
+    kernel = (conv.conv2d_gn_stats_wgmma if fixup == "cluster" else conv.conv2d_gn_stats_wgmma_workspace)["float16"]
+    generics = tuple(plan.tile.generics("float16", plan.loads))
+    assert kernel.config((plan.mt, plan.nt, split), generics).cluster == ((1, 1, split) if fixup == "cluster" else None)
     host = make_inputs(rng, n, h, w, c, k)
     mx, rel = errors(run(stream, plan, host), conv_gn_act_reference(*host, groups, 1e-5, "silu"))
     assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
@@ -397,12 +440,14 @@ def test_zero_variance_groups(stream, rng, c):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile,split", [("64x64", 2), ("wg128x128", 3)])
-def test_deterministic_over_ten_runs(stream, rng, tile, split):
+@pytest.mark.parametrize("tile,split,fixup", [("64x64", 2, None), ("wg128x128", 3, "cluster"),
+                                              ("wg128x128", 3, "workspace")])
+def test_deterministic_over_ten_runs(stream, rng, tile, split, fixup):
     """Split-K included: CUTLASS's serial slices, and the WGMMA kernel's slices summed
-    in slice order within their cluster."""
+    in slice order within their cluster or by the last to arrive at the workspace."""
     n, h, w, c, k, groups = 2, 32, 32, 64, 128, 32
-    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile=tile, split_k=split, stream=stream)
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile=tile, split_k=split, split_fixup=fixup,
+                     stream=stream)
     args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
     out = dop.empty([n, h, w, k], "float16", stream=stream)
     graph = plan(out, *args).graph_on(stream)
