@@ -297,6 +297,10 @@ def ideal_cluster_capacity(sms: int = 132) -> dict:
 def wgmma_cost_us(n: int, h: int, w: int, c: int, k: int, tile: str, split: int, fixup: str | None, r: int = 3,
                   sms: int = 132, clusters: dict | None = None) -> float:
     """The model's time for one configuration (see above); ``fixup`` is None when split == 1."""
+    _need(tile in WGMMA_TILES, f"tile={tile!r} is not a WGMMA tile ({', '.join(WGMMA_TILES)})", dop.LaunchError)
+    _need((fixup is None) if split == 1 else fixup in SPLIT_FIXUPS,
+          f"split={split} with fixup={fixup!r}: a split tile adds up in a 'cluster' or the 'workspace', "
+          "an unsplit one needs neither (None)", dop.LaunchError)
     t = WGMMA_TILES[tile]
     clusters = clusters or ideal_cluster_capacity(sms)
     tiles = math.ceil(n * h * w / t.tm) * math.ceil(k / t.tn)
@@ -325,7 +329,7 @@ def choose_wgmma_tile(n: int, h: int, w: int, c: int, k: int, r: int = 3, sms: i
                 break
             for fixup in (SPLIT_FIXUPS if split > 1 else (None,)):
                 cost = wgmma_cost_us(n, h, w, c, k, name, split, fixup, r, sms, clusters)
-                if best is None or cost < best[0] - 1e-6:   # a tie keeps the smaller tile / split
+                if best is None or cost < best[0] - 1e-6:   # a tie keeps the earlier tile, split, fix-up
                     best = (cost, name, split, fixup)
     if best is None:
         raise dop.ShapeError(f"no WGMMA tile fits H*W={h * w}")

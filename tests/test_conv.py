@@ -174,6 +174,12 @@ def test_split_k_meets_in_the_workspace_where_its_clusters_would_not_fit_at_once
     cost = lambda f, caps: conv.wgmma_cost_us(2, 16, 16, 1280, 1280, "wg128x160", 4, f, clusters=caps)  # noqa: E731
     assert cost("cluster", h100) > 1.5 * cost("workspace", h100)     # two rounds against one
     assert cost("cluster", ideal) < cost("workspace", ideal)
+    with pytest.raises(dop.LaunchError, match="a split tile adds up in a 'cluster' or the 'workspace'"):
+        conv.wgmma_cost_us(2, 16, 16, 1280, 1280, "wg128x160", 4, "dsmem")
+    with pytest.raises(dop.LaunchError, match="an unsplit one needs neither"):
+        conv.wgmma_cost_us(2, 16, 16, 1280, 1280, "wg128x160", 1, "cluster")
+    with pytest.raises(dop.LaunchError, match="is not a WGMMA tile"):
+        conv.wgmma_cost_us(2, 16, 16, 1280, 1280, "128x128", 1, None)
 
 
 def test_the_split_fixup_is_recorded_in_the_plan_and_refused_where_it_has_no_meaning(stream, rng):
