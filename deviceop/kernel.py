@@ -17,6 +17,7 @@ arguments, its grid is the output partition's tiles per axis.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,13 +94,15 @@ class Kernel:
         self._functions: dict = {}
         self._configs: dict = {}
         self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
+        self._prepared: dict = {}  # eager launch key -> prepared launch; see _fast_launch_type
         # the tensor parameters after the output (the launch-check cache keys on their layouts)
         self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
+        self._launch_type = _fast_launch_type(self)
 
     def __call__(self, *args) -> "KernelLaunch":
-        return KernelLaunch(self, args)
+        return self._launch_type(self, args)
 
     def __repr__(self) -> str:
         gen = f"<{', '.join(self.generic_names)}>" if self.generic_names else ""
@@ -184,13 +187,19 @@ class _Output(DeviceOp):
     _execute = _run
 
 
-def _launcher(fn, pdl: bool, cooperative: bool, config: LaunchConfig):
-    """The plan of a launch: the Function's launcher for its attributes, and its config."""
+def _attribute(fn, pdl: bool, cooperative: bool, config: LaunchConfig) -> str | None:
+    """The launch attribute a launch needs (Function.launch_* / Function.prepared)."""
     if config.cluster is not None and (pdl or cooperative):
         raise LaunchError(f"{fn.name}: a launch in thread-block clusters cannot also be "
                           f"{'PDL' if pdl else 'cooperative'} (not supported)")
-    launcher = (fn.launch_pdl if pdl else fn.launch_cooperative if cooperative else
-                fn.launch_cluster if config.cluster is not None else fn.launch)
+    return "pdl" if pdl else "cooperative" if cooperative else "cluster" if config.cluster is not None else None
+
+
+def _launcher(fn, pdl: bool, cooperative: bool, config: LaunchConfig):
+    """The plan of a launch: the Function's launcher for its attributes, and its config."""
+    attribute = _attribute(fn, pdl, cooperative, config)
+    launcher = {None: fn.launch, "pdl": fn.launch_pdl, "cooperative": fn.launch_cooperative,
+                "cluster": fn.launch_cluster}[attribute]
     return launcher, config
 
 
@@ -276,20 +285,30 @@ class KernelLaunch(DeviceOp):
         if self._consumed:
             self._already_executed()
         self._consumed = True
-        gen = self._generics
-        if gen is None:
-            raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
-                              f"call .generics([...]) on the launch")
         values = self.args
         if self._dynamic:
             values = list(values)
             for i in self._dynamic:
                 values[i] = values[i]._run(ctx)
+        return self._launch(ctx, values)
+
+    def _launch(self, ctx, values):
+        """Check (or find checked) and launch, the arguments' ops already run.
+
+        The general path: every launch on the reference device, every launch
+        captured into a graph, and the first eager launch of each argument
+        layout.  Eager launches seen before take the kernel's generated
+        ``_run`` (``_fast_launch_type``) instead."""
+        gen = self._generics
+        if gen is None:
+            raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
+                              f"call .generics([...]) on the launch")
         kernel, part, device = self.kernel, values[0], ctx.device
         # A launch whose device, generics, tiles, pointers, shapes, strides and
         # dtypes were all seen before was already checked: one dict lookup gives
-        # the verdict and the launch plan (per-token rebuilds of one model hit
-        # this every time).  Anything unexpected takes the full check below.
+        # the verdict and the launch plan (graph captures, and the first eager
+        # launch of a scalar value, hit this).  Anything unexpected takes the
+        # full check below.
         # Each tensor enters the key as its layout id (Tensor._sig_id: cheaper to
         # hash than the layout tuple).  Plain loops, not comprehensions: each
         # comprehension is a function call (before Python 3.12), and this runs
@@ -328,6 +347,22 @@ class KernelLaunch(DeviceOp):
         stats["launches"] += 1
         return tuple(values)
 
+    def _launch_and_prepare(self, ctx, values, key):
+        """An eager launch not prepared yet: launched by the general path (which
+        checks it), then prepared for ``key``, so the next launch like it costs
+        one dict lookup and one driver call."""
+        out = self._launch(ctx, values)
+        device = ctx.device
+        if not device.is_reference:
+            kernel, gen, part = self.kernel, self._generics, values[0]
+            fn, config = kernel.function(device, gen), kernel.config(part.grid, gen)
+            args = [part.tensor] + [_as_tensor_arg(v) for v in values[1:]]
+            prepared = kernel._prepared
+            if len(prepared) > 65536:
+                prepared.clear()
+            prepared[key] = fn.prepared(_attribute(fn, self._pdl, self._cooperative, config), config, *args)
+        return out
+
     def _run_reference(self, ctx, gen, launch_args, values) -> None:
         kernel = self.kernel
         if kernel.reference is None:
@@ -345,6 +380,59 @@ class KernelLaunch(DeviceOp):
         return check_launch(self.kernel, values, gen, self.describe())
 
     _execute = _run
+
+
+def _fast_launch_type(kernel: Kernel) -> type:
+    """A KernelLaunch subclass for ``kernel`` whose ``_run`` is generated for its
+    parameter list: an eager launch whose arguments were all seen before is one
+    key (every tensor's layout id, every scalar's type and value), one lookup in
+    ``kernel._prepared`` and one prepared driver call (Function.prepared) — no
+    loop, no argument list, no re-packing.  Anything else (a first launch, a
+    graph capture, the reference device, a bad argument) takes the general
+    ``KernelLaunch._launch``, which checks everything and names what is wrong.
+
+    Why it is exact: a tensor's layout id stands for its (pointer, shape,
+    strides, dtype), so equal keys mean equal checks and equal parameter bytes.
+    A scalar keys on its type and value, and a float zero on its sign too
+    (0.0 == -0.0, but their bytes differ)."""
+    n = len(kernel.params)
+    a = [f"a{i}" for i in range(n)]
+    body = ["def _run(self, ctx):",
+            "    if self._consumed:",
+            "        self._already_executed()",
+            "    self._consumed = True",
+            f"    {', '.join(a)}, = self.args",
+            "    if self._dynamic:"]
+    body += [f"        if isinstance({x}, DeviceOp): {x} = {x}._run(ctx)" for x in a]
+    key = ["ctx.device", "self._generics", "self._pdl", "self._cooperative", "a0.tile_shape", "a0.tensor._sig_id"]
+    unwrap = []
+    for i, p in enumerate(kernel.params[1:], 1):
+        if p.role == "in":  # a SharedTensor's tensor while the handle is live; else the general path names it
+            unwrap.append(f"            t{i} = a{i}._tensor if type(a{i}) is SharedTensor and a{i}._live else a{i}")
+            key.append(f"t{i}._sig_id")
+        elif p.dtype.kind == "f":
+            key += [f"type(a{i})", f"a{i}", f"(a{i} or copysign(1.0, a{i}))"]
+        else:
+            key += [f"type(a{i})", f"a{i}"]
+    values = f"[{', '.join(a)}]"
+    body += ["    if ctx.capture is None:",
+             "        try:",
+             *unwrap,
+             f"            key = ({', '.join(key)})",
+             "            go = self.kernel._prepared[key]",
+             "        except KeyError:",
+             f"            return self._launch_and_prepare(ctx, {values}, key)",
+             "        except (AttributeError, TypeError, ValueError):  # not a tensor, unhashable, ...",
+             f"            return self._launch(ctx, {values})",
+             "        go(ctx.stream)",
+             "        stats['launches'] += 1",
+             f"        return ({', '.join(a)},)",
+             f"    return self._launch(ctx, {values})"]
+    env = {"DeviceOp": DeviceOp, "SharedTensor": SharedTensor, "copysign": math.copysign,
+           "stats": stats}
+    exec(compile("\n".join(body), f"<deviceop launch of {kernel.name}>", "exec"), env)
+    return type("KernelLaunch", (KernelLaunch,), {"__slots__": (), "_run": env["_run"], "_execute": env["_run"],
+                                                  "__module__": __name__, "__doc__": KernelLaunch.__doc__})
 
 
 class _TapeStep:

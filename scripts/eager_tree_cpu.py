@@ -4,22 +4,23 @@ bench/eager_overhead.py times the 22-layer forward (88 launches, the tree of
 examples/token_model.build_forward) executed with ``async_on`` on the H100.
 There the loop is host-bound, and what deviceop adds over a bare launch loop
 is Python: walking the op tree (shared/clone, first/unpartition, reshape,
-zip, map, boxed), the launch's verdict-cache lookup and the generated
-launcher.  This script measures exactly that, on any machine:
+zip, map, boxed), each launch's lookup of its prepared launch (argument
+checks and packing happen once per argument layout) and the call into it.  This script measures exactly that, on any machine:
 
 * the tree is built by the real ``build_forward`` over Device(0) tensors
   (``dop.empty``: nothing is computed or read, so any ``--d`` is cheap);
-* it executes on a *fake GPU device* (``is_reference`` False), so
-  ``KernelLaunch._run`` takes its GPU path — the key lookup into
-  ``kernel._verified`` and the call of the plan's launcher — not the
+* it executes on a *fake GPU device* (``is_reference`` False), so each
+  launch takes its GPU path — the kernel's generated ``_run``: one key
+  lookup into ``kernel._prepared`` and the prepared launch — not the
   reference device's path (which would run the NumPy kernels);
-* each kernel's ``Function`` is a real one (generated launcher: argument
-  checks, ``struct.pack_into``, the parameter-buffer lock) whose only fake
-  part is the driver call: ``cuLaunchKernel`` returns success at once.
+* each kernel's ``Function`` is a real one (generated launcher and prepared
+  launches) whose only fake part is the driver call: ``cuLaunchKernel``
+  returns success at once.
 
 So "eager" below is what executing the tree costs this host apart from the
-driver's own ``cuLaunchKernel``, and "eager - launcher" is the op tree's
-interpretive overhead.  The fakes live in this process only; the library
+driver's own ``cuLaunchKernel``, and "eager - launcher" is what the op tree
+adds over calling ``Function.launch`` (argument checks and packing each time)
+with the arguments at hand; it can go below zero.  The fakes live in this process only; the library
 runs unmodified.  The numbers are this CPU's: compare before/after on one
 machine, and never read them as GPU timings.  (A script, not a benchmark in
 bench/: it measures no device, and writes no result file.)
@@ -79,8 +80,8 @@ class HostFunction(Function):
     def _verify_layout(self, offsets) -> None:
         pass
 
-    def _build_launcher(self, pdl: bool = False):
-        launcher = super()._build_launcher(pdl)
+    def _build_launcher(self, attribute=None):
+        launcher = super()._build_launcher(attribute)  # its namespace is the prepared launches' too
         launcher.__globals__["cuLaunchKernel"] = _no_driver
         launcher.__globals__["cuLaunchKernelEx"] = _no_driver
         return launcher

@@ -1,8 +1,9 @@
 """The GPU path of eager execution, checked without a GPU.
 
 On the reference device a kernel launch op runs the kernel's NumPy reference;
-on a GPU it looks its checked launch plan up (the verdict cache) and calls the
-Function's generated launcher.  Here a device that is not the reference
+on a GPU its first launch of an argument layout is checked and launched by the
+Function's generated launcher, then prepared (packed once); a launch seen
+before is one key lookup and one driver call with the prepared parameters.  Here a device that is not the reference
 device, with Functions whose only stand-in is the driver (cuLaunchKernel
 records its arguments), runs that path on the tutorial model's forward: every
 launch reaches the driver once, in order, with the right pointers, grids and
@@ -119,3 +120,61 @@ def test_the_host_cost_script_runs():
                           "--tokens", "3", "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "op-tree overhead (eager - launcher)" in run.stdout
+
+
+# -- prepared launches: a launch seen before is one lookup and one driver call ----
+
+def _rms(cfg, out, x, w, eps):
+    return rms_norm(out.partition([1, cfg.d]), x, w, eps).generics(cfg.rms_generics())
+
+
+def test_a_repeated_launch_is_not_checked_again_but_a_changed_scalar_is_launched_with_its_value(gpu_path):
+    cfg, device, stream, driver, checks = gpu_path
+    out, x, w = dop.empty([1, cfg.d]), dop.empty([1, cfg.d]), dop.empty([cfg.d])
+    for eps in (1e-5, 1e-5, 2e-5, 1e-5):
+        _rms(cfg, out, x, w, eps).async_on(stream)
+    assert [launch[3][3] for launch in driver.launches] == [pytest.approx(e) for e in (1e-5, 1e-5, 2e-5, 1e-5)]
+    assert checks == ["rms_norm"]  # the layout was checked once; a new scalar is only checked as it is packed
+
+
+def test_a_negative_zero_scalar_is_not_mistaken_for_zero(gpu_path):
+    """0.0 == -0.0 in Python, but a kernel receives different bits."""
+    import math
+    cfg, device, stream, driver, checks = gpu_path
+    out, x, w = dop.empty([1, cfg.d]), dop.empty([1, cfg.d]), dop.empty([cfg.d])
+    for eps in (0.0, -0.0, 0.0, -0.0):
+        _rms(cfg, out, x, w, eps).async_on(stream)
+    assert [math.copysign(1.0, launch[3][3]) for launch in driver.launches] == [1.0, -1.0, 1.0, -1.0]
+
+
+def test_a_prepared_launch_still_refuses_a_released_input_or_a_wrong_dtype(gpu_path):
+    cfg, device, stream, driver, checks = gpu_path
+    out, x = dop.empty([1, cfg.d]), dop.empty([1, cfg.d])
+    w = dop.empty([cfg.d]).into_shared()
+    _rms(cfg, out, x, w, 1e-5).async_on(stream)
+    _rms(cfg, out, x, w, 1e-5).async_on(stream)  # prepared now
+    w.release()
+    with pytest.raises(dop.StateError, match="released"):
+        _rms(cfg, out, x, w, 1e-5).async_on(stream)
+    with pytest.raises(dop.DTypeError, match="float32"):
+        _rms(cfg, out, x, dop.empty([cfg.d], "float16"), 1e-5).async_on(stream)
+    with pytest.raises(dop.DTypeError):
+        _rms(cfg, out, x, dop.empty([cfg.d]), "not a number").async_on(stream)
+    assert len(driver.launches) == 2  # nothing refused reached the driver
+
+
+def test_function_prepared_checks_its_arguments_and_attribute_once(gpu_path):
+    cfg, device, stream, driver, checks = gpu_path
+    fn = add._functions[(device.ordinal, (cfg.block,))]
+    y, a, b = dop.empty([cfg.d]), dop.empty([cfg.d]), dop.empty([cfg.d])
+    config = dop.LaunchConfig(cfg.d // cfg.block, cfg.block // 4)
+    go = fn.prepared(None, config, y, a, b)
+    go(stream)
+    go(stream)
+    assert [launch[3] for launch in driver.launches] == [[y.data_ptr, a.data_ptr, b.data_ptr]] * 2
+    with pytest.raises(dop.LaunchError, match="takes 3 arguments"):
+        fn.prepared(None, config, y, a)
+    with pytest.raises(dop.LaunchError, match="no launch attribute 'fast'"):
+        fn.prepared("fast", config, y, a, b)
+    with pytest.raises(dop.LaunchError, match="cluster=\\(x, y, z\\)"):
+        fn.prepared("cluster", config, y, a, b)

@@ -149,6 +149,7 @@ class Function:
         self._lock = threading.Lock()
         self._smem_limit = 48 * 1024
         self._ex_configs: dict = {}  # (attribute, LaunchConfig, stream handle) -> CUlaunchConfig
+        self._prepare: dict = {}  # attribute -> factory of prepared launches (made with each launcher)
         self.launch = self._build_launcher()
         self.launch_pdl = self._build_launcher("pdl")
         self.launch_cooperative = self._build_launcher("cooperative")
@@ -290,11 +291,47 @@ class Function:
             "        release()",
             "    if code: raise_error(code, label)",
         ]
+        # The prepared form (see ``prepared``): the arguments were packed once into
+        # a buffer of their own that never changes, so no checks, no packing, no lock.
+        # Made in the launcher's namespace: one place says which driver call runs.
+        body += [
+            "def prepare(config, params, keep):",
+            "    gx, gy, gz = config.grid",
+            "    bx, by, bz = config.block",
+            "    smem = config.shared_mem",
+            "    def go(stream):",
+            ("        code = cuLaunchKernelEx(fn._ex_config(attribute, config, stream), handle, params, 0)[0]" if attribute else
+             "        code = cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem, stream.handle, params, 0)[0]"),
+            "        if code: raise_error(code, label)",
+            "    go.keep = keep  # the parameter buffer lives as long as the launch",
+            "    return go",
+        ]
         exec(compile("\n".join(body), f"<deviceop launcher {self.name}>", "exec"), env)
+        self._prepare[attribute] = env["prepare"]
         launcher = env["launch"]
         launcher.__name__ = f"launch_{attribute}" if attribute else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
+
+    def prepared(self, attribute: str | None, config: "LaunchConfig", *args):
+        """``go(stream)``: this launch with every argument fixed now.
+
+        The arguments are checked and packed once, into a parameter buffer of
+        the launch's own, so each ``go`` is one driver call: what a launch
+        seen before costs (KernelLaunch caches these per argument layout).
+        ``attribute`` is None, ``"pdl"``, ``"cooperative"`` or ``"cluster"``,
+        as for the ``launch_*`` launchers."""
+        if attribute not in self._prepare:
+            raise LaunchError(f"{self.name}: no launch attribute {attribute!r}; "
+                              "use None, 'pdl', 'cooperative' or 'cluster'")
+        if attribute == "cluster" and config.cluster is None:
+            raise LaunchError(f"{self.name}: a cluster launch needs a LaunchConfig with cluster=(x, y, z)")
+        packed = self.pack(*args)
+        if config.shared_mem > self._smem_limit:
+            self.set_max_dynamic_shared_memory(config.shared_mem)
+        buf, ptrs = self.param_buffer()
+        ctypes.memmove(buf, packed, len(packed))
+        return self._prepare[attribute](config, ctypes.addressof(ptrs), (buf, ptrs))
 
     def max_active_clusters(self, config: "LaunchConfig") -> int:
         """How many clusters of ``config.cluster`` CTAs (each with ``config``'s block and
