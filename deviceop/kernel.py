@@ -198,9 +198,7 @@ def _attribute(fn, pdl: bool, cooperative: bool, config: LaunchConfig) -> str | 
 def _launcher(fn, pdl: bool, cooperative: bool, config: LaunchConfig):
     """The plan of a launch: the Function's launcher for its attributes, and its config."""
     attribute = _attribute(fn, pdl, cooperative, config)
-    launcher = {None: fn.launch, "pdl": fn.launch_pdl, "cooperative": fn.launch_cooperative,
-                "cluster": fn.launch_cluster}[attribute]
-    return launcher, config
+    return (fn.launch if attribute is None else getattr(fn, f"launch_{attribute}")), config
 
 
 def _as_tensor_arg(v):

@@ -33,6 +33,19 @@ def make_inputs(rng, n, h, w, c, k, r=3, y_dtype="float16", x_mean=0.0, bias_sca
     return x, wt, b, gamma, beta
 
 
+def replays_bit_identical(graph, out, stream, times=10):
+    """Replay ``graph`` ``times`` times; every replay leaves the same bits in ``out``
+    (fp16). Returns them."""
+    first = None
+    for _ in range(times):
+        graph.replay()
+        stream.synchronize()
+        got = out.numpy().copy()
+        first = got if first is None else first
+        assert np.array_equal(got.view(np.uint16), first.view(np.uint16))
+    return first
+
+
 def run(stream, plan, host, out_dtype="float16"):
     t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
     out = dop.empty([plan.n, plan.h, plan.w, plan.k], out_dtype, stream=stream)
@@ -384,14 +397,7 @@ def test_one_launch_replays_and_matches_two_launches(stream, rng):
     two = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", stream=stream)
     assert one.one_launch and not two.one_launch
     out1, out2 = (dop.empty([n, h, w, k], "float16", stream=stream) for _ in range(2))
-    graph = one(out1, *args).graph_on(stream)
-    first = None
-    for _ in range(10):
-        graph.replay()
-        stream.synchronize()
-        got = out1.numpy().copy()
-        first = got if first is None else first
-        assert np.array_equal(got.view(np.uint16), first.view(np.uint16))
+    first = replays_bit_identical(one(out1, *args).graph_on(stream), out1, stream)
     two(out2, *args).sync_on(stream)
     assert np.abs(first.astype(np.float32) - out2.numpy().astype(np.float32)).max() < 1e-2
 
@@ -456,15 +462,7 @@ def test_deterministic_over_ten_runs(stream, rng, tile, split, fixup):
                      stream=stream)
     args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
     out = dop.empty([n, h, w, k], "float16", stream=stream)
-    graph = plan(out, *args).graph_on(stream)
-    first = None
-    for _ in range(10):
-        graph.replay()
-        stream.synchronize()
-        got = out.numpy().copy()
-        if first is None:
-            first = got
-        assert np.array_equal(got.view(np.uint16), first.view(np.uint16))
+    replays_bit_identical(plan(out, *args).graph_on(stream), out, stream)
 
 
 @pytest.mark.gpu

@@ -174,6 +174,8 @@ def test_function_prepared_checks_its_arguments_and_attribute_once(gpu_path):
     assert [launch[3] for launch in driver.launches] == [[y.data_ptr, a.data_ptr, b.data_ptr]] * 2
     with pytest.raises(dop.LaunchError, match="takes 3 arguments"):
         fn.prepared(None, config, y, a)
+    with pytest.raises(dop.DTypeError, match="float32 tensor, got float16"):
+        fn.prepared(None, config, y, dop.empty([cfg.d], "float16"), b)
     with pytest.raises(dop.LaunchError, match="no launch attribute 'fast'"):
         fn.prepared("fast", config, y, a, b)
     with pytest.raises(dop.LaunchError, match="cluster=\\(x, y, z\\)"):
