@@ -6,7 +6,8 @@
   arguments (the bare baseline of the issue).
 * cupy.RawKernel: the same source through CuPy.
 * raw driver: ``cuLaunchKernel`` with a pre-packed parameter buffer — no
-  checks at all; the floor for Python.
+  checks at all — through cuda.bindings, and through CuPy's typed wrapper
+  (``launchKernel``, what deviceop's launchers call): the floor for Python.
 
 The kernel is tiny (1024 elements) so the device keeps up and the loop
 measures host time.  Headline: deviceop / cuda.core (lower is better, target 1.2).
@@ -84,12 +85,16 @@ def main() -> int:
     ptrs = (ctypes.c_void_p * 4)(base, base + 8, base + 16, base + 20)
     params = ctypes.addressof(ptrs)
     fn, sh = saxpy.handle, stream.handle
+    from cupy_backends.cuda.api.driver import launchKernel
+    fn_address, stream_address = int(fn), stream.ptr
 
     variants = {
         "deviceop Function.launch": lambda: saxpy.launch(stream, cfg, y, x, 0.5, n),
         "cuda.core launch (bare)": lambda: cc.launch(core_stream, core_cfg, core_kernel, yp, xp, a32, n32),
         "cupy.RawKernel": lambda: raw_kernel((n // 256,), (256,), (cy, cx, a32, n32)),
         "raw cuLaunchKernel (prepacked)": lambda: cu.cuLaunchKernel(fn, n // 256, 1, 1, 256, 1, 1, 0, sh, params, 0),
+        "raw CuPy launchKernel (prepacked)": lambda: launchKernel(fn_address, n // 256, 1, 1, 256, 1, 1, 0,
+                                                                  stream_address, params, 0),
     }
     # Interleave the variants within each repetition (A B C D, A B C D, ...) so
     # that drift of the shared machine hits all of them alike; the headline is

@@ -99,10 +99,16 @@ class Kernel:
         self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
-        self._launch_type = _fast_launch_type(self)
+        self._launch_types: dict = {}  # positions of the arguments that are ops -> launch class
 
     def __call__(self, *args) -> "KernelLaunch":
-        return self._launch_type(self, args)
+        if len(args) != len(self.params):
+            return KernelLaunch(self, args)  # raises, naming the parameters
+        dynamic = tuple([i for i, a in enumerate(args) if isinstance(a, DeviceOp)])
+        cls = self._launch_types.get(dynamic)
+        if cls is None:
+            cls = self._launch_types.setdefault(dynamic, _fast_launch_type(self, dynamic))
+        return cls(self, args, dynamic)
 
     def __repr__(self) -> str:
         gen = f"<{', '.join(self.generic_names)}>" if self.generic_names else ""
@@ -172,7 +178,7 @@ class _Output(DeviceOp):
         return (self.launch,)
 
     def unpartition(self) -> DeviceOp:
-        return _Output(self.launch, True) if not self.as_tensor else super().unpartition()
+        return type(self)(self.launch, True) if not self.as_tensor else super().unpartition()
 
     def _run(self, ctx):  # the consumption check inlined: this is the hot path
         if self._consumed:
@@ -210,14 +216,17 @@ class KernelLaunch(DeviceOp):
 
     __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "_pdl", "_cooperative", "__weakref__")
     graph_safe = True
+    _output_type = _Output  # what first() makes (the generated launch classes make their own)
 
-    def __init__(self, kernel: Kernel, args):
+    def __init__(self, kernel: Kernel, args, dynamic=None):
         super().__init__()
         self.kernel, self.args = kernel, tuple(args)
         self._generics = () if not kernel.generic_names else None
         self._mutable = frozenset()  # argument positions a captured node may change (.dynamic)
         self._pdl = self._cooperative = False
-        self._dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))  # ops to run first
+        if dynamic is None:
+            dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))
+        self._dynamic = dynamic  # positions of the arguments that are ops, run first
         if len(self.args) != len(kernel.params):
             raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
                               f"({', '.join(p.describe() for p in kernel.params)}), got {len(self.args)}")
@@ -232,7 +241,7 @@ class KernelLaunch(DeviceOp):
 
     def first(self) -> "DeviceOp":
         """The output partition (one node, not a map: launches are the hot path)."""
-        return _Output(self, False)
+        return self._output_type(self, False)
 
     def generics(self, values) -> "KernelLaunch":
         """Pick the template arguments, e.g. ``.generics([2048, 256])``."""
@@ -380,29 +389,25 @@ class KernelLaunch(DeviceOp):
     _execute = _run
 
 
-def _fast_launch_type(kernel: Kernel) -> type:
-    """A KernelLaunch subclass for ``kernel`` whose ``_run`` is generated for its
-    parameter list: an eager launch whose arguments were all seen before is one
-    key (every tensor's layout id, every scalar's type and value), one lookup in
-    ``kernel._prepared`` and one prepared driver call (Function.prepared) — no
-    loop, no argument list, no re-packing.  Anything else (a first launch, a
-    graph capture, the reference device, a bad argument) takes the general
-    ``KernelLaunch._launch``, which checks everything and names what is wrong.
+def _fast_launch_type(kernel: Kernel, dynamic: tuple) -> type:
+    """A KernelLaunch subclass for ``kernel`` whose arguments at positions
+    ``dynamic`` are ops, with ``_run`` generated for its parameter list, and the
+    ``first()`` node to go with it (whose ``_run`` is the same code inlined: one
+    frame per launch fewer).  An eager launch whose arguments were all seen
+    before is one key (every tensor's layout id, every scalar's type and value),
+    one lookup in ``kernel._prepared`` and one prepared driver call
+    (Function.prepared): no loop, no argument list, no re-packing.  Anything
+    else (a first launch, a graph capture, the reference device, a bad argument)
+    takes the general ``KernelLaunch._launch``, which checks everything and
+    names what is wrong.
 
-    Why it is exact: a tensor's layout id stands for its (pointer, shape,
-    strides, dtype), so equal keys mean equal checks and equal parameter bytes.
-    A scalar keys on its type and value, and a float zero on its sign too
-    (0.0 == -0.0, but their bytes differ)."""
+    Why it is exact: a partition's and a tensor's layout id stand for their
+    (pointer, shape, strides, dtype[, tile]), so equal keys mean equal checks and
+    equal parameter bytes.  A scalar keys on its type and value, and a float
+    zero on its sign too (0.0 == -0.0, but their bytes differ)."""
     n = len(kernel.params)
     a = [f"a{i}" for i in range(n)]
-    body = ["def _run(self, ctx):",
-            "    if self._consumed:",
-            "        self._already_executed()",
-            "    self._consumed = True",
-            f"    {', '.join(a)}, = self.args",
-            "    if self._dynamic:"]
-    body += [f"        if isinstance({x}, DeviceOp): {x} = {x}._run(ctx)" for x in a]
-    key = ["ctx.device", "self._generics", "self._pdl", "self._cooperative", "a0.tile_shape", "a0.tensor._sig_id"]
+    key = ["ctx.device", "op._generics", "op._pdl", "op._cooperative", "a0._sig_id"]
     unwrap = []
     for i, p in enumerate(kernel.params[1:], 1):
         if p.role == "in":  # a SharedTensor's tensor while the handle is live; else the general path names it
@@ -413,24 +418,49 @@ def _fast_launch_type(kernel: Kernel) -> type:
         else:
             key += [f"type(a{i})", f"a{i}"]
     values = f"[{', '.join(a)}]"
-    body += ["    if ctx.capture is None:",
-             "        try:",
-             *unwrap,
-             f"            key = ({', '.join(key)})",
-             "            go = self.kernel._prepared[key]",
-             "        except KeyError:",
-             f"            return self._launch_and_prepare(ctx, {values}, key)",
-             "        except (AttributeError, TypeError, ValueError):  # not a tensor, unhashable, ...",
-             f"            return self._launch(ctx, {values})",
-             "        go(ctx.stream)",
-             "        stats['launches'] += 1",
-             f"        return ({', '.join(a)},)",
-             f"    return self._launch(ctx, {values})"]
-    env = {"DeviceOp": DeviceOp, "SharedTensor": SharedTensor, "copysign": math.copysign,
-           "stats": stats}
-    exec(compile("\n".join(body), f"<deviceop launch of {kernel.name}>", "exec"), env)
-    return type("KernelLaunch", (KernelLaunch,), {"__slots__": (), "_run": env["_run"], "_execute": env["_run"],
-                                                  "__module__": __name__, "__doc__": KernelLaunch.__doc__})
+
+    def run(head: list, result: str) -> list:
+        """The body of a ``_run``: ``op`` is the launch, ``result`` its value."""
+        return ["def _run(self, ctx):",
+                *head,
+                f"    {', '.join(a)}, = op.args",
+                *[f"    a{i} = a{i}._run(ctx)" for i in dynamic],
+                "    if ctx.capture is None:",
+                "        try:",
+                *unwrap,
+                f"            key = ({', '.join(key)})",
+                "            go = prepared[key]",
+                "        except KeyError:",
+                f"            op._launch_and_prepare(ctx, {values}, key)",
+                f"            return {result}",
+                "        except (AttributeError, TypeError, ValueError):  # not a tensor, unhashable, ...",
+                f"            op._launch(ctx, {values})",
+                f"            return {result}",
+                "        go(ctx.stream)",
+                "        stats['launches'] += 1",
+                f"        return {result}",
+                f"    op._launch(ctx, {values})",
+                f"    return {result}"]
+
+    consume = ["    if self._consumed:",
+               "        self._already_executed()",
+               "    self._consumed = True"]
+    launch_run = run(consume + ["    op = self"], f"({', '.join(a)},)")
+    output_run = run(consume + ["    op = self.launch",
+                                "    if op._consumed:",
+                                "        op._already_executed()",
+                                "    op._consumed = True"], "a0.tensor if self.as_tensor else a0")
+    env = {"SharedTensor": SharedTensor, "copysign": math.copysign, "stats": stats, "prepared": kernel._prepared}
+    made = []
+    for body in (launch_run, output_run):
+        scope = dict(env)
+        exec(compile("\n".join(body), f"<deviceop launch of {kernel.name}>", "exec"), scope)
+        made.append(scope["_run"])
+    output = type("_Output", (_Output,), {"__slots__": (), "_run": made[1], "_execute": made[1],
+                                          "__module__": __name__, "__doc__": _Output.__doc__})
+    return type("KernelLaunch", (KernelLaunch,), {"__slots__": (), "_run": made[0], "_execute": made[0],
+                                                  "_output_type": output, "__module__": __name__,
+                                                  "__doc__": KernelLaunch.__doc__})
 
 
 class _TapeStep:

@@ -394,7 +394,7 @@ class Partition:
     writes whole tiles would otherwise skip the ragged edge silently.
     """
 
-    __slots__ = ("tensor", "tile_shape", "grid")
+    __slots__ = ("tensor", "tile_shape", "grid", "_sig_id")
 
     def __init__(self, tensor: Tensor, tile_shape):
         tile = _shape_tuple(tile_shape)
@@ -412,6 +412,7 @@ class Partition:
         self.tensor = tensor
         self.tile_shape = tile
         self.grid = tuple(n // t for n, t in zip(tensor.shape, tile))
+        self._sig_id = _sig_id(("tiles", tensor._sig_id, tile))  # the tensor's layout and the tiles, as one id
 
     @property
     def num_tiles(self) -> int:

@@ -36,7 +36,7 @@ class FakeGpu:
 
 
 class FakeStream:
-    handle = 0
+    ptr = 0  # a stream's address (CudaStream.ptr)
 
     def __init__(self, device):
         self.device = device
@@ -46,19 +46,18 @@ class FakeStream:
 
 
 class RecordingDriver:
-    """cuLaunchKernel that decodes and records each launch's parameters."""
+    """launch_kernel (the driver's cuLaunchKernel) that decodes and records each launch's parameters."""
 
     def __init__(self):
         self.functions, self.launches = [], []
 
-    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        fn = self.functions[handle]
+    def launch_kernel(self, address, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        fn = self.functions[address]
         addrs = (ctypes.c_void_p * len(fn.signature)).from_address(params)
         args = [struct.unpack("@P" if isinstance(s, ptr) else "@" + s.pack,
                               ctypes.string_at(addrs[i], 8 if isinstance(s, ptr) else s.itemsize))[0]
                 for i, s in enumerate(fn.signature)]
         self.launches.append((fn.name, (gx, gy, gz), (bx, by, bz), args))
-        return (0,)
 
     def cuLaunchKernelEx(self, config, handle, params, extra):  # PDL launches: the forward makes none
         raise AssertionError("unexpected PDL launch")
@@ -74,6 +73,7 @@ def gpu_path(monkeypatch):
     """(device, stream, driver, checks): the three kernels of the forward on a fake GPU."""
     driver, device = RecordingDriver(), FakeGpu()
     monkeypatch.setattr(launch_mod, "cu", driver)  # what the generated launchers call
+    monkeypatch.setattr(launch_mod, "launch_kernel", driver.launch_kernel)
     checks = []
     cfg = Config(d=256, n_layers=3, bk=2)
     for kernel, gen in ((rms_norm, cfg.rms_generics()), (matvec, cfg.mv_generics()), (add, [cfg.block])):

@@ -9,6 +9,7 @@ extern "C" __global__ void saxpy(float* y, const float* x, float a, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] = a * x[i] + y[i];
 }
+extern "C" __global__ void __launch_bounds__(128) bounded(float* y) { y[threadIdx.x] = 1.0f; }
 template <int BLOCK>
 __global__ void scale_rows(float* out, const float* in, float s, long long cols) {
     long long row = blockIdx.x, c = threadIdx.x;
@@ -106,3 +107,28 @@ def test_too_much_shared_memory_is_a_launch_error(module, stream):
     y = dop.empty(8, stream=stream)
     with pytest.raises(dop.LaunchError, match="dynamic shared memory"):
         saxpy.launch(stream, dop.LaunchConfig(1, 32, shared_mem=10**7), y, y, 1.0, 8)
+
+
+@pytest.mark.gpu
+def test_what_the_driver_refuses_is_a_cuda_error_and_the_stream_goes_on(module, stream, rng):
+    """A block larger than the kernel's __launch_bounds__ passes every check deviceop
+    can make, and the driver refuses it: a CudaError naming the launch; nothing
+    is left broken, and the next launch on the stream runs."""
+    bounded = module.get_function("bounded", [dop.ptr("float32")])
+    y = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
+    with pytest.raises(dop.CudaError, match=r"cuLaunchKernel\(bounded\) failed with CUDA_ERROR_INVALID_VALUE"):
+        bounded.launch(stream, dop.LaunchConfig(1, 256), y)
+    bounded.launch(stream, dop.LaunchConfig(1, 128), y)
+    out = y.numpy(stream=stream)
+    assert np.all(out[:128] == 1.0) and not np.any(out[128:] == 1.0)
+
+
+@pytest.mark.gpu
+def test_a_closed_stream_is_refused(module, device):
+    saxpy = module.get_function("saxpy", [dop.ptr("float32"), dop.ptr("float32"), dop.float32, dop.int32])
+    s = device.new_stream()
+    y = dop.empty(8, stream=s)
+    s.synchronize()
+    s.close()
+    with pytest.raises(dop.StateError, match="stream was closed"):
+        saxpy.launch(s, dop.LaunchConfig(1, 32), y, y, 1.0, 8)

@@ -1,7 +1,8 @@
 """How launch arguments are converted and packed, checked without a GPU.
 
-A stand-in for the two driver calls a Function makes (the parameter layout of
-the CUBIN, and cuLaunchKernel) lets CI check the conversion rules: Tensors
+A stand-in for the driver calls a Function makes (the parameter layout of
+the CUBIN, and the launch: ``launch_kernel``, or cuLaunchKernelEx for launches
+with an attribute) lets CI check the conversion rules: Tensors
 become device pointers, numbers are range- and kind-checked, the packed bytes
 match the kernel's C layout, and a bad argument stops the launch before the
 driver sees it.
@@ -32,27 +33,30 @@ class FakeDriver:
             return (0, *self.layout[index])
         return (1, 0, 0)
 
-    def cuLaunchKernel(self, handle, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    def launch_kernel(self, address, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        """launch_kernel's signature (CuPy's launchKernel): every argument a C int."""
+        if not all(type(v) is int for v in (address, gx, gy, gz, bx, by, bz, smem, stream, params, extra)):
+            raise TypeError("an integer is required")  # what the typed wrapper raises
         n = len(self.layout)
         addrs = (ctypes.c_void_p * n).from_address(params)
         raw = [ctypes.string_at(addrs[i], self.layout[i][1]) for i in range(n)]
         self.launches.append(((gx, gy, gz), (bx, by, bz), smem, raw))
-        return (0,)
 
     def cuLaunchKernelEx(self, config, handle, params, extra):
-        self.cuLaunchKernel(handle, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
-                            config.blockDimY, config.blockDimZ, config.sharedMemBytes, config.hStream, params, extra)
+        self.launch_kernel(int(handle), config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                           config.blockDimY, config.blockDimZ, config.sharedMemBytes, int(config.hStream), params, extra)
         self.ex_configs = getattr(self, "ex_configs", []) + [config]
         return (0,)
 
 
 class FakeStream:
-    handle = 0
+    ptr = 0  # a stream's address (CudaStream.ptr)
 
 
 def make_function(monkeypatch, signature, layout):
     fake = FakeDriver(layout)
     monkeypatch.setattr(launch_mod, "cu", fake)
+    monkeypatch.setattr(launch_mod, "launch_kernel", fake.launch_kernel)
     return launch_mod.Function(module=None, handle=0, name="k", signature=signature), fake
 
 
@@ -96,6 +100,42 @@ def test_bad_arguments_never_reach_the_driver(monkeypatch):
             fn.launch(FakeStream(), (1, 32), *args)
     with pytest.raises(dop.LaunchError, match="LaunchConfig"):
         fn.launch(FakeStream(), "grid", y, y, 1.0, 1)
+    assert fake.launches == []
+
+
+def test_a_failed_driver_call_is_a_cuda_error_naming_the_kernel(monkeypatch):
+    """What the driver refuses comes back as a CudaError naming the launch and the
+    CUDA error, without the driver wrapper's own exception chained to it."""
+    fn, fake = make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    monkeypatch.setattr(launch_mod, "DriverError", launch_mod.DriverCallError)
+
+    def refuse(*args):
+        raise launch_mod.DriverCallError(1)  # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(launch_mod, "launch_kernel", refuse)
+    fn = launch_mod.Function(module=None, handle=0, name="k", signature=fn.signature)  # launchers made now
+    for launch in (lambda: fn.launch(FakeStream(), (1, 32), 0, 0, 1.0, 1),
+                   lambda: fn.prepared(None, dop.LaunchConfig(1, 32), 0, 0, 1.0, 1)(FakeStream())):
+        with pytest.raises(dop.CudaError, match=r"cuLaunchKernel\(k\) failed with CUDA_ERROR_INVALID_VALUE") as info:
+            launch()
+        assert info.value.__suppress_context__ and info.value.code == 1
+    assert not fn._lock.locked()  # the parameter buffer's lock was released
+
+
+def test_a_launch_needs_a_live_deviceop_stream(monkeypatch):
+    """A closed stream (its ptr is None) and an object that is no stream are
+    refused by name; neither reaches the driver."""
+    fn, fake = make_function(monkeypatch, [dop.ptr, dop.ptr, dop.float32, dop.int32], SAXPY_LAYOUT)
+    closed = FakeStream()
+    closed.ptr = None
+    go = fn.prepared(None, dop.LaunchConfig(1, 32), 0, 0, 1.0, 1)
+    for stream, exc, pattern in ((closed, dop.StateError, "stream was closed"),
+                                 (object(), dop.LaunchError, "launches on a deviceop stream.*got object")):
+        with pytest.raises(exc, match=pattern):
+            fn.launch(stream, (1, 32), 0, 0, 1.0, 1)
+        with pytest.raises(exc, match=pattern):
+            go(stream)
+        with pytest.raises(exc, match=pattern):
+            fn.launch_pdl(stream, (1, 32), 0, 0, 1.0, 1)
     assert fake.launches == []
 
 

@@ -10,6 +10,15 @@ At launch the arguments are converted (Tensor → device pointer, number →
 the declared scalar type, range- and kind-checked), packed with one
 ``struct.pack_into`` into a buffer whose parameter addresses were computed
 once, and handed to ``cuLaunchKernel``.  This is the whole hot path.
+
+Which ``cuLaunchKernel`` wrapper Python calls matters as much as anything
+deviceop does: on the H100's host, CuPy's (``launchKernel``: typed C ints in,
+one C call) took 4.45 us a launch, cuda.bindings' 5.4-5.7 and cuda.core's
+``launch`` 5.8, with the same prepacked parameters (2026-11-22;
+``bench/launch_overhead.py`` measures them side by side).  Launches without
+attributes use CuPy's (a dependency already);
+PDL, cooperative and cluster launches need ``cuLaunchKernelEx``'s attribute
+list and go through cuda.bindings.
 """
 from __future__ import annotations
 
@@ -20,8 +29,37 @@ import threading
 from cuda.bindings import driver as cu
 
 from ..dtypes import dtype as as_dtype
-from ..errors import DTypeError, LaunchError
+from ..errors import CudaError, DTypeError, LaunchError, StateError
 from .driver import check, raise_error
+
+
+class DriverCallError(Exception):
+    """A cuLaunchKernel through cuda.bindings failed with ``status`` (a CUresult)."""
+
+    def __init__(self, status):
+        super().__init__(status)
+        self.status = status
+
+
+def _bindings_launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    code = cu.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)[0]
+    if code:
+        raise DriverCallError(code)
+
+
+def _cheapest_launch_kernel():
+    """``(launch_kernel, error type)``: the cuLaunchKernel launches without
+    attributes call, ``launch_kernel(function, gx, gy, gz, bx, by, bz, smem,
+    stream, params, extra)`` with every argument an int (see the module docstring)."""
+    try:
+        from cupy_backends.cuda.api.driver import CUDADriverError, launchKernel
+    except ImportError:  # pragma: no cover - CuPy is a dependency; this keeps a broken install launching
+        return _bindings_launch_kernel, DriverCallError
+    return launchKernel, CUDADriverError
+
+
+# Module globals, read when a Function builds its launchers (tests put a recorder here).
+launch_kernel, DriverError = _cheapest_launch_kernel()
 
 
 class ptr:
@@ -107,6 +145,22 @@ class LaunchConfig:
         return f"LaunchConfig(grid={self.grid}, block={self.block}, shared_mem={self.shared_mem}{tail})"
 
 
+def _driver_call(attribute, indent: str) -> list:
+    """The generated lines that launch (``gx`` ... ``smem``, ``params`` and ``stream``
+    bound): cuLaunchKernelEx with the attribute's config, else ``launch_kernel``."""
+    if attribute:
+        lines = ["code = cuLaunchKernelEx(fn._ex_config(attribute, config, stream), handle, params, 0)[0]",
+                 "if code: raise_error(code, label)"]
+    else:  # try costs nothing unless something is raised
+        lines = ["try:",
+                 "    launch_kernel(address, gx, gy, gz, bx, by, bz, smem, stream.ptr, params, 0)",
+                 "except DriverError as exc:",
+                 "    fn._driver_failed(exc, label)",
+                 "except (AttributeError, TypeError):  # not a stream, or a closed one (ptr None)",
+                 "    fn._stream_refused(stream)"]
+    return [indent + line for line in lines]
+
+
 def pointer_of(value, spec: ptr, index: int, name: str) -> int:
     """The device address a pointer parameter receives for ``value``."""
     addr = getattr(value, "_ptr", None)  # deviceop Tensor: cached at construction
@@ -131,6 +185,7 @@ class Function:
 
     def __init__(self, module, handle, name: str, signature):
         self.module, self.handle, self.name = module, handle, name
+        self.address = int(handle)  # what launch_kernel takes
         self.signature = tuple(_normalize_param(s) for s in signature)
         fmt = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature)
         offsets = []
@@ -191,6 +246,20 @@ class Function:
         except DTypeError as exc:
             raise DTypeError(f"argument {index} of {self.name}: {exc}") from None
 
+    def _driver_failed(self, exc, call: str):
+        """Raise the CudaError of a failed launch_kernel (its own exception says no more)."""
+        try:
+            raise_error(int(getattr(exc, "status", 999)), call)
+        except CudaError as err:
+            raise err from None
+
+    def _stream_refused(self, stream):
+        """A launch on something without a live stream address."""
+        if getattr(stream, "ptr", 0) is None:
+            raise StateError(f"{self.name}: the stream was closed; launch on a live stream")
+        raise LaunchError(f"{self.name} launches on a deviceop stream (device.new_stream(), or "
+                          f"CudaStream.from_handle(device, handle) for a foreign one), got {type(stream).__name__}")
+
     def _arity_error_of(self, args):
         self._arity_error(sum(a is not _MISSING for a in args))
 
@@ -207,7 +276,9 @@ class Function:
         * ``"cooperative"``: every CTA of the grid is resident at once (the driver
           refuses a grid that cannot be), so the CTAs may wait for each other;
         * ``"cluster"``: the grid in thread-block clusters of ``config.cluster``."""
-        handle = 0 if stream is None else int(stream.handle)   # None: no stream (an occupancy query)
+        handle = 0 if stream is None else getattr(stream, "ptr", None)  # None: no stream (an occupancy query)
+        if handle is None:
+            self._stream_refused(stream)
         key = (attribute, config, handle)  # not the stream object: the cache must not keep streams alive
         c = self._ex_configs.get(key)
         if c is None:
@@ -247,7 +318,8 @@ class Function:
         names = [f"a{i}" for i in range(n)]
         env = {"Tensor": Tensor, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
-               "cuLaunchKernel": cu.cuLaunchKernel, "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
+               "launch_kernel": launch_kernel, "DriverError": DriverError, "address": self.address,
+               "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
                "label": f"{'cuLaunchKernelEx' if attribute else 'cuLaunchKernel'}({self.name})", "fn": self,
                "MISSING": _MISSING, "attribute": attribute}
         # Arguments are named parameters defaulting to a sentinel: a missing one
@@ -285,11 +357,9 @@ class Function:
             "    acquire()",
             "    try:",
             f"        pack_into(buf, 0{''.join(', ' + a for a in names)})",
-            ("        code = cuLaunchKernelEx(fn._ex_config(attribute, config, stream), handle, params, 0)[0]" if attribute else
-             "        code = cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem, stream.handle, params, 0)[0]"),
+            *_driver_call(attribute, "        "),
             "    finally:",
             "        release()",
-            "    if code: raise_error(code, label)",
         ]
         # The prepared form (see ``prepared``): the arguments were packed once into
         # a buffer of their own that never changes, so no checks, no packing, no lock.
@@ -300,9 +370,7 @@ class Function:
             "    bx, by, bz = config.block",
             "    smem = config.shared_mem",
             "    def go(stream):",
-            ("        code = cuLaunchKernelEx(fn._ex_config(attribute, config, stream), handle, params, 0)[0]" if attribute else
-             "        code = cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem, stream.handle, params, 0)[0]"),
-            "        if code: raise_error(code, label)",
+            *_driver_call(attribute, "        "),
             "    go.keep = keep  # the parameter buffer lives as long as the launch",
             "    return go",
         ]

@@ -47,6 +47,7 @@ class CudaStream(Stream):
         if handle is None:
             handle = check(cu.cuStreamCreateWithPriority(_NON_BLOCKING, priority), "cuStreamCreateWithPriority")
         self.handle = handle
+        self.ptr = int(handle)  # the handle as an int: what each kernel launch passes (None once closed)
         self._owned = owned
         self.is_legacy = int(handle) in (0, int(cu.CU_STREAM_LEGACY))
         self._cupy = None
@@ -62,10 +63,6 @@ class CudaStream(Stream):
         return cls(device, handle=cu.CUstream(int(handle)), owned=False)
 
     def __int__(self) -> int:
-        return int(self.handle)
-
-    @property
-    def ptr(self) -> int:
         return int(self.handle)
 
     def synchronize(self) -> None:
@@ -126,7 +123,7 @@ class CudaStream(Stream):
 
     def close(self) -> None:
         if self._owned and self.handle is not None:
-            handle, self.handle = self.handle, None
+            handle, self.handle, self.ptr = self.handle, None, None
             check(cu.cuStreamDestroy(handle), "cuStreamDestroy")
 
     def __del__(self):
