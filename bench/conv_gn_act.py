@@ -2,7 +2,8 @@
 
 For C in {320, 640, 1280} at H=W in {64, 32, 16} (7.55 GFLOP per image, 3x3,
 G=32) and N in {1, 2, 8}, every variant is timed as CUDA-graph replays
-(median over repetitions of a loop of replays between CUDA events):
+(median over repetitions of a loop of replays between CUDA events; the
+variants of one shape take turns within each repetition):
 
 * bare conv: deviceop's conv kernel without statistics (on the H100 the WGMMA
   kernel, kernels/conv_wgmma.cu) vs cuDNN (torch F.conv2d)
@@ -11,7 +12,7 @@ G=32) and N in {1, 2, 8}, every variant is timed as CUDA-graph replays
 
 torch.compile failing here is reported as a failed baseline, never a number.
 
-    python bench/conv_gn_act.py [--reps 7] [--sweep {wgmma,cutlass}]
+    python bench/conv_gn_act.py [--reps 11] [--sweep {wgmma,cutlass}]
 
 ``--sweep`` also times the bare conv for every tile and split-K of one kernel's
 menu at N=1 and 2 (what chose kernels/conv.py's heuristics) and writes it to
@@ -42,24 +43,33 @@ def gflop(c, hw, n):
     return 2 * n * hw * hw * c * c * 9 / 1e9
 
 
-def time_graph(replay, sync, reps: int, inner: int) -> float:
-    """Median microseconds of one replay: `reps` loops of `inner` replays between CUDA
-    events.  Everything runs on one stream (torch's current stream is deviceop's, see
+def time_graphs(replays: dict, sync, reps: int, inner: int) -> dict:
+    """Median microseconds of one replay of each graph: `reps` rounds, each timing
+    `inner` replays of every graph in turn between CUDA events, so that whatever
+    drifts during the run (clocks, the host) lands on every variant alike.
+    Everything runs on one stream (torch's current stream is deviceop's, see
     main), so the events bracket the replays themselves."""
     import torch
-    for _ in range(3):
-        replay()
-    sync()
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
+    for replay in replays.values():
+        for _ in range(3):
             replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(samples)
+    sync()
+    samples = {name: [] for name in replays}
+    for _ in range(reps):
+        for name, replay in replays.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(inner):
+                replay()
+            b.record()
+            b.synchronize()
+            samples[name].append(a.elapsed_time(b) * 1e3 / inner)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def time_graph(replay, sync, reps: int, inner: int) -> float:
+    """Median microseconds of one replay of one graph (see time_graphs)."""
+    return time_graphs({"graph": replay}, sync, reps, inner)["graph"]
 
 
 def torch_graph(fn, stream):
@@ -89,7 +99,7 @@ def sweep_one(n, hw, c, tile, split, fixup, tensors, stream, sync, args) -> dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=11)
     ap.add_argument("--inner", type=int, default=20)
     ap.add_argument("--sweep", choices=("wgmma", "cutlass"))
     ap.add_argument("--compile-budget-s", type=float, default=150.0,
@@ -132,8 +142,7 @@ def main() -> int:
         Y = dop.empty([n, hw, hw, c], "float16", stream=stream)
         conv_graph = plan.conv(Y, X, W, B).graph_on(stream)
         fused_graph = plan(OUT, X, W, B, GA, BE).graph_on(stream)
-        t_conv = time_graph(conv_graph.replay, sync, args.reps, args.inner)
-        t_fused = time_graph(fused_graph.replay, sync, args.reps, args.inner)
+        graphs = {"bare_conv_us": conv_graph.replay, "fused_us": fused_graph.replay}
 
         def eager():
             return F.silu(F.group_norm(F.conv2d(x, w, b, padding=1), 32, gamma.half(), beta.half(), 1e-5))
@@ -148,7 +157,7 @@ def main() -> int:
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-                row[name] = time_graph(torch_graph(fn, tstream), torch.cuda.synchronize, args.reps, args.inner)
+                graphs[name] = torch_graph(fn, tstream)
             if compile_spent < args.compile_budget_s:
                 t0 = time.time()
                 try:
@@ -156,8 +165,7 @@ def main() -> int:
                     for _ in range(3):
                         compiled()
                     torch.cuda.synchronize()
-                    row["torch_compile_us"] = time_graph(torch_graph(compiled, tstream), torch.cuda.synchronize,
-                                                         args.reps, args.inner)
+                    graphs["torch_compile_us"] = torch_graph(compiled, tstream)
                 except Exception as exc:  # a failed baseline is reported, never invented
                     row["torch_compile_us"] = None
                     row["torch_compile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -165,6 +173,7 @@ def main() -> int:
             else:
                 row["torch_compile_us"] = None
                 row["torch_compile_error"] = f"skipped: torch.compile budget of {args.compile_budget_s:.0f} s spent"
+            row.update(time_graphs(graphs, torch.cuda.synchronize, args.reps, args.inner))
             # correctness of this very run against torch eager in fp32
             ref = F.silu(F.group_norm(F.conv2d(x.float(), w.float(), b.float(), padding=1), 32, gamma, beta, 1e-5))
         torch.cuda.synchronize()
@@ -173,8 +182,8 @@ def main() -> int:
         got = out_t.float().permute(0, 3, 1, 2)
         row["max_abs_err"] = float((got - ref).abs().max())
         row["rel_rms_err"] = float(((got - ref) ** 2).mean().sqrt() / (ref ** 2).mean().sqrt())
-        row.update({"bare_conv_us": t_conv, "fused_us": t_fused,
-                    "conv_tflops": gflop(c, hw, n) / t_conv * 1e3,  # GFLOP / us = PFLOP/s
+        t_conv = row["bare_conv_us"]
+        row.update({"conv_tflops": gflop(c, hw, n) / t_conv * 1e3,  # GFLOP / us = PFLOP/s
                     "conv_pct_of_peak": 100 * gflop(c, hw, n) / t_conv * 1e3 / PEAK_TFLOPS})
         rows.append(row)
 
