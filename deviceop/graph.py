@@ -426,10 +426,14 @@ class Scope:
         self.stream, self.graph = stream, None
         self._cap, self._ctx, self._graph_handle, self._lock_cm = None, None, None, None
         self._instantiate, self.recorded = instantiate, None  # recorded: (graph, capture) when not instantiating
+        self._thread = None  # the thread that opened the scope
 
     def record(self, op: DeviceOp):
         if self._ctx is None:
             raise StateError("record() outside the scope's capture")
+        if threading.get_ident() != self._thread:  # an execution context belongs to one thread
+            raise StateError("record() from a thread other than the one that opened the scope; "
+                             "record on that thread, or open a scope (on a stream of its own) in this one")
         op = value(op)
         self._cap.check_graph_safe(op)
         if not self.stream.device.is_reference:
@@ -443,6 +447,7 @@ class Scope:
             self._cap = Capture("CudaGraph.scope")
             self._graph_handle = CudaGraph._begin_or_abort(self.stream)
             self._ctx = ExecutionContext(self.stream, self._cap)
+            self._thread = threading.get_ident()
         except BaseException:
             self._lock_cm.__exit__(None, None, None)
             raise

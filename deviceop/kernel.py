@@ -367,7 +367,8 @@ class KernelLaunch(DeviceOp):
             prepared = kernel._prepared
             if len(prepared) > 65536:
                 prepared.clear()
-            prepared[key] = fn.prepared(_attribute(fn, self._pdl, self._cooperative, config), config, *args)
+            launch = fn.prepared(_attribute(fn, self._pdl, self._cooperative, config), config, *args)
+            prepared[key] = (launch.call, launch.params, launch)  # a plain tuple: the cheapest to unpack
         return out
 
     def _run_reference(self, ctx, gen, launch_args, values) -> None:
@@ -429,14 +430,17 @@ def _fast_launch_type(kernel: Kernel, dynamic: tuple) -> type:
                 "        try:",
                 *unwrap,
                 f"            key = ({', '.join(key)})",
-                "            go = prepared[key]",
+                "            call, params, launch = prepared[key]",
                 "        except KeyError:",
                 f"            op._launch_and_prepare(ctx, {values}, key)",
                 f"            return {result}",
                 "        except (AttributeError, TypeError, ValueError):  # not a tensor, unhashable, ...",
                 f"            op._launch(ctx, {values})",
                 f"            return {result}",
-                "        go(ctx.stream)",
+                "        try:  # the driver call with no frame of ours (see PreparedLaunch)",
+                "            call(ctx.stream.ptr, params, 0)",
+                "        except Exception as exc:",
+                "            launch.failed(exc, ctx.stream)",
                 "        stats['launches'] += 1",
                 f"        return {result}",
                 f"    op._launch(ctx, {values})",

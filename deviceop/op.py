@@ -22,7 +22,6 @@ from .errors import KernelFaultError, ReentrancyError, ShapeError, StateError
 from .tensor import Partition, SharedTensor, Tensor
 
 _tls = threading.local()
-_get_ident = threading.get_ident
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
 
@@ -385,13 +384,41 @@ def zip_(*ops) -> DeviceOp:
 
 
 class _SharedCore:
-    """The once-cell behind a shared op and all its clones (run by ``SharedOp._run``)."""
+    """The once-cell behind a shared op and all its clones (run by ``SharedOp._run``).
 
-    __slots__ = ("op", "done", "result", "lock", "owner")
+    Claimed without a lock (a lock's acquire and release were a fifth of an
+    eager launch's host cost): an execution that finds the cell unclaimed
+    appends its ExecutionContext to ``claims``, and since ``list.append`` is
+    atomic, of executions racing there the one whose context lands first
+    runs the op.  Any other appends an Event and waits; the runner sets every
+    Event in ``claims`` once the op is done or failed.  An execution reaching
+    the cell it is itself running (its context is ``claims[0]``) is a cycle.
+    A context belongs to one thread (executions are non-reentrant, and a
+    capture scope records only from the thread that opened it)."""
+
+    __slots__ = ("op", "done", "failed", "result", "claims")
 
     def __init__(self, op):
-        self.op, self.done, self.result, self.owner = op, False, None, None
-        self.lock = threading.Lock()
+        self.op, self.done, self.failed, self.result, self.claims = op, False, False, None, []
+
+    def wake(self) -> None:
+        """Wake the executions waiting for the run (``done`` or ``failed`` is set)."""
+        for waiter in self.claims[1:]:
+            if type(waiter) is threading.Event:
+                waiter.set()
+
+    def wait(self, ctx):
+        """The result of a run another execution claimed (see the class docstring)."""
+        if not self.done and not self.failed and self.claims[0] is ctx:
+            raise StateError(f"shared op {self.op.describe()} depends on its own result")
+        event = threading.Event()
+        self.claims.append(event)
+        while not (self.done or self.failed):  # done/failed are set before the runner wakes anyone
+            event.wait()
+        if not self.done:
+            raise StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
+                             "result; build the op again")
+        return self.result
 
 
 class SharedOp(DeviceOp):
@@ -414,26 +441,23 @@ class SharedOp(DeviceOp):
         core = self.core
         if core.done:
             return core.result
-        # One thread runs the op; a concurrent clone waits for its result.  The
-        # running thread reaching a clone again from inside the op is a cycle.
-        # (Here rather than in a method of the core: every shared op's first
-        # handle passes here once per execution, and a call costs as much as the
-        # lock.  acquire(False), not acquire(blocking=False): a keyword argument
-        # costs as much again.)
-        lock = core.lock
-        if not lock.acquire(False):
-            if core.owner == _get_ident():
-                raise StateError(f"shared op {core.op.describe()} depends on its own result")
-            lock.acquire()
-        try:
-            if not core.done:
-                core.owner = _get_ident()
-                core.result = core.op._run(ctx)
+        claims = core.claims
+        if not claims:
+            claims.append(ctx)
+            if claims[0] is ctx:  # this execution runs the op
+                try:
+                    core.result = result = core.op._run(ctx)
+                except BaseException:
+                    core.failed = True
+                    claims[0] = None
+                    core.wake()
+                    raise
                 core.done = True
-        finally:
-            core.owner = None
-            lock.release()
-        return core.result
+                claims[0] = None  # the cell does not keep the context alive
+                if len(claims) > 1:  # read after done is set: a waiter appends, then reads done
+                    core.wake()
+                return result
+        return core.wait(ctx)
 
     _execute = _run
 

@@ -107,6 +107,19 @@ def test_scope_with_statement(stream):
     np.testing.assert_array_equal(out.numpy(), 2 * np.arange(256))
 
 
+def test_a_scope_records_only_on_the_thread_that_opened_it(stream):
+    """An execution (and a scope's capture is one) belongs to one thread."""
+    import threading
+    errors = []
+    with CudaGraph.scope(stream) as s:
+        t = threading.Thread(target=lambda: errors.append(pytest.raises(dop.StateError, s.record, dop.value(1))))
+        t.start()
+        t.join(60)
+        assert s.record(dop.value(2)) == 2
+    assert "thread other than the one that opened the scope" in str(errors[0].value)
+    assert not stream.is_capturing()
+
+
 def test_scope_refuses_allocations_by_name_before_recording(stream):
     with pytest.raises(dop.GraphSafetyError, match=r"api\.zeros\(\[4\], float32\) cannot be recorded"):
         with CudaGraph.scope(stream) as s:

@@ -311,6 +311,43 @@ def test_concurrent_clones_of_a_shared_op_run_it_once(device):
     assert op.sync_on(device.new_stream()) == 2 and len(runs) == 1
 
 
+def test_a_shared_op_whose_run_failed_gives_its_clones_no_result(device):
+    """The run's exception reaches the execution that ran it; a clone waiting on
+    another thread is woken and refused, and so is a clone executed later: an op
+    describes one execution, so the failed one is not retried behind the caller's back."""
+    running, go, results = threading.Event(), threading.Event(), {}
+
+    def fail(_):
+        running.set()
+        assert go.wait(60)
+        raise ValueError("boom")
+
+    op = dop.value(1).map(fail).shared()
+
+    def execute(name):
+        try:
+            results[name] = op.clone().sync_on(device.new_stream())
+        except Exception as exc:  # noqa: BLE001 - recorded for the asserts below
+            results[name] = exc
+
+    first, second = threading.Thread(target=execute, args=("first",)), threading.Thread(target=execute, args=("second",))
+    first.start()
+    try:
+        assert running.wait(60)
+        second.start()
+        second.join(0.2)
+        assert second.is_alive()  # waiting for the first thread's run
+    finally:
+        go.set()
+        for t in (first, second):
+            if t.ident is not None:
+                t.join(60)
+    assert isinstance(results["first"], ValueError)
+    assert isinstance(results["second"], dop.StateError) and "failed when it ran" in str(results["second"])
+    with pytest.raises(dop.StateError, match="failed when it ran.*build the op again"):
+        op.sync_on(device.new_stream())
+
+
 def test_a_handle_released_after_the_launch_was_built_is_refused_when_it_runs(stream):
     """The launch-check cache does not bypass the handle's liveness: an identical launch
     checked before does not make a released handle readable."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from functools import partial
 
 from cuda.bindings import driver as cu
 
@@ -149,7 +150,11 @@ def _driver_call(attribute, indent: str) -> list:
     """The generated lines that launch (``gx`` ... ``smem``, ``params`` and ``stream``
     bound): cuLaunchKernelEx with the attribute's config, else ``launch_kernel``."""
     if attribute:
-        lines = ["code = cuLaunchKernelEx(fn._ex_config(attribute, config, stream), handle, params, 0)[0]",
+        lines = ["try:",
+                 "    ex_config = fn._ex_config(attribute, config, stream.ptr)",
+                 "except (AttributeError, TypeError):  # not a stream, or a closed one (ptr None)",
+                 "    fn._stream_refused(stream)",
+                 "code = cuLaunchKernelEx(ex_config, handle, params, 0)[0]",
                  "if code: raise_error(code, label)"]
     else:  # try costs nothing unless something is raised
         lines = ["try:",
@@ -159,6 +164,38 @@ def _driver_call(attribute, indent: str) -> list:
                  "except (AttributeError, TypeError):  # not a stream, or a closed one (ptr None)",
                  "    fn._stream_refused(stream)"]
     return [indent + line for line in lines]
+
+
+class PreparedLaunch:
+    """One launch with every argument fixed (``Function.prepared``): ``launch(stream)``.
+
+    ``call(stream_address, params, 0)`` is the whole launch: for a launch
+    without attributes CuPy's ``launchKernel`` with the function, grid, block
+    and shared memory bound in a ``functools.partial`` (no Python frame), else a
+    function calling cuLaunchKernelEx.  ``params`` is the address of the
+    parameter pointers, into a buffer of this launch's own that never changes.
+    Callers that cannot afford a frame (the eager path) call ``call``
+    themselves and hand whatever it raised to ``failed``."""
+
+    __slots__ = ("call", "params", "function", "_keep")
+
+    def __init__(self, call, params: int, function: "Function", keep):
+        self.call, self.params, self.function, self._keep = call, params, function, keep
+
+    def __call__(self, stream) -> None:
+        try:
+            self.call(stream.ptr, self.params, 0)
+        except Exception as exc:
+            self.failed(exc, stream)
+
+    def failed(self, exc: Exception, stream):
+        """Raise the deviceop error of this launch on ``stream`` having raised ``exc``."""
+        fn = self.function
+        if isinstance(exc, DriverError):
+            fn._driver_failed(exc, f"cuLaunchKernel({fn.name})")
+        if isinstance(exc, (AttributeError, TypeError)):  # not a stream, or a closed one (ptr None)
+            fn._stream_refused(stream)
+        raise exc
 
 
 def pointer_of(value, spec: ptr, index: int, name: str) -> int:
@@ -204,7 +241,6 @@ class Function:
         self._lock = threading.Lock()
         self._smem_limit = 48 * 1024
         self._ex_configs: dict = {}  # (attribute, LaunchConfig, stream handle) -> CUlaunchConfig
-        self._prepare: dict = {}  # attribute -> factory of prepared launches (made with each launcher)
         self.launch = self._build_launcher()
         self.launch_pdl = self._build_launcher("pdl")
         self.launch_cooperative = self._build_launcher("cooperative")
@@ -267,7 +303,7 @@ class Function:
         raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
                           f"({', '.join(map(repr, self.signature))}), got {got}")
 
-    def _ex_config(self, attribute: str, config: "LaunchConfig", stream):
+    def _ex_config(self, attribute: str, config: "LaunchConfig", stream: int):
         """The cuLaunchKernelEx configuration of a launch with one attribute:
 
         * ``"pdl"``, programmatic stream serialization: the kernel may start before
@@ -275,17 +311,19 @@ class Function:
           before reading that one's output;
         * ``"cooperative"``: every CTA of the grid is resident at once (the driver
           refuses a grid that cannot be), so the CTAs may wait for each other;
-        * ``"cluster"``: the grid in thread-block clusters of ``config.cluster``."""
-        handle = 0 if stream is None else getattr(stream, "ptr", None)  # None: no stream (an occupancy query)
-        if handle is None:
-            self._stream_refused(stream)
-        key = (attribute, config, handle)  # not the stream object: the cache must not keep streams alive
+        * ``"cluster"``: the grid in thread-block clusters of ``config.cluster``.
+
+        ``stream`` is the stream's address (0 for an occupancy query); anything
+        else (a closed stream's None) raises TypeError."""
+        if type(stream) is not int:
+            raise TypeError(f"a stream address is an int, got {stream!r}")
+        key = (attribute, config, stream)
         c = self._ex_configs.get(key)
         if c is None:
             c = cu.CUlaunchConfig()
             c.gridDimX, c.gridDimY, c.gridDimZ = config.grid
             c.blockDimX, c.blockDimY, c.blockDimZ = config.block
-            c.sharedMemBytes, c.hStream = config.shared_mem, handle
+            c.sharedMemBytes, c.hStream = config.shared_mem, stream
             attr = cu.CUlaunchAttribute()
             if attribute == "pdl":
                 attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -361,35 +399,21 @@ class Function:
             "    finally:",
             "        release()",
         ]
-        # The prepared form (see ``prepared``): the arguments were packed once into
-        # a buffer of their own that never changes, so no checks, no packing, no lock.
-        # Made in the launcher's namespace: one place says which driver call runs.
-        body += [
-            "def prepare(config, params, keep):",
-            "    gx, gy, gz = config.grid",
-            "    bx, by, bz = config.block",
-            "    smem = config.shared_mem",
-            "    def go(stream):",
-            *_driver_call(attribute, "        "),
-            "    go.keep = keep  # the parameter buffer lives as long as the launch",
-            "    return go",
-        ]
         exec(compile("\n".join(body), f"<deviceop launcher {self.name}>", "exec"), env)
-        self._prepare[attribute] = env["prepare"]
         launcher = env["launch"]
         launcher.__name__ = f"launch_{attribute}" if attribute else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
 
-    def prepared(self, attribute: str | None, config: "LaunchConfig", *args):
-        """``go(stream)``: this launch with every argument fixed now.
+    def prepared(self, attribute: str | None, config: "LaunchConfig", *args) -> PreparedLaunch:
+        """This launch with every argument fixed now (see PreparedLaunch).
 
         The arguments are checked and packed once, into a parameter buffer of
-        the launch's own, so each ``go`` is one driver call: what a launch
+        the launch's own, so each launch is one driver call: what a launch
         seen before costs (KernelLaunch caches these per argument layout).
         ``attribute`` is None, ``"pdl"``, ``"cooperative"`` or ``"cluster"``,
         as for the ``launch_*`` launchers."""
-        if attribute not in self._prepare:
+        if attribute not in (None, "pdl", "cooperative", "cluster"):
             raise LaunchError(f"{self.name}: no launch attribute {attribute!r}; "
                               "use None, 'pdl', 'cooperative' or 'cluster'")
         if attribute == "cluster" and config.cluster is None:
@@ -399,7 +423,16 @@ class Function:
             self.set_max_dynamic_shared_memory(config.shared_mem)
         buf, ptrs = self.param_buffer()
         ctypes.memmove(buf, packed, len(packed))
-        return self._prepare[attribute](config, ctypes.addressof(ptrs), (buf, ptrs))
+        if attribute is None:
+            call = partial(launch_kernel, self.address, *config.grid, *config.block, config.shared_mem)
+        else:
+            ex_config, handle, label = self._ex_config, self.handle, f"cuLaunchKernelEx({self.name})"
+
+            def call(stream, params, extra):
+                code = cu.cuLaunchKernelEx(ex_config(attribute, config, stream), handle, params, extra)[0]
+                if code:
+                    raise_error(code, label)
+        return PreparedLaunch(call, ctypes.addressof(ptrs), self, (buf, ptrs))
 
     def max_active_clusters(self, config: "LaunchConfig") -> int:
         """How many clusters of ``config.cluster`` CTAs (each with ``config``'s block and
@@ -409,7 +442,7 @@ class Function:
             raise LaunchError(f"{self.name}: max_active_clusters needs a LaunchConfig with cluster=(x, y, z)")
         if config.shared_mem > self._smem_limit:
             self.set_max_dynamic_shared_memory(config.shared_mem)
-        c = self._ex_config("cluster", config, None)
+        c = self._ex_config("cluster", config, 0)
         return int(check(cu.cuOccupancyMaxActiveClusters(self.handle, c), "cuOccupancyMaxActiveClusters"))
 
     def param_buffer(self):
