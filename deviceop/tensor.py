@@ -26,13 +26,12 @@ from .errors import DTypeError, OutOfMemoryError, OwnershipError, ShapeError, St
 
 
 def _shape_tuple(shape) -> tuple[int, ...]:
-    if isinstance(shape, (int, np.integer)):
-        return (int(shape),)
     try:
-        dims = tuple(operator.index(d) for d in shape)
+        return tuple(map(operator.index, shape))  # C loops: a shape is made per launch built
     except TypeError:
+        if isinstance(shape, (int, np.integer)):
+            return (int(shape),)
         raise ShapeError(f"a shape is a sequence of ints, got {shape!r}") from None
-    return dims
 
 
 def _resolve_shape(shape, size: int, what: str) -> tuple[int, ...]:
@@ -397,21 +396,20 @@ class Partition:
     __slots__ = ("tensor", "tile_shape", "grid", "_sig_id")
 
     def __init__(self, tensor: Tensor, tile_shape):
-        tile = _shape_tuple(tile_shape)
-        if len(tile) != tensor.ndim:
-            raise ShapeError(f"tile shape {tile} has rank {len(tile)} but the tensor {tensor.shape} "
-                             f"has rank {tensor.ndim}; give one tile size per axis")
-        if any(t <= 0 for t in tile):
+        tile, shape = _shape_tuple(tile_shape), tensor._shape
+        if len(tile) != len(shape):
+            raise ShapeError(f"tile shape {tile} has rank {len(tile)} but the tensor {shape} "
+                             f"has rank {len(shape)}; give one tile size per axis")
+        if tile and min(tile) <= 0:
             raise ShapeError(f"tile sizes must be positive, got {tile}")
-        bad = [i for i, (n, t) in enumerate(zip(tensor.shape, tile)) if n % t]
-        if bad:
-            i = bad[0]
-            raise ShapeError(f"tile {tile} does not divide tensor shape {tensor.shape}: axis {i} has "
-                             f"{tensor.shape[i]} elements, not a multiple of {tile[i]}; pick a tile size "
-                             f"that divides it")
+        grid = tuple(map(operator.floordiv, shape, tile))  # C loops: a partition is built per launch
+        if tuple(map(operator.mul, grid, tile)) != shape:
+            i = next(i for i, (n, t) in enumerate(zip(shape, tile)) if n % t)
+            raise ShapeError(f"tile {tile} does not divide tensor shape {shape}: axis {i} has "
+                             f"{shape[i]} elements, not a multiple of {tile[i]}; pick a tile size that divides it")
         self.tensor = tensor
         self.tile_shape = tile
-        self.grid = tuple(n // t for n, t in zip(tensor.shape, tile))
+        self.grid = grid
         self._sig_id = _sig_id(("tiles", tensor._sig_id, tile))  # the tensor's layout and the tiles, as one id
 
     @property

@@ -202,6 +202,9 @@ def test_bad_launches_raise_before_anything_runs(rng):
         rms_norm(out, x, w, 1e-5)
     with pytest.raises(dop.LaunchError, match="takes 2 generics <D, BS>"):
         rms_norm(out.partition([1, 256]), x, w, 1e-5).generics([256])
+    for bad in ([256, 64.0], [256, [64]], [256, ""]):  # 64.0 == 64 in Python, but not a C++ template argument
+        with pytest.raises(dop.LaunchError, match="a generic is an int, a bool or a C.. type name"):
+            rms_norm(out.partition([1, 256]), x, w, 1e-5).generics(bad)
     with pytest.raises(dop.DTypeError, match="argument eps"):
         rms_norm(out.partition([1, 256]), x, w, "tiny")
     with pytest.raises(dop.ShapeError, match="does not divide"):
