@@ -285,20 +285,19 @@ def test_a_shared_op_that_needs_its_own_result_is_an_error(stream):
         me.sync_on(stream)
 
 
-def test_concurrent_clones_of_a_shared_op_run_it_once(device):
-    """A thread reaching a shared op that another thread is running waits for that
-    run's result; it neither runs the op again nor mistakes the wait for a cycle."""
-    running, go, runs, results = threading.Event(), threading.Event(), [], {}
+def clones_on_two_threads(op, running, go, device) -> dict:
+    """Execute a clone of ``op`` on a first thread; once its run is under way
+    (``running`` set), a clone on a second thread, which must then be waiting;
+    then let the run finish (``go``).  Returns each thread's value or exception."""
+    results = {}
 
-    def slow(v):
-        runs.append(threading.get_ident())
-        running.set()
-        assert go.wait(60)
-        return v + 1
+    def execute(name):
+        try:
+            results[name] = op.clone().sync_on(device.new_stream())
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            results[name] = exc
 
-    op = dop.value(1).map(slow).shared()
-    first = threading.Thread(target=lambda: results.setdefault("first", op.clone().sync_on(device.new_stream())))
-    second = threading.Thread(target=lambda: results.setdefault("second", op.clone().sync_on(device.new_stream())))
+    first, second = (threading.Thread(target=execute, args=(name,)) for name in ("first", "second"))
     first.start()
     try:
         assert running.wait(60)
@@ -310,7 +309,22 @@ def test_concurrent_clones_of_a_shared_op_run_it_once(device):
         for t in (first, second):
             if t.ident is not None:  # started
                 t.join(60)
-    assert results == {"first": 2, "second": 2} and len(runs) == 1
+    return results
+
+
+def test_concurrent_clones_of_a_shared_op_run_it_once(device):
+    """A thread reaching a shared op that another thread is running waits for that
+    run's result; it neither runs the op again nor mistakes the wait for a cycle."""
+    running, go, runs = threading.Event(), threading.Event(), []
+
+    def slow(v):
+        runs.append(threading.get_ident())
+        running.set()
+        assert go.wait(60)
+        return v + 1
+
+    op = dop.value(1).map(slow).shared()
+    assert clones_on_two_threads(op, running, go, device) == {"first": 2, "second": 2} and len(runs) == 1
     assert op.sync_on(device.new_stream()) == 2 and len(runs) == 1
 
 
@@ -318,7 +332,7 @@ def test_a_shared_op_whose_run_failed_gives_its_clones_no_result(device):
     """The run's exception reaches the execution that ran it; a clone waiting on
     another thread is woken and refused, and so is a clone executed later: an op
     describes one execution, so the failed one is not retried behind the caller's back."""
-    running, go, results = threading.Event(), threading.Event(), {}
+    running, go = threading.Event(), threading.Event()
 
     def fail(_):
         running.set()
@@ -326,25 +340,7 @@ def test_a_shared_op_whose_run_failed_gives_its_clones_no_result(device):
         raise ValueError("boom")
 
     op = dop.value(1).map(fail).shared()
-
-    def execute(name):
-        try:
-            results[name] = op.clone().sync_on(device.new_stream())
-        except Exception as exc:  # noqa: BLE001 - recorded for the asserts below
-            results[name] = exc
-
-    first, second = threading.Thread(target=execute, args=("first",)), threading.Thread(target=execute, args=("second",))
-    first.start()
-    try:
-        assert running.wait(60)
-        second.start()
-        second.join(0.2)
-        assert second.is_alive()  # waiting for the first thread's run
-    finally:
-        go.set()
-        for t in (first, second):
-            if t.ident is not None:
-                t.join(60)
+    results = clones_on_two_threads(op, running, go, device)
     assert isinstance(results["first"], ValueError)
     assert isinstance(results["second"], dop.StateError) and "failed when it ran" in str(results["second"])
     with pytest.raises(dop.StateError, match="failed when it ran.*build the op again"):
