@@ -103,7 +103,7 @@ class Kernel:
 
     def __call__(self, *args) -> "KernelLaunch":
         if len(args) != len(self.params):
-            return KernelLaunch(self, args)  # raises, naming the parameters
+            return KernelLaunch(self, args, ())  # raises, naming the parameters
         dynamic = tuple([i for i, a in enumerate(args) if isinstance(a, DeviceOp)])
         cls = self._launch_types.get(dynamic)
         if cls is None:
@@ -218,15 +218,13 @@ class KernelLaunch(DeviceOp):
     graph_safe = True
     _output_type = _Output  # what first() makes (the generated launch classes make their own)
 
-    def __init__(self, kernel: Kernel, args, dynamic=None):
+    def __init__(self, kernel: Kernel, args, dynamic: tuple):
         super().__init__()
         self.kernel, self.args = kernel, tuple(args)
         self._generics = () if not kernel.generic_names else None
         self._mutable = frozenset()  # argument positions a captured node may change (.dynamic)
         self._pdl = self._cooperative = False
-        if dynamic is None:
-            dynamic = tuple(i for i, a in enumerate(self.args) if isinstance(a, DeviceOp))
-        self._dynamic = dynamic  # positions of the arguments that are ops, run first
+        self._dynamic = dynamic  # positions of the arguments that are ops, run first (found by Kernel.__call__)
         if len(self.args) != len(kernel.params):
             raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
                               f"({', '.join(p.describe() for p in kernel.params)}), got {len(self.args)}")

@@ -59,7 +59,8 @@ def _cheapest_launch_kernel():
     return launchKernel, CUDADriverError
 
 
-# Module globals, read when a Function builds its launchers (tests put a recorder here).
+# Module globals (tests put a recorder here): launch_kernel is read when a Function
+# builds its launchers and prepared launches, DriverError when a launch fails.
 launch_kernel, DriverError = _cheapest_launch_kernel()
 
 
@@ -152,17 +153,15 @@ def _driver_call(attribute, indent: str) -> list:
     if attribute:
         lines = ["try:",
                  "    ex_config = fn._ex_config(attribute, config, stream.ptr)",
-                 "except (AttributeError, TypeError):  # not a stream, or a closed one (ptr None)",
-                 "    fn._stream_refused(stream)",
+                 "except Exception as exc:",
+                 "    fn._launch_failed(exc, stream, label)",
                  "code = cuLaunchKernelEx(ex_config, handle, params, 0)[0]",
                  "if code: raise_error(code, label)"]
     else:  # try costs nothing unless something is raised
         lines = ["try:",
                  "    launch_kernel(address, gx, gy, gz, bx, by, bz, smem, stream.ptr, params, 0)",
-                 "except DriverError as exc:",
-                 "    fn._driver_failed(exc, label)",
-                 "except (AttributeError, TypeError):  # not a stream, or a closed one (ptr None)",
-                 "    fn._stream_refused(stream)"]
+                 "except Exception as exc:",
+                 "    fn._launch_failed(exc, stream, label)"]
     return [indent + line for line in lines]
 
 
@@ -190,12 +189,7 @@ class PreparedLaunch:
 
     def failed(self, exc: Exception, stream):
         """Raise the deviceop error of this launch on ``stream`` having raised ``exc``."""
-        fn = self.function
-        if isinstance(exc, DriverError):
-            fn._driver_failed(exc, f"cuLaunchKernel({fn.name})")
-        if isinstance(exc, (AttributeError, TypeError)):  # not a stream, or a closed one (ptr None)
-            fn._stream_refused(stream)
-        raise exc
+        self.function._launch_failed(exc, stream, f"cuLaunchKernel({self.function.name})")
 
 
 def pointer_of(value, spec: ptr, index: int, name: str) -> int:
@@ -282,19 +276,24 @@ class Function:
         except DTypeError as exc:
             raise DTypeError(f"argument {index} of {self.name}: {exc}") from None
 
-    def _driver_failed(self, exc, call: str):
-        """Raise the CudaError of a failed launch_kernel (its own exception says no more)."""
-        try:
-            raise_error(int(getattr(exc, "status", 999)), call)
-        except CudaError as err:
-            raise err from None
-
-    def _stream_refused(self, stream):
-        """A launch on something without a live stream address."""
-        if getattr(stream, "ptr", 0) is None:
-            raise StateError(f"{self.name}: the stream was closed; launch on a live stream")
-        raise LaunchError(f"{self.name} launches on a deviceop stream (device.new_stream(), or "
-                          f"CudaStream.from_handle(device, handle) for a foreign one), got {type(stream).__name__}")
+    def _launch_failed(self, exc: Exception, stream, call: str):
+        """Raise the deviceop error of a launch on ``stream`` that raised ``exc`` (every
+        launch path's one mapping): the driver's refusal is a CudaError naming ``call``
+        (without the wrapper's exception chained: it says no more); no live stream
+        address (a closed stream's ptr is None, or no stream at all) is named; anything
+        else is raised as it was."""
+        if isinstance(exc, DriverError):
+            try:
+                raise_error(int(getattr(exc, "status", 999)), call)
+            except CudaError as err:
+                raise err from None
+        if isinstance(exc, (AttributeError, TypeError)):
+            if getattr(stream, "ptr", 0) is None:
+                raise StateError(f"{self.name}: the stream was closed; launch on a live stream") from None
+            raise LaunchError(f"{self.name} launches on a deviceop stream (device.new_stream(), or "
+                              f"CudaStream.from_handle(device, handle) for a foreign one), "
+                              f"got {type(stream).__name__}") from None
+        raise exc
 
     def _arity_error_of(self, args):
         self._arity_error(sum(a is not _MISSING for a in args))
@@ -356,7 +355,7 @@ class Function:
         names = [f"a{i}" for i in range(n)]
         env = {"Tensor": Tensor, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
-               "launch_kernel": launch_kernel, "DriverError": DriverError, "address": self.address,
+               "launch_kernel": launch_kernel, "address": self.address,
                "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
                "label": f"{'cuLaunchKernelEx' if attribute else 'cuLaunchKernel'}({self.name})", "fn": self,
                "MISSING": _MISSING, "attribute": attribute}
