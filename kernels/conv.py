@@ -48,6 +48,10 @@ BLOB_BYTES = 1024        # kConvBlobBytes in conv2d_gn.cu
 ACTS = {"identity": 0, "silu": 1, "mish": 2}
 APPLY_THREADS = 256
 MAX_CHANNELS = 4096     # kMaxChannels in gn_act.cu
+# The apply kernel's CTAs per SM (its CTAS generic) -> the dynamic shared memory a
+# launch pads itself with so that no more fit: 3 is the register cap (80 a thread);
+# 2 takes 32 KB static + 48 KB + 1 KB reserved = 81 KB, and 3 x 81 > the H100's 228.
+APPLY_PAD_BYTES = {3: 0, 2: 48 * 1024}
 
 
 # -- where the CUTLASS headers come from ------------------------------------------
@@ -590,14 +594,17 @@ _APPLY_SCALARS = [Scalar("eps", "float32")] + [Scalar(n, "int32") for n in (
 def _apply_kernel(y_dtype: str, out_dtype: str | None) -> Kernel:
     common = [In("stats", "float32", rank=3), In("gamma", "float32", rank=1), In("beta", "float32", rank=1)]
     sy = "f16" if y_dtype == "float16" else "f32"
+    pad = lambda g: APPLY_PAD_BYTES[int(g["CTAS"])]  # noqa: E731
     if out_dtype is None:   # in place
         return Kernel(f"gn_act_apply_inplace_{sy}", HERE / "gn_act.cu",
                       [Out("y", y_dtype, rank=3), *common, *_APPLY_SCALARS], entry="gn_act_apply_inplace",
-                      generics=["ACT", "YT"], block=APPLY_THREADS, reference=_apply_inplace_ref)
+                      generics=["ACT", "YT", "CTAS"], block=APPLY_THREADS, shared_mem=pad,
+                      reference=_apply_inplace_ref)
     so = "f16" if out_dtype == "float16" else "f32"
     return Kernel(f"gn_act_apply_{sy}_{so}", HERE / "gn_act.cu",
                   [Out("z", out_dtype, rank=3), In("y", y_dtype, rank=4), *common, *_APPLY_SCALARS],
-                  entry="gn_act_apply", generics=["ACT", "YT", "OT"], block=APPLY_THREADS, reference=_apply_ref)
+                  entry="gn_act_apply", generics=["ACT", "YT", "OT", "CTAS"], block=APPLY_THREADS,
+                  shared_mem=pad, reference=_apply_ref)
 
 
 DTYPES = ("float16", "float32")
@@ -623,6 +630,22 @@ def _rows_per_chunk(hw: int, c: int, n: int, sms: int) -> int:
     want = max(want, math.ceil(2048 / c))
     divisors = [d for d in range(1, hw + 1) if hw % d == 0]
     return min((d for d in divisors if d >= want), default=hw)
+
+
+def apply_ctas_per_sm(apply_ctas: int, sms: int, busy_sms: int) -> int:
+    """How many apply CTAs an SM may hold (gn_act.cu's CTAS), given the SMs that still
+    run the conv's last CTAs when it ends (`busy_sms`; the others free up earlier).
+    Under PDL the apply CTAs take the SMs the conv leaves and wait there, set up:
+    3 a SM where that lets every one of them be waiting when the conv ends and 2 would
+    not; else 2, which packs fewer of them on the SMs that free first.  Measured on
+    the H100 (fused, graph replays, us, 2 vs 3 a SM): C=1280 16x16 N=2 (4 slices
+    through the workspace: 32 SMs busy, 256 apply CTAs) 45.2 vs 44.4; N=1 (6 slices
+    in clusters: 96 busy, 128 CTAs) 31.5 vs 31.7; C=320 64x64 N=2 (128 busy, 256
+    CTAs) 37.2 vs 38.7; C=640 32x32 N=2 38.8 vs 39.2; C=320 N=1 28.9 vs 29.5; N=8
+    C=1280 112.7 vs 114.2, C=320 149.5 vs 151.8.  C=640 32x32 N=1 (96 busy, 256
+    CTAs) is the one shape the rule gets wrong: 29.3 vs 29.0."""
+    free = max(0, sms - busy_sms)
+    return 3 if 2 * free < apply_ctas <= 3 * free else 2
 
 
 def _need(cond: bool, message: str, kind=dop.ShapeError) -> None:
@@ -729,6 +752,12 @@ class ConvGnAct:
         self.gs = min(groups, math.ceil(t.tn / self.cpg) + 1)   # groups one n-tile can touch
         self.rows_per = _rows_per_chunk(hw, k, n, sms)
         self.chunks = hw // self.rows_per
+        # the SMs still running the conv when it ends: a tile's last slice through the
+        # workspace; every CTA of the last round otherwise (cluster slices all finish their rows)
+        conv_ctas = self.mt * self.nt * self.split_k
+        busy = self.mt * self.nt if self.split_fixup == "workspace" else min(conv_ctas, sms)
+        # the padding that holds it to 2 is sized for the H100's shared memory: elsewhere 3
+        self.apply_ctas = apply_ctas_per_sm(n * self.chunks, sms, busy) if self.wgmma else 3
         # workspace (eager, like any buffer)
         mk = lambda shape, dt: dop.empty(shape, dt, stream=stream)  # noqa: E731
         self.blob = dop.from_numpy(np.zeros(BLOB_BYTES, np.uint8), stream=stream)
@@ -845,12 +874,13 @@ class ConvGnAct:
         if self.inplace:
             apply = gn_act_apply_inplace[self.y_dtype](y.view([n, self.chunks, self.rows_per * self.k]).partition(tiles),
                                                        self.stats, gamma, beta, *scalars)
-            apply = apply.generics([ACTS[self.act], _CUDA_TYPE[self.y_dtype]])
+            apply = apply.generics([ACTS[self.act], _CUDA_TYPE[self.y_dtype], self.apply_ctas])
         else:
             z = out.view([n, self.chunks, self.rows_per * self.k])
             apply = gn_act_apply[(self.y_dtype, self.out_dtype)](z.partition(tiles), y, self.stats, gamma, beta,
                                                                   *scalars)
-            apply = apply.generics([ACTS[self.act], _CUDA_TYPE[self.y_dtype], _CUDA_TYPE[self.out_dtype]])
+            apply = apply.generics([ACTS[self.act], _CUDA_TYPE[self.y_dtype], _CUDA_TYPE[self.out_dtype],
+                                    self.apply_ctas])
         # PDL: the apply kernel's launch and its gamma/beta loads overlap the conv (which
         # triggers its dependents when it starts); it waits for the conv before reading y
         return dop.zip_(conv, apply.pdl()).map(lambda _: out)
@@ -884,14 +914,15 @@ def compile_all(arch="sm_90", y_dtypes=DTYPES) -> list[str]:
                 kern.compile(tile.generics(yd), arch=arch)
                 built.append(kern.name_expression(tile.generics(yd)))
         for act in ACTS.values():
-            kern = gn_act_apply_inplace[yd]
-            kern.compile([act, _CUDA_TYPE[yd]], arch=arch)
-            built.append(kern.name_expression([act, _CUDA_TYPE[yd]]))
-            for od in DTYPES:
-                kern = gn_act_apply[(yd, od)]
-                gen = [act, _CUDA_TYPE[yd], _CUDA_TYPE[od]]
-                kern.compile(gen, arch=arch)
-                built.append(kern.name_expression(gen))
+            for ctas in APPLY_PAD_BYTES:
+                kern = gn_act_apply_inplace[yd]
+                kern.compile([act, _CUDA_TYPE[yd], ctas], arch=arch)
+                built.append(kern.name_expression([act, _CUDA_TYPE[yd], ctas]))
+                for od in DTYPES:
+                    kern = gn_act_apply[(yd, od)]
+                    gen = [act, _CUDA_TYPE[yd], _CUDA_TYPE[od], ctas]
+                    kern.compile(gen, arch=arch)
+                    built.append(kern.name_expression(gen))
     return built
 
 

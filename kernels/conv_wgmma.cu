@@ -775,10 +775,12 @@ conv2d_gn_act_wgmma(float* stats, OT* out, const __half* x, const __half* w, con
         const int e = base + lane / 8, sg = e / gs, g = g0 + e % gs;
         const bool valid = e < 2 * gs && g < groups && g * cpg < min(n0 + TN, k) &&
                            (sg == 0 ? boundary > m0 : m_end > boundary);
-        float cnt, mean, m2;
-        merge_group(st, img0 + sg, g, valid, hw, cpg, TM, TN, gridDim.y, slices, gs, sub, cnt, mean, m2);
+        GroupPartials gp(st, img0 + sg, g, valid, hw, cpg, TM, TN, gridDim.y, slices, gs, sub);
+        gp.load();
+        float mean, m2;
+        gp.merge(mean, m2);
         if (valid) {
-            const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
+            const float rstd = rsqrtf(fmaxf(m2 * gp.inv_count, 0.f) + eps);
             for (int ch = max(g * cpg, n0) + sub; ch < min(min((g + 1) * cpg, n0 + TN), k); ch += 8) {
                 const float sc = scale[sg * TN + ch - n0] * rstd;
                 shift[sg * TN + ch - n0] -= mean * sc;

@@ -1,12 +1,12 @@
 // Fused Conv2D -> GroupNorm -> activation, launch 2 of 2 (launch 1: conv2d_gn.cu).
 //
 // CTA (n, chunk) first merges the partial statistics of image n, which the
-// conv kernel left per (tile, image segment, group-in-tile), with Chan's
-// parallel-variance formula: each lane folds its entries in a fixed order,
-// then 8 lanes merge in a fixed xor tree, so the result is deterministic.
-// That gives each group's mean and rstd; gamma and beta fold into a scale and
-// shift per channel (shared memory).  Then the CTA streams its rows once, 16
-// bytes at a time: z = act(y * scale + shift), in place or into another buffer.
+// conv kernel left per (tile, image segment, group-in-tile): 8 lanes a group,
+// in a fixed order and a fixed tree (GroupPartials, groupnorm.cuh), so the
+// result is deterministic.  That gives each group's mean and rstd; gamma and
+// beta fold into a scale and shift per channel (shared memory).  Then the CTA
+// streams its rows once, 16 bytes at a time: z = act(y * scale + shift), in
+// place or into another buffer.
 #include <cuda_fp16.h>
 
 #include "groupnorm.cuh"
@@ -30,11 +30,13 @@ constexpr int kPrefetch = 4;        // 16-byte vectors of y per thread read befo
 // stats: per conv CTA (mt, nt, ks) a [2 segments][GS] block of float2 (mean, M2); only ks = KS - 1 is read.
 //
 // The kernel is a chain of memory latencies, not a bandwidth problem (a few MB at
-// N = 1), so it is ordered to pay as few of them as it can: the CTA's first
-// kPrefetch vectors of y per thread, gamma, beta and the partial statistics are
-// all requested before anything waits on any of them; 8 lanes merge one group
-// (a warp merges 4 at once).  Measured on the H100 (graph replays, C=320-1280,
-// N=1-2): one warp a group, y read after the merge: 15.0-21.0 us a launch.
+// N = 1), so it is ordered to pay as few of them as it can.  Before the conv may
+// be read: gamma and beta into shared memory, and where every partial lies.
+// After: the partials' loads first (the merge waits on them), then the CTA's
+// first kPrefetch vectors of y per thread, all in flight before anything waits.
+// Measured on the H100 (graph replays, C=320-1280, N=1-2): one warp a group, y
+// read after the merge: 15.0-21.0 us a launch; the partials' addresses worked
+// out after the wait and merged lane by lane with Chan's formula: see docs/conv.md.
 template <int ACT, typename YT, typename OT>
 __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __restrict__ stats,
                                          const float* __restrict__ gamma, const float* __restrict__ beta,
@@ -54,31 +56,41 @@ __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __rest
         scale[c] = gamma[c];
         shift[c] = beta[c];
     }
+    // A warp merges 4 groups at once, 8 lanes each; the first 32 groups' partials
+    // are addressed now, any further ones after the wait.
+    const float2* st = reinterpret_cast<const float2*>(stats);
+    const int sub = lane & 7, per_round = 4 * (kApplyThreads / 32);
+    const int g_first = warp * 4 + (lane >> 3);
+    GroupPartials first(st, n, g_first, g_first < G, HW, cpg, TM, TN, NTILES, KS, GS, sub);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");   // launched with PDL: the conv (y, stats) is done here
 #endif
+    first.load();
     float f[kPrefetch][8];
     #pragma unroll
     for (int v = 0; v < kPrefetch; ++v) {
         const int i = threadIdx.x + v * kApplyThreads;
         if (i < total) load8(y + base + (size_t)(i / vecs) * C + (i % vecs) * 8, f[v]);
     }
-    __syncthreads();
+    __syncthreads();   // gamma and beta are in shared memory
 
-    const float2* st = reinterpret_cast<const float2*>(stats);
-    const int sub = lane & 7;
-    for (int gb = warp * 4; gb < G; gb += 4 * (kApplyThreads / 32)) {   // warp-uniform
-        const int g = gb + (lane >> 3);
-        float cnt, mean, m2;
-        merge_group(st, n, g, g < G, HW, cpg, TM, TN, NTILES, KS, GS, sub, cnt, mean, m2);
+    auto fold = [&](const GroupPartials& gp, int g) {   // the group's mean and rstd into its scale and shift
+        float mean, m2;
+        gp.merge(mean, m2);
         if (g < G) {
-            const float rstd = rsqrtf(fmaxf(m2 / cnt, 0.f) + eps);
+            const float rstd = rsqrtf(fmaxf(m2 * gp.inv_count, 0.f) + eps);
             for (int c = g * cpg + sub; c < (g + 1) * cpg; c += 8) {
                 const float sc = scale[c] * rstd;
                 shift[c] -= mean * sc;
                 scale[c] = sc;
             }
         }
+    };
+    fold(first, g_first);
+    for (int g = g_first + per_round; g - (lane >> 3) < G; g += per_round) {   // warp-uniform
+        GroupPartials more(st, n, g, g < G, HW, cpg, TM, TN, NTILES, KS, GS, sub);
+        more.load();
+        fold(more, g);
     }
     __syncthreads();
 
@@ -101,17 +113,23 @@ __device__ __forceinline__ void gn_apply(OT* z, const YT* y, const float* __rest
     }
 }
 
+// CTAS: the CTAs an SM may hold, 2 or 3 (kernels/conv.py, apply_ctas_per_sm, picks).
+// Under PDL the apply CTAs take the SMs the conv's CTAs leave and wait there, set
+// up, for the conv to end: 3 a SM lets more of them be waiting; 2 packs fewer on
+// the SMs that free first.  __launch_bounds__ holds a thread to 80 registers for 3
+// (no spills); for 2 the launch pads the shared memory (APPLY_PAD_BYTES).
+
 // Out of place: z (fp16 or fp32) from y.  z is the partitioned output: [N, chunks, rows_per * C].
-template <int ACT, typename YT, typename OT>
-__global__ void __launch_bounds__(kApplyThreads)
+template <int ACT, typename YT, typename OT, int CTAS>
+__global__ void __launch_bounds__(kApplyThreads, CTAS)
 gn_act_apply(OT* z, const YT* y, const float* stats, const float* gamma, const float* beta, float eps,
              int HW, int C, int G, int TM, int TN, int NTILES, int KS, int GS, int rows_per) {
     gn_apply<ACT, YT, OT>(z, y, stats, gamma, beta, eps, HW, C, G, TM, TN, NTILES, KS, GS, rows_per);
 }
 
 // In place: each element of y is read, then overwritten, by the same thread.
-template <int ACT, typename YT>
-__global__ void __launch_bounds__(kApplyThreads)
+template <int ACT, typename YT, int CTAS>
+__global__ void __launch_bounds__(kApplyThreads, CTAS)
 gn_act_apply_inplace(YT* y, const float* stats, const float* gamma, const float* beta, float eps,
                      int HW, int C, int G, int TM, int TN, int NTILES, int KS, int GS, int rows_per) {
     gn_apply<ACT, YT, YT>(y, y, stats, gamma, beta, eps, HW, C, G, TM, TN, NTILES, KS, GS, rows_per);

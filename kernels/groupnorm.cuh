@@ -57,7 +57,7 @@ __device__ __forceinline__ void normalize8(float* f, const float* scale, const f
 // segment in shared memory (`chan`, [2][TN][2] floats); this merges the
 // channels of each group, in a fixed order (deterministic), into the CTA's
 // slot of the partials: [2 segments][GS groups] of (mean, M2).  The counts
-// follow from the geometry and are recomputed by merge_group (below).  The
+// follow from the geometry and are recomputed by GroupPartials (below).  The
 // first `threads` threads of the CTA share the work.
 __device__ __forceinline__ void channels_to_groups(const float* chan, float2* out, int TN, int n0, int K, int cpg,
                                                    int GS, int rows_seg0, int rows_seg1, int threads) {
@@ -100,41 +100,97 @@ __device__ __forceinline__ void chan_merge(float& cnt, float& mean, float& m2, f
     cnt = nn;
 }
 
-// Group g of image n over every conv tile's partials (stats: per conv CTA (mt, nt,
-// ks) a [2 segments][GS] block of float2 (mean, M2); only ks = KS - 1 is read):
-// (count, mean, M2).  8 lanes (sub = lane & 7) share the entries, then merge in a
-// fixed xor tree, so the result is deterministic and every one of the 8 lanes
-// holds it.  The whole warp must call it (the shuffles use every lane); lanes of
-// a group with valid == false contribute nothing.
-__device__ __forceinline__ void merge_group(const float2* st, int n, int g, bool valid, int HW, int cpg, int TM,
-                                            int TN, int NTILES, int KS, int GS, int sub, float& cnt, float& mean,
-                                            float& m2) {
-    cnt = 0.f; mean = 0.f; m2 = 0.f;
-    if (valid) {
-        const int t_first = (n * HW) / TM, t_last = (n * HW + HW - 1) / TM;
-        const int j_first = (g * cpg) / TN, j_last = ((g + 1) * cpg - 1) / TN;
-        const int parts = j_last - j_first + 1, entries = (t_last - t_first + 1) * parts;
-        #pragma unroll 4
-        for (int e = sub; e < entries; e += 8) {
-            const int t = t_first + e / parts, j = j_first + e % parts;
-            const int rows = min((t + 1) * TM, (n + 1) * HW) - max(t * TM, n * HW);
-            const int sg = (n * HW > t * TM) ? 1 : 0;   // image n starts inside tile t: the tile's 2nd segment
-            const int chans = min((g + 1) * cpg, (j + 1) * TN) - max(g * cpg, j * TN);
-            const float2 v = __ldcg(st + (((size_t)t * NTILES + j) * KS + (KS - 1)) * 2 * GS + sg * GS + (g - (j * TN) / cpg));
-            chan_merge(cnt, mean, m2, (float)rows * (float)chans, v.x, v.y);
-        }
-    }
+// Sum of x over the 8 lanes of a group (lane & 7) in a fixed xor tree: float addition
+// commutes, so every lane gets the same bits, run after run.  The whole warp calls it.
+__device__ __forceinline__ float sum8(float x) {
     #pragma unroll
-    for (int o = 1; o < 8; o <<= 1) {    // a fixed tree within the 8 lanes; the lower lane's side is "a"
-        const float cb = __shfl_xor_sync(0xffffffffu, cnt, o);
-        const float mb = __shfl_xor_sync(0xffffffffu, mean, o);
-        const float m2b = __shfl_xor_sync(0xffffffffu, m2, o);
-        if (sub & o) {
-            float c2 = cb, me2 = mb, mm2 = m2b;
-            chan_merge(c2, me2, mm2, cnt, mean, m2);
-            cnt = c2; mean = me2; m2 = mm2;
-        } else {
-            chan_merge(cnt, mean, m2, cb, mb, m2b);
+    for (int o = 1; o < 8; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// The partial statistics of group g of image n (stats: per conv CTA (mt, nt, ks) a
+// [2 segments][GS] block of float2 (mean, M2); only ks = KS - 1 is read), shared by
+// the group's 8 lanes (sub = lane & 7): lane sub owns entries sub, sub + 8, ...
+//
+// Built before the conv's results may be read: where each entry lies and how many
+// values it summarizes follow from the geometry alone, so that integer arithmetic
+// overlaps the conv.  load() then issues the lane's first kOwn loads at once, and
+// merge() pools them with their counts known: for entries i of counts n_i,
+// mean = sum(n_i mean_i) / n and M2 = sum(M2_i + n_i (mean_i - mean)^2) -- Chan's
+// parallel-variance merge in its pooled form, a sum of non-negative terms (no
+// cancellation).  A lane pools its entries kOwn at a time (a chunk's loads all in
+// flight; chunks merge pairwise, Chan), then the 8 lanes pool their results in
+// sum8's fixed tree, so the result is deterministic and every lane of the group
+// holds it.  Measured on the H100 against a lane-by-lane Chan merge whose addresses
+// were worked out after the wait: see docs/conv.md.  The whole warp calls load()
+// and merge(); lanes of a group with valid == false contribute nothing.
+struct GroupPartials {
+    static constexpr int kOwn = 2;   // entries a lane loads at once (and keeps addressed before the wait)
+    const float2* st;
+    int n, g, hw, cpg, tm, tn, ntiles, ks, gs, sub;
+    int t_first, j_first, parts, entries;
+    float inv_count;                 // 1 / the group's count (H*W * cpg)
+    int at[kOwn];                    // offsets from st
+    float cnt[kOwn];                 // 0 where the lane has no such entry
+    float2 v[kOwn];
+
+    __device__ __forceinline__ GroupPartials(const float2* st_, int n_, int g_, bool valid, int HW, int cpg_, int TM,
+                                             int TN, int NTILES, int KS, int GS, int sub_)
+        : st(st_), n(n_), g(g_), hw(HW), cpg(cpg_), tm(TM), tn(TN), ntiles(NTILES), ks(KS), gs(GS), sub(sub_) {
+        t_first = (n * hw) / tm;
+        j_first = (g * cpg) / tn;
+        parts = ((g + 1) * cpg - 1) / tn - j_first + 1;
+        entries = valid ? ((n * hw + hw - 1) / tm - t_first + 1) * parts : 0;
+        inv_count = 1.f / ((float)hw * (float)cpg);
+        address(sub, at, cnt);
+    }
+    // entries e0, e0 + 8, ... (kOwn of them): where they lie and how many values each
+    // summarizes (its rows x the group's channels in its n-tile); count 0 past the end
+    __device__ __forceinline__ void address(int e0, int* p, float* c) const {
+        #pragma unroll
+        for (int i = 0; i < kOwn; ++i) {
+            const int e = e0 + 8 * i;
+            p[i] = 0;
+            c[i] = 0.f;
+            if (e < entries) {
+                const int t = t_first + e / parts, j = j_first + e % parts;
+                const int rows = min((t + 1) * tm, (n + 1) * hw) - max(t * tm, n * hw);
+                const int sg = (n * hw > t * tm) ? 1 : 0;   // image n starts inside tile t: the tile's 2nd segment
+                const int chans = min((g + 1) * cpg, (j + 1) * tn) - max(g * cpg, j * tn);
+                p[i] = ((t * ntiles + j) * ks + (ks - 1)) * 2 * gs + sg * gs + (g - (j * tn) / cpg);
+                c[i] = (float)rows * (float)chans;
+            }
         }
     }
-}
+    __device__ __forceinline__ void fetch(const int* p, const float* c, float2* u) const {   // L2 only: the conv's
+        #pragma unroll
+        for (int i = 0; i < kOwn; ++i) u[i] = c[i] > 0.f ? __ldcg(st + p[i]) : make_float2(0.f, 0.f);
+    }
+    __device__ __forceinline__ void load() { fetch(at, cnt, v); }   // after the conv
+    // kOwn entries pooled: (count, mean, M2)
+    __device__ __forceinline__ static void pool(const float2* u, const float* c, float& cn, float& mean, float& m2) {
+        float s = 0.f;
+        cn = 0.f;
+        #pragma unroll
+        for (int i = 0; i < kOwn; ++i) { cn += c[i]; s += c[i] * u[i].x; }
+        mean = cn > 0.f ? __fdividef(s, cn) : 0.f;
+        m2 = 0.f;
+        #pragma unroll
+        for (int i = 0; i < kOwn; ++i) { const float d = u[i].x - mean; m2 += u[i].y + c[i] * d * d; }
+    }
+    __device__ __forceinline__ void merge(float& mean, float& m2) const {
+        float cl, ml, m2l;   // this lane's entries
+        pool(v, cnt, cl, ml, m2l);
+        for (int e0 = sub + 8 * kOwn; e0 < entries; e0 += 8 * kOwn) {   // lanes of more than kOwn entries
+            int p[kOwn]; float c[kOwn]; float2 u[kOwn];
+            address(e0, p, c);
+            fetch(p, c, u);
+            float cb, mb, m2b;
+            pool(u, c, cb, mb, m2b);
+            chan_merge(cl, ml, m2l, cb, mb, m2b);
+        }
+        mean = sum8(cl * ml) * inv_count;   // the group's count is known: H*W * cpg
+        const float d = ml - mean;
+        m2 = sum8(m2l + cl * d * d);
+    }
+};

@@ -2,7 +2,7 @@
 
 Unmarked tests run on whatever Device(0) is (the reference device here: the
 kernels' float64 NumPy references, which mirror the GPU's partial-statistics
-layout and Chan merge); ``gpu`` tests run the kernels on the H100 (the WGMMA conv
+layout); ``gpu`` tests run the kernels on the H100 (the WGMMA conv
 where C % 64 == 0, the CUTLASS 2.x conv otherwise).
 Every result is held to ``conv_gn_act_reference`` (float64) on fresh random data.
 """
@@ -195,6 +195,22 @@ def test_split_k_meets_in_the_workspace_where_its_clusters_would_not_fit_at_once
         conv.wgmma_cost_us(2, 16, 16, 1280, 1280, "128x128", 1, None)
 
 
+def test_apply_ctas_wait_beside_the_conv_where_they_all_fit():
+    """The apply kernel's CTAs start (PDL) on the SMs the conv leaves and wait there.
+    3 a SM where that lets all of them wait before the conv ends and 2 would not
+    (C=1280 16x16 N=2: 4 slices through the workspace leave 100 SMs to 256 CTAs);
+    else 2, fewer packed on the SMs that free first (N=1: 6 slices in clusters, 96
+    SMs busy to the end; C=320 64x64 N=2: 128 busy)."""
+    assert conv.apply_ctas_per_sm(apply_ctas=256, sms=132, busy_sms=32) == 3
+    assert conv.apply_ctas_per_sm(apply_ctas=128, sms=132, busy_sms=96) == 2
+    assert conv.apply_ctas_per_sm(apply_ctas=256, sms=132, busy_sms=128) == 2
+    assert conv.apply_ctas_per_sm(apply_ctas=64, sms=132, busy_sms=32) == 2    # 2 a SM hold them all already
+    plan = ConvGnAct(2, 16, 16, 1280, 1280, tile="wg128x160", split_k=4, split_fixup="workspace")
+    assert (plan.n * plan.chunks, plan.mt * plan.nt, plan.apply_ctas) == (256, 32, 3)
+    assert ConvGnAct(2, 16, 16, 1280, 1280, tile="wg128x160", split_k=4, split_fixup="cluster").apply_ctas == 2
+    assert ConvGnAct(2, 16, 16, 96, 96, groups=8).apply_ctas == 3    # the CUTLASS conv: no padding off Hopper
+
+
 def test_the_split_fixup_is_recorded_in_the_plan_and_refused_where_it_has_no_meaning(stream, rng):
     n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20
     for fixup in conv.SPLIT_FIXUPS:   # either way the same results (the reference device: the same arithmetic)
@@ -287,10 +303,12 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
 def test_every_shipped_configuration_compiles_for_sm90():
     built = conv.compile_all("sm_90")
     wgmma = len(conv.WGMMA_TILES) * 2 * 3   # per load path (A by TMA or cp.async): conv, one-launch per out dtype
-    assert len(built) == 2 * wgmma + 2 * len(conv.TILES) * 2 + 2 * len(conv.ACTS) * 3
+    apply = len(conv.ACTS) * len(conv.APPLY_PAD_BYTES) * 3   # per y dtype: in place, out to fp16, out to fp32
+    assert len(built) == 2 * wgmma + 2 * len(conv.TILES) * 2 + 2 * apply
     assert any("conv2d_gn_act_wgmma<__half, __half, 128, 160, 4, 2>" in b for b in built)
     assert any("conv2d_gn_stats_wgmma<__half, 128, 160" in b for b in built)
     assert any("128, 128" in b for b in built) and any("gn_act_apply_inplace" in b for b in built)
+    assert any("gn_act_apply<1, __half, __half, 2>" in b for b in built)
 
 
 def test_the_wgmma_kernel_refuses_other_gpus():
@@ -463,6 +481,23 @@ def test_deterministic_over_ten_runs(stream, rng, tile, split, fixup):
     args = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
     out = dop.empty([n, h, w, k], "float16", stream=stream)
     replays_bit_identical(plan(out, *args).graph_on(stream), out, stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("apply_ctas", [2, 3])
+def test_groups_of_many_partials_merge_in_chunks(stream, rng, apply_ctas):
+    """64x64 pixels in tiles of 128 (or 64) rows: every group has 32-64 partials, more
+    than a lane's first chunk (GroupPartials::kOwn), so the chunks merge pairwise;
+    the same bits replay after replay, with the apply kernel at 2 or 3 CTAs a SM."""
+    n, h, w, c, k, groups = 1, 64, 64, 64, 64, 8
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="silu", stream=stream)
+    plan.apply_ctas = apply_ctas
+    host = make_inputs(rng, n, h, w, c, k)
+    args = [dop.from_numpy(a, stream=stream) for a in host]
+    out = dop.empty([n, h, w, k], "float16", stream=stream)
+    got = replays_bit_identical(plan(out, *args).graph_on(stream), out, stream)
+    mx, rel = errors(got, conv_gn_act_reference(*host, groups, 1e-5, "silu"))
+    assert mx <= 1e-2 and rel <= 1e-3, (plan, mx, rel)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ from deviceop.runtime import launch as launch_mod
 
 
 class FakeDriver:
-    """Answers cuFuncGetParamInfo from a C layout and records cuLaunchKernel calls."""
+    """Answers cuFuncGetParamInfo from a C layout (and the default shared memory), records cuLaunchKernel calls."""
 
     CUfunction_attribute = real_cu.CUfunction_attribute
     CUlaunchConfig, CUlaunchAttribute = real_cu.CUlaunchConfig, real_cu.CUlaunchAttribute
@@ -32,6 +32,11 @@ class FakeDriver:
         if index < len(self.layout):
             return (0, *self.layout[index])
         return (1, 0, 0)
+
+    def cuFuncGetAttribute(self, attribute, handle):   # a kernel without static shared memory
+        if attribute == self.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+            return (0, 48 * 1024)
+        raise AssertionError(f"unexpected cuFuncGetAttribute({attribute})")
 
     def launch_kernel(self, address, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         """launch_kernel's signature (CuPy's launchKernel): every argument a C int."""

@@ -233,7 +233,7 @@ class Function:
         self._param_ptrs = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
         self._params_addr = ctypes.addressof(self._param_ptrs)
         self._lock = threading.Lock()
-        self._smem_limit = 48 * 1024
+        self._smem_limit = self._default_dynamic_shared_memory()
         self._ex_configs: dict = {}  # (attribute, LaunchConfig, stream handle) -> CUlaunchConfig
         self.launch = self._build_launcher()
         self.launch_pdl = self._build_launcher("pdl")
@@ -257,11 +257,20 @@ class Function:
                 raise LaunchError(f"parameter {i} of kernel {self.name} is {a[1]} bytes at offset {a[0]}, "
                                   f"but the signature declares {self.signature[i]!r} ({d[1]} bytes at {d[0]})")
 
+    def _default_dynamic_shared_memory(self) -> int:
+        """The dynamic shared memory a launch may take before the opt-in attribute is
+        raised: 48 KB less the kernel's static shared memory (the driver's default)."""
+        return check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                           self.handle), "cuFuncGetAttribute")
+
     def set_max_dynamic_shared_memory(self, nbytes: int) -> None:
         dev = self.module.device
-        if nbytes > dev.max_shared_memory_per_block:
-            raise LaunchError(f"{self.name} asks for {nbytes} bytes of dynamic shared memory; "
-                              f"{dev.name} allows at most {dev.max_shared_memory_per_block} per block")
+        static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                             self.handle), "cuFuncGetAttribute")
+        if nbytes + static > dev.max_shared_memory_per_block:
+            raise LaunchError(f"{self.name} asks for {nbytes} bytes of dynamic shared memory on top of its "
+                              f"{static} static; {dev.name} allows at most {dev.max_shared_memory_per_block} "
+                              "per block in all")
         check(cu.cuFuncSetAttribute(self.handle,
                                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                     nbytes), "cuFuncSetAttribute")
