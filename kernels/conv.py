@@ -621,13 +621,16 @@ gn_act_apply_inplace = {d: _apply_kernel(d, None) for d in DTYPES}
 
 def _rows_per_chunk(hw: int, c: int, n: int, sms: int) -> int:
     """Rows of one image per apply CTA: a divisor of H*W (the output partition must
-    divide), about 2 CTAs per SM in all, at least ~4 KB of fp16 y per CTA.  Measured
-    on the H100 (conv + apply graph replays, us, rows per CTA): C=1280 16x16 N=1
-    33.3 at 4 rows (64 CTAs), 32.5-32.9 at 2; N=2 45.9-46.4 at 4, 45.1-45.6 at 2;
-    C=640 32x32 N=1 29.9 at 8, 29.4-29.6 at 4; at C=640 N=2 and C=320 N=1/2 (8/16/32
-    rows, 256 CTAs) half or twice the rows was 0.8-4 us slower."""
+    divide), about 2 CTAs per SM in all, and at least 1024 elements of y per CTA
+    (half its threads with a 16-byte vector).  Measured on the H100 (fused graph
+    replays, us, rows per CTA, 2 / 3 apply CTAs a SM): C=1280 16x16 N=1 1 row 30.6 /
+    30.7, 2 rows 31.4 / 31.7, 4 32.2 / 32.1, 8 32.7 / 32.4; N=2 1 46.6 / 46.3, 2 44.7 /
+    44.2, 4 44.7 / 45.4, 8 46.3 / 47.3; C=640 32x32 N=1 1 34.8 / 33.2, 2 30.8 / 31.3,
+    4 29.4 / 29.3, 8 29.4 / 29.9.  (With the apply kernel before GroupPartials, at
+    C=640 N=2 and C=320 N=1/2 -- 8/16/32 rows, 256 CTAs -- half or twice the rows was
+    0.8-4 us slower.)"""
     want = max(1, math.ceil(n * hw / (2 * sms)))
-    want = max(want, math.ceil(2048 / c))
+    want = max(want, math.ceil(1024 / c))
     divisors = [d for d in range(1, hw + 1) if hw % d == 0]
     return min((d for d in divisors if d >= want), default=hw)
 
