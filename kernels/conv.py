@@ -591,10 +591,18 @@ _APPLY_SCALARS = [Scalar("eps", "float32")] + [Scalar(n, "int32") for n in (
     "hw", "c", "groups", "tm", "tn", "ntiles", "ks", "gs", "rows_per")]
 
 
+def _apply_padding(generics: dict) -> int:
+    """The apply launch's dynamic shared memory for its CTAS generic (APPLY_PAD_BYTES)."""
+    ctas = generics["CTAS"]
+    _need(ctas in APPLY_PAD_BYTES, f"the apply kernel's CTAS generic is the CTAs an SM may hold, one of "
+                                   f"{sorted(APPLY_PAD_BYTES)}; got {ctas!r}", dop.LaunchError)
+    return APPLY_PAD_BYTES[ctas]
+
+
 def _apply_kernel(y_dtype: str, out_dtype: str | None) -> Kernel:
     common = [In("stats", "float32", rank=3), In("gamma", "float32", rank=1), In("beta", "float32", rank=1)]
     sy = "f16" if y_dtype == "float16" else "f32"
-    pad = lambda g: APPLY_PAD_BYTES[int(g["CTAS"])]  # noqa: E731
+    pad = _apply_padding
     if out_dtype is None:   # in place
         return Kernel(f"gn_act_apply_inplace_{sy}", HERE / "gn_act.cu",
                       [Out("y", y_dtype, rank=3), *common, *_APPLY_SCALARS], entry="gn_act_apply_inplace",

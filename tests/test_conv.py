@@ -209,6 +209,9 @@ def test_apply_ctas_wait_beside_the_conv_where_they_all_fit():
     assert (plan.n * plan.chunks, plan.mt * plan.nt, plan.apply_ctas) == (256, 32, 3)
     assert ConvGnAct(2, 16, 16, 1280, 1280, tile="wg128x160", split_k=4, split_fixup="cluster").apply_ctas == 2
     assert ConvGnAct(2, 16, 16, 96, 96, groups=8).apply_ctas == 3    # the CUTLASS conv: no padding off Hopper
+    assert conv.gn_act_apply[("float16", "float16")].config((2, 128), (1, "__half", "__half", 2)).shared_mem == 48 << 10
+    with pytest.raises(dop.LaunchError, match=r"CTAS generic is the CTAs an SM may hold, one of \[2, 3\]; got 4"):
+        conv.gn_act_apply[("float16", "float16")].config((2, 128), (1, "__half", "__half", 4))
 
 
 def test_the_split_fixup_is_recorded_in_the_plan_and_refused_where_it_has_no_meaning(stream, rng):
