@@ -112,11 +112,11 @@ def test_a_refused_sync_breaks_the_capture_even_when_caught(device, rng):
     seen = {}
 
     def body(s):
+        s.record(api.memcpy(y, t))
         seen["other stream"] = t.numpy(stream=other)  # stream-ordered on a stream not capturing: fine
         with pytest.raises(dop.CaptureError, match="while a stream of this device is capturing") as info:
             device.synchronize()
         assert isinstance(info.value, dop.CudaError) and info.value.code_name == "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"
-        s.record(api.memcpy(y, t))
 
     with pytest.raises(dop.CaptureError, match="failed when the capture ended .CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"):
         CudaGraph.scope(capturing, body)
@@ -357,6 +357,7 @@ def _chain(n, b, outs):
     return op
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.10 recurses in C: deviceop keeps its limit there")
 def test_a_chain_of_5000_launches_executes_and_captures(stream):
     n = 5000
     b = dop.from_numpy(np.ones(128, np.float32))

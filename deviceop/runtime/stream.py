@@ -53,6 +53,23 @@ def closed_stream(what: str) -> StateError:
                       "(device.new_stream())")
 
 
+class _ClosedDevice:
+    """A closed stream's ``device``: every execution, capture or copy asks its
+    stream's device something first, and the answer is that the stream was closed
+    (so live streams pay nothing for the check)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        raise closed_stream("work (an op, a capture, a copy)")
+
+    def __repr__(self) -> str:
+        return "<the device of a closed stream>"
+
+
+_CLOSED = _ClosedDevice()
+
+
 class Stream:
     """Base of :class:`CudaStream` and :class:`ReferenceStream`."""
 
@@ -163,8 +180,10 @@ class CudaStream(Stream):
         return self._cupy
 
     def close(self) -> None:
+        """Destroy the stream (idempotent); later work on it raises StateError."""
         if self._owned and self.handle is not None:
             handle, self.handle, self.ptr = self.handle, None, None
+            self._ordinal, self.device = self.device.ordinal, _CLOSED
             check(cu.cuStreamDestroy(handle), "cuStreamDestroy")
 
     def __del__(self):
@@ -175,8 +194,9 @@ class CudaStream(Stream):
             pass
 
     def __repr__(self) -> str:
-        kind = "legacy default stream" if self.is_legacy else \
-            "closed stream" if self.handle is None else f"stream 0x{int(self.handle):x}"
+        if self.handle is None:
+            return f"<closed stream on device {self._ordinal}>"
+        kind = "legacy default stream" if self.is_legacy else f"stream 0x{int(self.handle):x}"
         return f"<{kind} on device {self.device.ordinal}>"
 
 
@@ -225,7 +245,7 @@ class ReferenceStream(Stream):
     ``query``) while it captures, and any work once closed."""
 
     def __init__(self, device):
-        self._device = device
+        self.device = device
         self._capture_open = self._broken = self._closed = False
         device._streams.add(self)
 
@@ -241,13 +261,6 @@ class ReferenceStream(Stream):
     def _break_capture(self) -> None:
         """A host sync during the capture: as the driver does, the capture fails when it ends."""
         self._broken = True
-
-    @property
-    def device(self):
-        """The stream's device (the property refuses a closed stream: every execution asks it first)."""
-        if self._closed:
-            raise closed_stream("work (an op, a capture or a sync)")
-        return self._device
 
     def _check_sync(self, what: str, call: str) -> None:
         if self._closed:
@@ -281,7 +294,7 @@ class ReferenceStream(Stream):
 
     def close(self) -> None:
         """Close the stream (idempotent); later work on it raises StateError, as on a GPU."""
-        self._closed = True
+        self._closed, self.device = True, _CLOSED
 
     def __repr__(self) -> str:
         return f"<reference stream 0x{id(self):x}{' (closed)' if self._closed else ''}>"
