@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -131,20 +132,46 @@ def disk_cache_enabled() -> bool:
     return os.environ.get("DEVICEOP_DISK_CACHE", "1") not in ("0", "false", "no", "off")
 
 
+def _cache_problem(what: str, path: Path, exc: OSError, then: str) -> None:
+    """Warn about a disk-cache entry or directory deviceop cannot use; compiling goes on without it."""
+    reason = exc.strerror or str(exc)
+    if path.parent.exists() and not path.parent.is_dir():
+        reason = f"{path.parent} is a file, not a directory"
+    warnings.warn(f"deviceop: {what} {path} ({reason}); {then}. The compile cache lives in {cache_dir()} "
+                  "(DEVICEOP_CACHE_DIR, else $XDG_CACHE_HOME/deviceop): make it a directory you can read and "
+                  "write (remove what is in the way), point DEVICEOP_CACHE_DIR elsewhere, or turn the disk cache "
+                  "off with DEVICEOP_DISK_CACHE=0", stacklevel=4)
+
+
 def cache_stats() -> dict:
-    """Entries and bytes in the on-disk cache."""
+    """Entries and bytes in the on-disk cache (what cannot be read is not counted)."""
     d = cache_dir()
-    files = list(d.glob("*.cubin")) if d.is_dir() else []
-    return {"dir": str(d), "entries": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    entries = size = 0
+    try:
+        files = list(d.glob("*.cubin")) if d.is_dir() else []
+    except OSError:
+        files = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:  # removed meanwhile, or unreadable
+            continue
+        if stat.S_ISREG(st.st_mode):
+            entries, size = entries + 1, size + st.st_size
+    return {"dir": str(d), "entries": entries, "bytes": size}
 
 
 def clear_cache(memory: bool = True, disk: bool = True) -> None:
+    """Forget compiled programs: in this process and/or on disk (what cannot be removed is warned about)."""
     if memory:
         with _memory_lock:
             _memory.clear()
     if disk and cache_dir().is_dir():
         for f in cache_dir().glob("*.cubin"):
-            f.unlink(missing_ok=True)
+            try:
+                f.unlink(missing_ok=True)
+            except OSError as exc:
+                _cache_problem("could not remove compile-cache entry", f, exc, "it was left in place")
 
 
 _memory: dict[str, CompiledProgram] = {}
@@ -181,6 +208,9 @@ def _read_entry(path: Path, key: str) -> CompiledProgram | None:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
+    except OSError as exc:  # a directory where the entry or the cache dir should be, no permission ...
+        _cache_problem("cannot read compile-cache entry", path, exc, "compiling without it")
+        return None
     try:
         if not data.startswith(_MAGIC):
             raise ValueError("bad magic")
@@ -202,14 +232,21 @@ def _write_entry(path: Path, prog: CompiledProgram) -> None:
     meta = json.dumps({"key": prog.key, "arch": prog.arch, "lowered_names": prog.lowered_names,
                        "log": prog.log, "nvrtc": nvrtc_version()}).encode()
     blob = _MAGIC + struct.pack("<Q", len(meta)) + meta + hashlib.sha256(prog.cubin).digest() + prog.cubin
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".cubin.part")
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)  # atomic: readers see the old entry or the whole new one
-    except OSError as exc:  # a read-only or full cache dir must not break compiling
-        warnings.warn(f"deviceop: could not write compile cache {path}: {exc}", stacklevel=3)
+    except OSError as exc:  # a read-only or full cache dir, or a directory in the way, must not break compiling
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        _cache_problem("could not write compile-cache entry", path, exc,
+                       "the kernel is compiled but not cached on disk")
 
 
 # -- compiling -----------------------------------------------------------------

@@ -2,6 +2,8 @@
 CUDA C++ spelling and how a scalar of it is packed into a kernel's arguments."""
 from __future__ import annotations
 
+import ctypes
+import math
 import struct
 from dataclasses import dataclass
 
@@ -50,9 +52,19 @@ class DType:
         if self.kind == "f":
             if not isinstance(value, (int, float, np.integer, np.floating)):
                 raise DTypeError(f"expected a number for a {self.name} scalar, got {type(value).__name__}")
-            if self.name == "bfloat16":
-                return int(np.array(value, dtype=self.np).view(np.uint16))
-            return float(value)
+            try:
+                f = float(value)
+                if self.name == "bfloat16":
+                    bits = np.array(f, dtype=self.np)
+                    if np.isinf(bits) and math.isfinite(f):
+                        raise OverflowError
+                    return int(bits.view(np.uint16))
+                struct.pack("<" + self.pack, f)  # standard (not native) packing raises where f would become inf
+            except OverflowError:
+                wider = "" if self.name == "float64" else ", or declare the scalar float64"
+                raise DTypeError(f"{_short(value)} does not fit in a {self.name} scalar (it would become inf); "
+                                 f"pass a value within the type's range{wider}") from None
+            return f
         if self.kind in "iu":
             if isinstance(value, (float, np.floating)):
                 raise DTypeError(
@@ -65,6 +77,11 @@ class DType:
                 raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
         return bool(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:8]}...{text[-4:]} ({len(text)} digits)"
 
 
 float64 = DType("float64", np.dtype(np.float64), "double", "d", "f")
@@ -103,3 +120,70 @@ def dtype(spec) -> DType:
     if npd in _BY_NP:
         return _BY_NP[npd]
     raise DTypeError(f"dtype {npd} is not supported by deviceop; known: {', '.join(_BY_NAME)}")
+
+
+# -- DLPack -------------------------------------------------------------------------
+
+# dlpack.h's DLDataTypeCode and bit widths -> deviceop dtypes
+_DLPACK = {(0, 8): int8, (0, 16): int16, (0, 32): int32, (0, 64): int64, (1, 8): uint8, (1, 32): uint32,
+           (1, 64): uint64, (2, 16): float16, (2, 32): float32, (2, 64): float64, (4, 16): bfloat16, (6, 8): bool_}
+_DLPACK_CODES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat", 5: "complex", 6: "bool"}
+_K_DL_UINT, _K_DL_BFLOAT = 1, 4
+_DTYPE_OFFSET = 20  # of DLTensor.dtype: after void* data, DLDevice (2 x int32), int32 ndim
+_VERSIONED_OFFSET = 32  # of DLManagedTensorVersioned.dl_tensor: after version, manager_ctx, deleter, flags
+
+
+def from_dlpack_dtype(code: int, bits: int, lanes: int = 1) -> DType:
+    """The deviceop dtype of a DLPack ``DLDataType`` (``kDLBfloat`` 16 is bfloat16)."""
+    dt = _DLPACK.get((int(code), int(bits))) if lanes == 1 else None
+    if dt is None:
+        kind = _DLPACK_CODES.get(int(code), f"type code {code}")
+        raise DTypeError(f"DLPack dtype {kind}{bits}{f' x{lanes} lanes' if lanes != 1 else ''} has no deviceop "
+                         f"dtype; convert the array to one of {', '.join(_BY_NAME)} first")
+    return dt
+
+
+class _DLType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+_capsule_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+class _HostImport:
+    """``obj``'s DLPack export as NumPy reads it: NumPy has no bfloat16, so a
+    bfloat16 capsule is relabelled uint16 (same bits; the caller views the
+    array as bfloat16 again).  The relabelled DLTensor is this export's own."""
+
+    def __init__(self, obj):
+        self.obj, self.dtype = obj, None
+
+    def __dlpack_device__(self):
+        return self.obj.__dlpack_device__()
+
+    def __dlpack__(self, *args, **kwargs):
+        capsule = self.obj.__dlpack__(*args, **kwargs)
+        name = _capsule_name(capsule)
+        if name in (b"dltensor", b"dltensor_versioned"):
+            base = _capsule_pointer(capsule, name) + (_VERSIONED_OFFSET if name == b"dltensor_versioned" else 0)
+            dt = _DLType.from_address(base + _DTYPE_OFFSET)
+            self.dtype = (dt.code, dt.bits, dt.lanes)
+            if self.dtype == (_K_DL_BFLOAT, 16, 1):
+                dt.code = _K_DL_UINT
+        return capsule
+
+
+def host_array_from_dlpack(obj) -> np.ndarray:
+    """``np.from_dlpack(obj)`` (zero-copy), bfloat16 included; an element type
+    deviceop has no dtype for is a DTypeError naming it."""
+    shim = _HostImport(obj)
+    try:
+        array = np.from_dlpack(shim)
+    except (RuntimeError, BufferError, TypeError):
+        if shim.dtype is not None:
+            from_dlpack_dtype(*shim.dtype)  # raises for a type deviceop lacks, naming it
+        raise
+    return array.view(bfloat16.np) if shim.dtype == (_K_DL_BFLOAT, 16, 1) else array

@@ -99,6 +99,18 @@ class CaptureError(DeviceOpError):
     """Something went wrong while a stream was capturing a graph."""
 
 
+class CaptureSyncError(CaptureError, CudaError):
+    """A host sync that a capture forbids (``stream.synchronize()``,
+    ``tensor.numpy()`` ... while capturing; waiting on an event recorded in a
+    capture): a CaptureError, and the CudaError the driver reports
+    (``code_name``: ``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`` ...), on the GPU
+    and the reference device alike."""
+
+    def __init__(self, message: str, call: str, code: int, code_name: str):
+        self.call, self.code, self.code_name, self.description = call, code, code_name, ""
+        DeviceOpError.__init__(self, message)
+
+
 class GraphSafetyError(CaptureError):
     """An op that is not graph-safe (an allocation, a host sync) was recorded."""
 

@@ -20,9 +20,10 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, KernelFaultError, StateError
+from .errors import (CaptureError, CudaError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
+                     StateError)
 from .nodes import KernelNode
-from .op import DeviceOp, ExecutionContext, _tls, executing, value
+from .op import DeviceOp, ExecutionContext, _tls, check_stream, executing, too_deep, value
 from .runtime.driver import check, raise_error
 from .tensor import Tensor
 
@@ -155,9 +156,12 @@ class CudaGraph:
     def _end(stream, cap: Capture):
         """End a capture that went well: the captured graph (None on the reference device)."""
         if stream.device.is_reference:
-            stream._capturing = False
-            return None
-        code, graph = cu.cuStreamEndCapture(stream.handle)
+            broken, stream._capturing = stream._broken, False
+            if not broken:
+                return None
+            code, graph = cu.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None  # a host sync broke it
+        else:
+            code, graph = cu.cuStreamEndCapture(stream.handle)
         if code:
             if graph is not None and int(graph) != 0:
                 cu.cuGraphDestroy(graph)
@@ -189,6 +193,7 @@ class CudaGraph:
         """Imperative capture.  ``CudaGraph.scope(stream, body)`` runs
         ``body(s)`` and returns the graph; ``with CudaGraph.scope(stream) as s:``
         leaves it in ``s.graph``.  ``s.record(op)`` records a graph-safe op."""
+        check_stream("CudaGraph.scope", stream)
         scope = Scope(stream)
         if body is None:
             return scope
@@ -209,6 +214,9 @@ class CudaGraph:
         """Run ``op`` on the graph's stream now, before the next replay (e.g.
         ``api.memcpy(input, x)``); returns its value without waiting."""
         self._check_open()
+        if not isinstance(op, DeviceOp):
+            raise LaunchError(f"graph.update() takes an op to run before the next replay, e.g. "
+                             f"api.memcpy(graph_input, x), got a {type(op).__name__}")
         return op.async_on(self._stream)
 
     def take_output(self):
@@ -438,7 +446,10 @@ class Scope:
         self._cap.check_graph_safe(op)
         if not self.stream.device.is_reference:
             _preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
-        return op._run(self._ctx)
+        try:
+            return op._run(self._ctx)
+        except RecursionError as exc:
+            raise too_deep(op, exc) from exc
 
     def __enter__(self) -> "Scope":
         self._lock_cm = executing("CudaGraph.scope")

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -48,10 +49,21 @@ from .runtime.driver import raise_error
 from .tensor import Partition, SharedTensor, Tensor, empty
 
 
+def _count(name: str, v) -> int:
+    """``v`` as an int >= 1 (NumPy ints too); a float, even 2.0, is refused rather than truncated."""
+    if not isinstance(v, bool):
+        try:
+            n = operator.index(v)
+        except TypeError:
+            n = 0
+        if n >= 1:
+            return n
+    raise ShapeError(f"{name} must be an int >= 1, got {v!r}")
+
+
 def default_sizes(max_size: int = 64) -> tuple[int, ...]:
     """1, 2, 4, then every 8 up to 64, every 16 to 128, every 32 to 256, every 64 beyond; max_size last."""
-    if max_size < 1:
-        raise ShapeError(f"max_size must be >= 1, got {max_size}")
+    max_size = _count("max_size", max_size)
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 257, 32))
     sizes += list(range(320, max_size + 1, 64))
     sizes = [s for s in sizes if s <= max_size]
@@ -111,12 +123,19 @@ class GraphCache:
                  max_bytes: int | None = None, fallback: bool = True, share_buffers: bool = True,
                  pad_value: float | None = 0, copy: bool = False):
         self.fn, self.stream, self.key_fn = fn, stream, key
-        sizes = default_sizes(max_size) if sizes is None else tuple(sorted(set(int(s) for s in sizes)))
-        if not sizes or sizes[0] < 1:
-            raise ShapeError(f"capture sizes must be positive ints, got {sizes}")
+        if sizes is None:
+            sizes = default_sizes(max_size)
+        else:
+            try:
+                given = list(sizes)
+            except TypeError:
+                raise ShapeError(f"sizes is a list of batch sizes (ints >= 1), got {sizes!r}") from None
+            sizes = tuple(sorted({_count(f"capture size {s!r} in sizes", s) for s in given}))
+            if not sizes:
+                raise ShapeError("sizes is empty: give at least one batch size to capture (or leave it None)")
         self.sizes = sizes
-        if max_graphs is not None and max_graphs < 1:
-            raise StateError(f"max_graphs must be >= 1 (or None), got {max_graphs}")
+        if max_graphs is not None:
+            max_graphs = _count("max_graphs (or None)", max_graphs)
         self.max_graphs, self.max_bytes = max_graphs, max_bytes
         self.fallback, self.share_buffers, self.pad_value, self.copy = fallback, share_buffers, pad_value, copy
         self._entries: OrderedDict = OrderedDict()  # (size, key) -> _Entry, least recently used first

@@ -334,8 +334,8 @@ class KernelLaunch(DeviceOp):
         if plan is None:
             launch_args = self._check(values, gen)
             fn = None if device.is_reference else kernel.function(device, gen)
-            plan = (None, None) if fn is None else \
-                _launcher(fn, self._pdl, self._cooperative, kernel.config(part.grid, gen))
+            config = kernel.config(part.grid, gen)  # the reference device too refuses what CUDA would
+            plan = (None, config) if fn is None else _launcher(fn, self._pdl, self._cooperative, config)
             if key is not None:
                 if len(kernel._verified) > 65536:
                     kernel._verified.clear()

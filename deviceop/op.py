@@ -16,9 +16,11 @@ in order, on one stream.  The model is cutile-rs's DeviceOp:
 from __future__ import annotations
 
 import asyncio
+import operator
+import sys
 import threading
 
-from .errors import KernelFaultError, ReentrancyError, ShapeError, StateError
+from .errors import KernelFaultError, LaunchError, ReentrancyError, ShapeError, StateError
 from .tensor import Partition, SharedTensor, Tensor
 
 _tls = threading.local()
@@ -32,12 +34,48 @@ class ExecutionContext:
     __slots__ = ("device", "stream", "capture")
 
     def __init__(self, stream, capture=None):
-        self.device = stream.device
+        try:
+            self.device = stream.device
+        except AttributeError:
+            raise not_a_stream("running an op (sync_on, async_on, graph.update ...)", stream) from None
         self.stream = stream
         self.capture = capture  # None, or the capture in progress (graph layer)
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
+
+
+def not_a_stream(what: str, stream) -> LaunchError:
+    return LaunchError(f"{what} needs a deviceop stream (device.new_stream(), or CudaStream.from_handle(...) for "
+                       f"another library's), got {'None' if stream is None else type(stream).__name__}")
+
+
+def check_stream(what: str, stream) -> None:
+    """Refuse what is not a stream before a capture begins (an execution finds out by itself)."""
+    if getattr(stream, "device", None) is None:
+        raise not_a_stream(what, stream)
+
+
+# Executing an op recurses through its tree, a frame or a few per nested op.
+# On Python 3.11+ those frames use no C stack (Python-to-Python calls run
+# inline), so deviceop raises the recursion limit to this once, where it was
+# lower, for chains of thousands of launches to execute.  Once, not around
+# each execution: setrecursionlimit visits every thread, and raising and
+# restoring it would add ~0.1 us to every eager execution.
+RECURSION_LIMIT = 20_000 if sys.version_info >= (3, 11) else sys.getrecursionlimit()
+if sys.getrecursionlimit() < RECURSION_LIMIT:
+    sys.setrecursionlimit(RECURSION_LIMIT)
+
+
+def too_deep(op, exc: RecursionError) -> StateError:
+    """The error of an execution that ran past Python's recursion limit."""
+    return StateError(
+        f"executing {op.describe()} exceeded Python's recursion limit "
+        f"({sys.getrecursionlimit()} frames: {exc}): an op "
+        "tree this deep is a chain of thousands of ops, each nested in the next (or a callback that recurses). "
+        "The tree is now partly executed: build it again, and compose long sequences side by side "
+        "(DeviceOpVec / zip_ of ops that each take the previous result's buffer), run the chain in pieces, "
+        "or raise the limit with sys.setrecursionlimit(...)")
 
 
 class executing:
@@ -119,7 +157,10 @@ class DeviceOp:
     def sync_on(self, stream):
         """Execute on ``stream`` and wait for the device; returns the op's value."""
         with executing(lambda: f"sync_on({self.describe()})"):
-            out = self._run(ExecutionContext(stream))
+            try:
+                out = self._run(ExecutionContext(stream))
+            except RecursionError as exc:
+                raise too_deep(self, exc) from exc
             try:
                 stream.synchronize()
             except KernelFaultError as exc:  # the driver cannot say which kernel: name the ones this op launched
@@ -134,7 +175,10 @@ class DeviceOp:
         """Enqueue the work on ``stream`` without waiting; the value's buffers are
         ready once the stream reaches this point."""
         with executing(lambda: f"async_on({self.describe()})"):
-            return self._run(ExecutionContext(stream))
+            try:
+                return self._run(ExecutionContext(stream))
+            except RecursionError as exc:
+                raise too_deep(self, exc) from exc
 
     def __await__(self):
         return self._await_on(None).__await__()
@@ -154,7 +198,11 @@ class DeviceOp:
     def graph_on(self, stream):
         """Capture this op on ``stream`` into a replayable CudaGraph (see deviceop.graph)."""
         from .graph import CudaGraph
-        return CudaGraph.capture(self, stream)
+        check_stream(f"graph_on({self.describe()})", stream)
+        try:
+            return CudaGraph.capture(self, stream)  # (the capture is ended, and the stream usable, on any error)
+        except RecursionError as exc:
+            raise too_deep(self, exc) from exc
 
     def graph(self):
         """``graph_on`` the default stream."""
@@ -183,15 +231,35 @@ class DeviceOp:
         return Map(self, _unpartition, name="unpartition")
 
     def reshape(self, *shape) -> "DeviceOp":
-        return Reshape(self, tuple(shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape))
+        if len(shape) == 1 and not hasattr(shape[0], "__index__"):  # reshape([2, 3]) as well as reshape(2, 3)
+            shape = shape[0]
+        try:
+            dims = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise ShapeError(f"reshape() takes dimensions as ints, e.g. .reshape(2, 3) or .reshape([2, 3]); "
+                             f"got {shape!r}") from None
+        return Reshape(self, dims)
 
     def unzip(self, n: int | None = None) -> tuple:
         """Split an op producing an n-tuple into n ops; the op runs once."""
-        n = n if n is not None else getattr(self, "arity", None)
+        arity = getattr(self, "arity", None)
         if n is None:
-            raise StateError(f"unzip() cannot tell how many values {self.describe()} produces; pass n")
+            n = arity
+            if n is None:
+                raise StateError(f"unzip() cannot tell how many values {self.describe()} produces; pass n")
+        else:
+            try:
+                count = operator.index(n)
+            except TypeError:
+                count = -1
+            if count < 0:
+                raise ShapeError(f"unzip(n) takes the number of values as an int >= 0, got {n!r}")
+            n = count
+        if arity is not None and n != arity:
+            raise ShapeError(f"unzip({n}) of {self.describe()}, which produces {arity} values: "
+                             f"call unzip({arity}) (or unzip())")
         core = self.shared()
-        return tuple(Map(core.clone(), lambda v, i=i: v[i], name=f"select[{i}]") for i in range(n))
+        return tuple(Map(core.clone(), _selector(i, n), name=f"select[{i}]") for i in range(n))
 
     def shared(self) -> "SharedOp":
         return SharedOp(_SharedCore(self))
@@ -218,12 +286,34 @@ def launched_kernels(op) -> list:
     return names
 
 
+def _selector(i: int, n: int):
+    """``v[i]`` of a value unzipped into ``n`` parts."""
+    def select(v):
+        if not isinstance(v, (tuple, list)) or len(v) != n:
+            got = f"{len(v)} values" if isinstance(v, (tuple, list)) else f"a {type(v).__name__}"
+            raise ShapeError(f"unzip({n}) needs an op producing {n} values, got {got}; pass the op's arity")
+        return v[i]
+    return select
+
+
 def _first(v):
-    return v[0]
+    try:
+        return v[0]
+    except (TypeError, IndexError, KeyError):
+        raise ShapeError(f"first() needs an op producing a tuple (a kernel launch's arguments), got "
+                         f"{_what(v)}; call it on a launch, or use .map(...)") from None
 
 
 def _last(v):
-    return v[-1]
+    try:
+        return v[-1]
+    except (TypeError, IndexError, KeyError):
+        raise ShapeError(f"last() needs an op producing a tuple (a kernel launch's arguments), got "
+                         f"{_what(v)}; call it on a launch, or use .map(...)") from None
+
+
+def _what(v) -> str:
+    return f"an empty {type(v).__name__}" if isinstance(v, (tuple, list)) else f"{v!r:.60} ({type(v).__name__})"
 
 
 def _unpartition(v):
@@ -409,16 +499,21 @@ class _SharedCore:
 
     def wait(self, ctx):
         """The result of a run another execution claimed (see the class docstring)."""
-        if not self.done and not self.failed and self.claims[0] is ctx:
+        if self.failed:  # raised before waiting: a failed op run again must not grow claims
+            raise self._failed_error()
+        if not self.done and self.claims[0] is ctx:
             raise StateError(f"shared op {self.op.describe()} depends on its own result")
         event = threading.Event()
         self.claims.append(event)
         while not (self.done or self.failed):  # done/failed are set before the runner wakes anyone
             event.wait()
         if not self.done:
-            raise StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
-                             "result; build the op again")
+            raise self._failed_error()
         return self.result
+
+    def _failed_error(self) -> StateError:
+        return StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
+                          "result; build the op again")
 
 
 class SharedOp(DeviceOp):

@@ -21,7 +21,7 @@ import operator
 
 import numpy as np
 
-from .dtypes import DType, dtype as as_dtype
+from .dtypes import DType, dtype as as_dtype, host_array_from_dlpack
 from .errors import DTypeError, OutOfMemoryError, OwnershipError, ShapeError, StateError
 
 
@@ -215,7 +215,7 @@ class Tensor:
         if isinstance(obj, Tensor):
             return obj
         if device.is_reference:
-            return cls._wrap(np.from_dlpack(obj), device)
+            return cls._wrap(host_array_from_dlpack(obj), device)  # (NumPy alone refuses bfloat16)
         import cupy
         kind = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
         if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
@@ -354,7 +354,12 @@ class Tensor:
     def numpy(self, *, stream=None) -> np.ndarray:
         """A host copy.  With ``stream`` the copy is ordered after that stream's
         work; without, the whole device is synchronized first."""
+        if stream is not None and stream.is_capturing():  # a copy to the host is a host sync: not in a capture
+            from .runtime.stream import sync_in_capture
+            raise sync_in_capture("tensor.numpy(stream=...)", "cuStreamSynchronize")
         if self.device.is_reference:
+            if stream is None:
+                self.device.synchronize()  # refused while a capture is open, as on a GPU
             return self._array.copy()
         if stream is None:
             self.device.synchronize()

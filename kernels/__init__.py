@@ -30,6 +30,14 @@ def _need(cond: bool, message: str) -> None:
         raise dop.ShapeError(message)
 
 
+def _counts(kernel: str, g: dict, *names) -> None:
+    """Generics that are counts (tiles, steps): ints >= 1, checked before any arithmetic uses them."""
+    for n in names:
+        v = g[n]
+        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+              f"{kernel}: generic {n}={v!r} must be an int >= 1")
+
+
 def _aligned(*tensors) -> None:
     for t in tensors:
         _need(t.data_ptr % 16 == 0, "these kernels use 16-byte loads: tensors must start 16-byte aligned")
@@ -67,6 +75,7 @@ def _matvec_ref(g, out, x, w):
 
 
 def _matvec_check(g, out, x, w):
+    _counts("matvec", g, "BN", "BK", "K")
     BN, BK, K = g["BN"], g["BK"], g["K"]
     t = out.tensor
     _need(out.tile_shape == (BN,), f"matvec<BN={BN}>: partition out with [{BN}], not {list(out.tile_shape)}")
@@ -112,6 +121,7 @@ def _matvec_batched_ref(g, out, x, w):
 
 
 def _matvec_batched_check(g, out, x, w):
+    _counts("matvec_batched", g, "BN", "BK", "K", "MB")
     BN, BK, K, MB = g["BN"], g["BK"], g["K"], g["MB"]
     t = out.tensor
     _need(out.tile_shape == (MB, BN), f"matvec_batched<BN={BN}, MB={MB}>: partition out with [{MB}, {BN}], "
@@ -171,6 +181,7 @@ def _matvec_add_ref(g, out, x, w, residual):
 
 def _fused_check(name, per_load):
     def check(g, out, x, *rest):
+        _counts(name, g, "BN", "BK", "K")
         BN, BK, K = g["BN"], g["BK"], g["K"]
         t = out.tensor
         w = rest[1] if name.startswith("rms") else rest[0]

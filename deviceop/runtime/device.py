@@ -8,9 +8,11 @@ but nothing measured on it says anything about a GPU.
 """
 from __future__ import annotations
 
+import operator
 import os
 import sys
 import threading
+import weakref
 
 from cuda.bindings import driver as cu
 
@@ -20,6 +22,7 @@ from .driver import check
 
 _instances: dict[tuple[type, int], "Device"] = {}
 _instances_lock = threading.Lock()
+_CTX_SYNC = "device.synchronize() (which Tensor.numpy() without stream= calls)"
 
 
 class Device:
@@ -34,14 +37,18 @@ class Device:
     def __new__(cls, ordinal: int = 0):
         if cls is Device:
             cls = CudaDevice if driver.driver_available() else ReferenceDevice
-        key = (cls, int(ordinal))
+        try:
+            ordinal = operator.index(ordinal)
+        except TypeError:
+            raise NoDeviceError(f"a device ordinal is an int (0 for the first GPU), got {ordinal!r}") from None
+        key = (cls, ordinal)
         inst = _instances.get(key)
         if inst is None:
             with _instances_lock:
                 inst = _instances.get(key)
                 if inst is None:
                     inst = object.__new__(cls)
-                    inst._setup(int(ordinal))
+                    inst._setup(ordinal)
                     _instances[key] = inst
         return inst
 
@@ -128,7 +135,10 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         self.bind()
-        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        code = cu.cuCtxSynchronize()[0]
+        if code:  # refused while any stream captures: a CaptureSyncError (a CudaError too)
+            from .stream import sync_failed
+            sync_failed(code, "cuCtxSynchronize", _CTX_SYNC, whose="a stream of this device is")
 
     def memory_info(self) -> tuple[int, int]:
         """``(free, total)`` device memory in bytes."""
@@ -157,9 +167,13 @@ class ReferenceDevice(Device):
 
     def _setup(self, ordinal: int) -> None:
         global _announced
+        self.reason = driver.probe()[1]
+        if ordinal != 0:  # a GPU machine without GPU `ordinal` refuses it too (CudaDevice._setup)
+            raise NoDeviceError(f"no CUDA device {ordinal}: this process has no GPU ({self.reason}), only the "
+                                "reference device, Device(0); use Device(0), or run on a machine with that GPU")
         self.ordinal = ordinal
         self.name = "deviceop reference device (NumPy)"
-        self.reason = driver.probe()[1]
+        self._streams = weakref.WeakSet()  # every stream made on it (a context-wide sync checks their captures)
         if not _announced:
             _announced = True
             print(f"deviceop: no CUDA GPU ({self.reason}); using the reference device, which runs "
@@ -184,7 +198,13 @@ class ReferenceDevice(Device):
         return ReferenceStream(self)
 
     def synchronize(self) -> None:
-        pass
+        """Refused while any of its streams captures, and breaks those captures, as ``cuCtxSynchronize`` on a GPU."""
+        capturing = [s for s in list(self._streams) if s._capturing]
+        if capturing:
+            for s in capturing:
+                s._break_capture()
+            from .stream import sync_in_capture
+            raise sync_in_capture(_CTX_SYNC, "cuCtxSynchronize", whose="a stream of this device is")
 
     def memory_info(self) -> tuple[int, int]:
         return (0, 0)

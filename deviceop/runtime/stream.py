@@ -10,15 +10,64 @@ import time
 
 from cuda.bindings import driver as cu
 
-from ..errors import CaptureError, StateError
-from .driver import check, raise_error
+from ..errors import CaptureError, CaptureSyncError, StateError
+from .driver import check, error_name, raise_error
 
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+# What the driver answers a host sync during a capture (the capture is invalidated then),
+# and a wait on an event last recorded in a capture.
+_CAPTURE_REFUSALS = ("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED")
+_CAPTURED_EVENT = "CUDA_ERROR_CAPTURED_EVENT"
 _CAPTURE_MODES = {
     "relaxed": cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED,
     "thread_local": cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
     "global": cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL,
 }
+
+
+def sync_in_capture(what: str, call: str, code_name: str = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+                    whose: str = "the stream is") -> CaptureSyncError:
+    """The error of the host sync ``what`` (driver call ``call``) while a stream
+    is capturing a graph: one wording, and one type, for the GPU and the reference device."""
+    if code_name == _CAPTURED_EVENT:
+        message = (f"{what} on an event last recorded while its stream was capturing a graph ({code_name}): "
+                   "such an event marks a point of the graph, not of the stream's work. Record it again "
+                   "outside the capture to wait for it, or wait after a replay")
+    else:
+        message = (f"{what} was called while {whose} capturing a graph ({code_name}): a host sync cannot be "
+                   "recorded, and it breaks the capture. Wait before the capture begins or after it ends; "
+                   "inside a capture or scope, only record work")
+    return CaptureSyncError(message, call, int(getattr(cu.CUresult, code_name)), code_name)
+
+
+def sync_failed(code, call: str, what: str, whose: str = "the stream is") -> None:
+    """Raise the error of the failed driver ``call`` behind the host sync ``what``."""
+    name = error_name(code)
+    if name in _CAPTURE_REFUSALS or name == _CAPTURED_EVENT:
+        raise sync_in_capture(what, call, name, whose)
+    raise_error(code, call)
+
+
+def closed_stream(what: str) -> StateError:
+    return StateError(f"{what} on a stream that was closed (stream.close()); use a live stream "
+                      "(device.new_stream())")
+
+
+class _ClosedDevice:
+    """A closed stream's ``device``: every execution, capture or copy asks its
+    stream's device something first, and the answer is that the stream was closed
+    (so live streams pay nothing for the check)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        raise closed_stream("work (an op, a capture, a copy)")
+
+    def __repr__(self) -> str:
+        return "<the device of a closed stream>"
+
+
+_CLOSED = _ClosedDevice()
 
 
 class Stream:
@@ -65,21 +114,30 @@ class CudaStream(Stream):
     def __int__(self) -> int:
         return int(self.handle)
 
+    def _live(self, what: str):
+        """The handle; a closed stream's would be None, which the driver reads as the legacy stream."""
+        handle = self.handle
+        if handle is None:
+            raise closed_stream(what)
+        return handle
+
     def synchronize(self) -> None:
-        check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+        code = cu.cuStreamSynchronize(self._live("synchronize()"))[0]
+        if code:
+            sync_failed(code, "cuStreamSynchronize", "stream.synchronize()")
 
     def query(self) -> bool:
         """True when all work on the stream has finished."""
-        code = cu.cuStreamQuery(self.handle)[0]
+        code = cu.cuStreamQuery(self._live("query()"))[0]
         if code == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
         if code:
-            raise_error(code, "cuStreamQuery")
+            sync_failed(code, "cuStreamQuery", "stream.query()")
         return True
 
     def wait_event(self, event: "CudaEvent") -> None:
         """Make future work on this stream wait for ``event``."""
-        check(cu.cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+        check(cu.cuStreamWaitEvent(self._live("wait_event()"), event.handle, 0), "cuStreamWaitEvent")
 
     def wait_stream(self, other: "CudaStream") -> None:
         """Make future work on this stream wait for the work queued on ``other`` so far."""
@@ -90,7 +148,7 @@ class CudaStream(Stream):
 
     # -- capture (the graph layer builds on these) -------------------------
     def is_capturing(self) -> bool:
-        status = check(cu.cuStreamIsCapturing(self.handle), "cuStreamIsCapturing")
+        status = check(cu.cuStreamIsCapturing(self._live("is_capturing()")), "cuStreamIsCapturing")
         return status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
     def begin_capture(self, mode: str = "relaxed") -> None:
@@ -122,8 +180,10 @@ class CudaStream(Stream):
         return self._cupy
 
     def close(self) -> None:
+        """Destroy the stream (idempotent); later work on it raises StateError."""
         if self._owned and self.handle is not None:
             handle, self.handle, self.ptr = self.handle, None, None
+            self._ordinal, self.device = self.device.ordinal, _CLOSED
             check(cu.cuStreamDestroy(handle), "cuStreamDestroy")
 
     def __del__(self):
@@ -134,6 +194,8 @@ class CudaStream(Stream):
             pass
 
     def __repr__(self) -> str:
+        if self.handle is None:
+            return f"<closed stream on device {self._ordinal}>"
         kind = "legacy default stream" if self.is_legacy else f"stream 0x{int(self.handle):x}"
         return f"<{kind} on device {self.device.ordinal}>"
 
@@ -151,14 +213,16 @@ class CudaEvent:
         return self
 
     def synchronize(self) -> None:
-        check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+        code = cu.cuEventSynchronize(self.handle)[0]
+        if code:
+            sync_failed(code, "cuEventSynchronize", "event.synchronize()")
 
     def query(self) -> bool:
         code = cu.cuEventQuery(self.handle)[0]
         if code == cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
         if code:
-            raise_error(code, "cuEventQuery")
+            sync_failed(code, "cuEventQuery", "event.query()")
         return True
 
     def elapsed_ms(self, end: "CudaEvent") -> float:
@@ -175,48 +239,87 @@ class CudaEvent:
 
 
 class ReferenceStream(Stream):
-    """A stream of the reference device: work runs on the host at once."""
+    """A stream of the reference device: work runs on the host at once.
+
+    It refuses what a CUDA stream refuses: a host sync (``synchronize``,
+    ``query``) while it captures, and any work once closed."""
 
     def __init__(self, device):
         self.device = device
-        self._capturing = False
+        self._capture_open = self._broken = self._closed = False
+        device._streams.add(self)
+
+    @property
+    def _capturing(self) -> bool:
+        return self._capture_open
+
+    @_capturing.setter
+    def _capturing(self, value: bool) -> None:
+        """Set by the graph layer as a capture begins and ends; each capture starts unbroken."""
+        self._capture_open, self._broken = value, False
+
+    def _break_capture(self) -> None:
+        """A host sync during the capture: as the driver does, the capture fails when it ends."""
+        self._broken = True
+
+    def _check_sync(self, what: str, call: str) -> None:
+        if self._closed:
+            raise closed_stream(what)
+        if self._capturing:
+            self._break_capture()
+            raise sync_in_capture(what, call)
 
     def synchronize(self) -> None:
-        pass
+        self._check_sync("stream.synchronize()", "cuStreamSynchronize")
 
     def query(self) -> bool:
+        self._check_sync("stream.query()", "cuStreamQuery")
         return True
 
     def wait_event(self, event) -> None:
-        pass
+        if self._closed:
+            raise closed_stream("wait_event()")
 
     def wait_stream(self, other) -> None:
-        pass
+        if self._closed:
+            raise closed_stream("wait_stream()")
 
     def device_event(self, timing: bool = True) -> "ReferenceEvent":
         return ReferenceEvent(self.device, timing=timing)
 
     def is_capturing(self) -> bool:
+        if self._closed:
+            raise closed_stream("is_capturing()")
         return self._capturing
 
+    def close(self) -> None:
+        """Close the stream (idempotent); later work on it raises StateError, as on a GPU."""
+        self._closed, self.device = True, _CLOSED
+
     def __repr__(self) -> str:
-        return f"<reference stream 0x{id(self):x}>"
+        return f"<reference stream 0x{id(self):x}{' (closed)' if self._closed else ''}>"
 
 
 class ReferenceEvent:
-    """Host-clock event of the reference device."""
+    """Host-clock event of the reference device.  Like a CUDA event, one last
+    recorded on a capturing stream cannot be waited for (it marks a point of
+    the graph) until it is recorded again outside a capture."""
 
     def __init__(self, device, *, timing: bool = True):
-        self.device, self.timing, self._t = device, timing, None
+        self.device, self.timing, self._t, self._captured = device, timing, None, False
 
     def record(self, stream) -> "ReferenceEvent":
         self._t = time.perf_counter()
+        self._captured = bool(getattr(stream, "_capturing", False))
         return self
 
     def synchronize(self) -> None:
-        pass
+        if self._captured:
+            raise sync_in_capture("event.synchronize()", "cuEventSynchronize", _CAPTURED_EVENT)
 
     def query(self) -> bool:
+        if self._captured:
+            raise sync_in_capture("event.query()", "cuEventQuery", _CAPTURED_EVENT)
         return True
 
     def elapsed_ms(self, end: "ReferenceEvent") -> float:
