@@ -207,8 +207,9 @@ def sample_distribution(logits, temperature: float, top_k: int, top_p: float) ->
 
 
 def sample_rows(vocab: int) -> int:
-    """CTAs (rows of ``part``) for a vocabulary: enough that each takes at most 1024 logits."""
-    return max(1, -(-vocab // 1000))
+    """CTAs (rows of ``part``) for a vocabulary: the fewest that leave each at most 1024 logits
+    (126 for 128256: 32 candidates each fit the finishing CTA's 4096)."""
+    return max(1, -(-vocab // 1024))
 
 
 def sample_buffers(vocab: int, candidates: int = 32, *, stream=None):
