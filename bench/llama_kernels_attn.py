@@ -63,7 +63,7 @@ def main() -> int:
         api.memcpy(pos, dop.from_numpy(np.array([p], np.int32), stream=stream)).sync_on(stream)
 
     rows, table = [], []
-    configs = [(32, 64, True), (32, 64, False), (32, 16, True), (32, 256, True), (16, 64, True), (64, 64, True)]
+    configs = [(32, 64, True), (32, 64, False), (32, 16, True), (32, 32, True), (16, 64, True), (64, 64, True)]
     for splits, minl, pdl in configs:
         ws, counters = attn_buffers(HKV, HD, G, splits, stream=stream)
         ops = []

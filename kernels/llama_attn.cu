@@ -95,7 +95,7 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
 
     __shared__ float s_acc[NW][G][HD];
     __shared__ float s_m[NW][G], s_l[NW][G];
-    __shared__ float s_cm[S * G], s_cl[S * G];
+    __shared__ float s_cm[S * G], s_cl[S * G], s_cw[S * G];
     __shared__ int s_last;
 
     const int h = blockIdx.x / S, s = blockIdx.x % S;
@@ -270,17 +270,39 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
         s_cl[i] = __ldcg(ws_l + (size_t)h * S * G + i);
     }
     __syncthreads();
-    for (int i = tid; i < G * HD; i += 128) {
-        const int g = i / HD;
-        float mn = -INFINITY;
-        for (int c = 0; c < nch; ++c) mn = fmaxf(mn, s_cm[c * G + g]);
-        float lsum = 0.f, a = 0.f;
-        for (int c = 0; c < nch; ++c) {
-            const float f = rescale(s_cm[c * G + g], mn);
-            lsum += s_cl[c * G + g] * f;
-            a += __ldcg(ws_acc + ((size_t)h * S + c) * G * HD + i) * f;
+    if (tid < G) {  // each query head's maximum and normaliser over the chunks
+        float mn = -INFINITY, lsum = 0.f;
+        for (int c = 0; c < nch; ++c) mn = fmaxf(mn, s_cm[c * G + tid]);
+        for (int c = 0; c < nch; ++c) lsum += s_cl[c * G + tid] * rescale(s_cm[c * G + tid], mn);
+        s_m[0][tid] = mn;
+        s_l[0][tid] = 1.f / lsum;
+    }
+    __syncthreads();
+    for (int i = tid; i < nch * G; i += 128) s_cw[i] = rescale(s_cm[i], s_m[0][i % G]) * s_l[0][i % G];
+    __syncthreads();
+    // every chunk's partial of this thread's outputs is loaded before any is used: one L2 round trip,
+    // not nch of them (a loop of dependent loads cost ~0.5 us a chunk)
+    constexpr int ITEMS = (G * HD + 127) / 128;
+    constexpr int IU = ITEMS * S <= 128 ? ITEMS : 1;  // outputs in flight at once (registers: IU * S)
+    for (int i0 = tid; i0 < G * HD; i0 += 128 * IU) {
+        float x[IU][S];
+#pragma unroll
+        for (int u = 0; u < IU; ++u) {
+            const int i = i0 + u * 128;
+#pragma unroll
+            for (int c = 0; c < S; ++c)
+                x[u][c] = c < nch && i < G * HD ? __ldcg(ws_acc + ((size_t)h * S + c) * G * HD + i) : 0.f;
         }
-        out_h[i] = a / lsum;
+#pragma unroll
+        for (int u = 0; u < IU; ++u) {
+            const int i = i0 + u * 128;
+            if (i >= G * HD) break;
+            const int g = i / HD;
+            float a = 0.f;
+#pragma unroll
+            for (int c = 0; c < S; ++c) a = c < nch ? fmaf(x[u][c], s_cw[c * G + g], a) : a;
+            out_h[i] = a;
+        }
     }
     if (tid == 0) counters[h] = 0;  // ready for the next launch (ordered by the kernel boundary)
 }

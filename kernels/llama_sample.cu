@@ -142,13 +142,11 @@ __device__ T block_sum(T v, T* red) {
     return r;
 }
 
-// The selection source: candidate values and indices in shared memory, or all V logits (idx null).
+// The selection source of the fallback: all V logits, read through L2.
 struct Source {
     const float* val;
-    const int* idx;
     int n;
-    __device__ float v(int j) const { return (idx ? val[j] : __ldcg(val + j)) + 0.f; }
-    __device__ int i(int j) const { return idx ? idx[j] : j; }
+    __device__ float v(int j) const { return __ldcg(val + j) + 0.f; }
 };
 
 struct Shared {
@@ -158,6 +156,7 @@ struct Shared {
     float sumf[32];
     unsigned sel[2];
     unsigned long long above;
+    int pick;
     int last;
 };
 
@@ -173,11 +172,31 @@ __device__ unsigned radix_select(const Source& src, unsigned long long target, u
         const unsigned hi_mask = shift == 24 ? 0u : (0xffffffffu << (shift + 8));
         for (int b = tid; b < 256; b += NT) sh.hist[b] = 0;
         __syncthreads();
-        for (int j = tid; j < src.n; j += NT) {
-            const float x = src.v(j);
-            const unsigned key = ord(x);
-            if (key >= lo && (key & hi_mask) == prefix && src.i(j) >= 0)
-                atomicAdd(&sh.hist[(key >> shift) & 255u], MASS ? fixed_mass(x, mx, c) : 1ull);
+        // lanes adding to the same bin are summed first, one atomic per bin and warp: a few bins
+        // hold most logits, and same-address shared atomics serialise (1.3 ms a draw without this)
+        for (int base = 0; base < src.n; base += NT) {
+            const int j = base + tid;
+            unsigned bin = 0xffffffffu;
+            unsigned long long w = 0;
+            if (j < src.n) {
+                const float x = src.v(j);
+                const unsigned key = ord(x);
+                if (key >= lo && (key & hi_mask) == prefix) {
+                    bin = (key >> shift) & 255u;
+                    w = MASS ? fixed_mass(x, mx, c) : 1ull;
+                }
+            }
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            unsigned long long sum = __popc(peers);
+            if (MASS) {
+                sum = 0;
+#pragma unroll
+                for (int t = 0; t < 32; ++t) {
+                    const unsigned long long wt = __shfl_sync(0xffffffffu, w, t);
+                    sum += (peers >> t) & 1u ? wt : 0ull;
+                }
+            }
+            if (bin != 0xffffffffu && lane == __ffs(peers) - 1) atomicAdd(&sh.hist[bin], sum);
         }
         __syncthreads();
         if (tid < 32) {  // lane L holds bins 255-8L .. 248-8L (descending)
@@ -214,50 +233,110 @@ __device__ unsigned radix_select(const Source& src, unsigned long long target, u
     return prefix;
 }
 
-// top-k / top-p thresholds and the Gumbel draw on a source; false when the candidates cannot decide
-// (a threshold at or below their exactness bound ek), the token in *tok otherwise.
-__device__ bool select_and_draw(const Source& src, bool candidates, unsigned ek, int V, int top_k, float top_p,
-                                float mx, float c, float invT, unsigned long long z_all, unsigned step,
-                                uint2 key, Shared& sh, int* tok) {
+// The fallback: top-k / top-p thresholds by radix select over all V logits, then the Gumbel draw.
+__device__ int select_all(const Source& src, int V, int top_k, float top_p, float mx, float c, float invT,
+                          unsigned step, uint2 key, Shared& sh) {
     const int tid = threadIdx.x;
     const bool use_k = top_k > 0 && top_k < V;
-    unsigned tau_k = 0;
-    if (use_k) {
-        if (candidates) {
-            unsigned cnt = 0;
-            for (int j = tid; j < src.n; j += NT) cnt += src.i(j) >= 0 && ord(src.v(j)) > ek;
-            if (block_sum<unsigned>(cnt, reinterpret_cast<unsigned*>(sh.sum64)) < (unsigned)top_k) return false;
-        }
-        tau_k = radix_select<false>(src, (unsigned long long)top_k, 0u, mx, c, sh);
-    }
+    const unsigned tau_k = use_k ? radix_select<false>(src, (unsigned long long)top_k, 0u, mx, c, sh) : 0u;
     unsigned tau = tau_k;
     if (top_p < 1.f) {
-        unsigned long long z = z_all, zk = 0, ze = 0;
+        unsigned long long z = 0;
         for (int j = tid; j < src.n; j += NT) {
             const float x = src.v(j);
-            const unsigned kx = ord(x);
-            if (src.i(j) >= 0 && kx >= tau_k) {
-                const unsigned long long w = fixed_mass(x, mx, c);
-                zk += w;
-                ze += kx > ek ? w : 0ull;
-            }
+            if (ord(x) >= tau_k) z += fixed_mass(x, mx, c);
         }
-        zk = block_sum<unsigned long long>(zk, sh.sum64);
-        if (use_k || !candidates) z = zk;  // the candidates hold the whole top-k set; all V logits hold all
+        z = block_sum<unsigned long long>(z, sh.sum64);
         const double t = ceil((double)top_p * (double)z);
-        const unsigned long long target = t < 1.0 ? 1ull : (unsigned long long)t;
-        if (candidates && block_sum<unsigned long long>(ze, sh.sum64) < target) return false;
-        tau = radix_select<true>(src, target, tau_k, mx, c, sh);
+        tau = radix_select<true>(src, t < 1.0 ? 1ull : (unsigned long long)t, tau_k, mx, c, sh);
     }
     Best b{0u, 0x7fffffff};
     for (int j = tid; j < src.n; j += NT) {
         const float x = src.v(j);
-        const int i = src.i(j);
-        if (i >= 0 && ord(x) >= tau) b = better(b, Best{ord(x * invT + gumbel(i, step, key)), i});
+        if (ord(x) >= tau) b = better(b, Best{ord(x * invT + gumbel(j, step, key)), j});
     }
-    b = block_best(b, sh.best);
-    *tok = b.idx;
-    return true;
+    return block_best(b, sh.best).idx;
+}
+
+// The same on the candidates, sorted (value desc, index asc) in comp[0, np): -1 when they cannot
+// decide (a threshold at or below ek, their exactness bound), else the token.
+__device__ int select_sorted(const unsigned long long* comp, int np, unsigned ek, int V, int top_k, float top_p,
+                             float mx, float c, float invT, unsigned long long z_all, unsigned step, uint2 key,
+                             Shared& sh) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    auto key_of = [&](int j) { return (unsigned)(comp[j] >> 32); };
+    auto idx_of = [&](int j) { return (int)(0xffffffffu - (unsigned)(comp[j] & 0xffffffffu)); };
+    auto val_of = [&](unsigned k) { return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k); };
+    unsigned cnt = 0;  // real candidates (the padding, 0, sorts last)
+    for (int j = tid; j < np; j += NT) cnt += comp[j] != 0ull;
+    const int nv = (int)block_sum<unsigned>(cnt, reinterpret_cast<unsigned*>(sh.sum64));
+    const bool use_k = top_k > 0 && top_k < V;
+    int nk = nv;  // the kept prefix
+    unsigned tau = 0;
+    if (use_k) {
+        if (top_k > nv || key_of(top_k - 1) <= ek) return -1;
+        tau = key_of(top_k - 1);
+    }
+    auto prefix_len = [&](unsigned t) {  // candidates with key >= t (a prefix: they are sorted)
+        unsigned m = 0;
+        for (int j = tid; j < nv; j += NT) m += key_of(j) >= t;
+        return (int)block_sum<unsigned>(m, reinterpret_cast<unsigned*>(sh.sum64));
+    };
+    if (use_k) nk = prefix_len(tau);
+    if (top_p < 1.f) {
+        // inclusive scan of the fixed-point masses over the kept prefix; thread t owns PER consecutive
+        constexpr int PER = MAXCAND / NT;
+        unsigned long long w[PER], local = 0;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int j = tid * PER + e;
+            w[e] = j < nk ? fixed_mass(val_of(key_of(j)), mx, c) : 0ull;
+            local += w[e];
+        }
+        unsigned long long incl = local;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const unsigned long long t = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += t;
+        }
+        __syncthreads();
+        if (lane == 31) sh.sum64[warp] = incl;
+        __syncthreads();
+        if (warp == 0) {
+            unsigned long long v = sh.sum64[lane], vi = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const unsigned long long t = __shfl_up_sync(0xffffffffu, vi, o);
+                if (lane >= o) vi += t;
+            }
+            sh.sum64[lane] = vi - v;  // exclusive: the warps before
+            if (lane == 31) sh.above = vi;  // the total
+        }
+        __syncthreads();
+        const unsigned long long total = sh.above;
+        const unsigned long long z = use_k ? total : z_all;  // the candidates hold the whole top-k set
+        const double td = ceil((double)top_p * (double)z);
+        const unsigned long long target = td < 1.0 ? 1ull : (unsigned long long)td;
+        if (tid == 0) sh.pick = -1;
+        __syncthreads();
+        unsigned long long cum = sh.sum64[warp] + incl - local;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            if (cum < target && cum + w[e] >= target) sh.pick = tid * PER + e;  // one crossing
+            cum += w[e];
+        }
+        __syncthreads();
+        const int jp = sh.pick;
+        if (jp < 0 || key_of(jp) <= ek) return -1;  // the nucleus reaches past the candidates
+        tau = key_of(jp);
+        nk = prefix_len(tau);
+    }
+    Best b{0u, 0x7fffffff};
+    for (int j = tid; j < nk; j += NT) {
+        const int i = idx_of(j);
+        b = better(b, Best{ord(val_of(key_of(j)) * invT + gumbel(i, step, key)), i});
+    }
+    return block_best(b, sh.best).idx;
 }
 
 }  // namespace llama_sample
@@ -272,7 +351,7 @@ sample(float* __restrict__ part, const float* __restrict__ logits, int* __restri
     __shared__ Shared sh;
     __shared__ union {
         unsigned long long sorted[NT];
-        struct { float v[MAXCAND]; int i[MAXCAND]; } cand;
+        unsigned long long cand[MAXCAND];  // (key, ~index) of the candidates, sorted by the last CTA
     } buf;
 
     const int tid = threadIdx.x, B = gridDim.x, b = blockIdx.x;
@@ -348,10 +427,16 @@ sample(float* __restrict__ part, const float* __restrict__ logits, int* __restri
         tok = block_best(v, sh.best).idx;
     } else {
         const int n = B * C;
-        for (int j = tid; j < n; j += NT) {
-            const float* r = part + (size_t)(j / C) * W;
-            buf.cand.v[j] = __ldcg(r + j % C);
-            buf.cand.i[j] = __float_as_int(__ldcg(r + C + j % C));
+        int np = 1;
+        while (np < n) np <<= 1;
+        for (int j = tid; j < np; j += NT) {
+            unsigned long long e = 0ull;
+            if (j < n) {
+                const float* r = part + (size_t)(j / C) * W;
+                const int ix = __float_as_int(__ldcg(r + C + j % C));
+                if (ix >= 0) e = ((unsigned long long)ord(__ldcg(r + j % C) + 0.f) << 32) | (0xffffffffu - (unsigned)ix);
+            }
+            buf.cand[j] = e;
         }
         // the maximum, the exactness bound E, and the total mass from the per-CTA (max, sum)
         Best mxb{0u, 0x7fffffff}, eb{0u, 0x7fffffff};
@@ -370,11 +455,19 @@ sample(float* __restrict__ part, const float* __restrict__ logits, int* __restri
         const float mx = __uint_as_float(mbits);
         const float zf = block_sum<float>(tid < B && mt != -INFINITY ? st * exp2f((mt - mx) * c) : 0.f, sh.sumf);
         const unsigned long long z_all = __float2ull_rn(zf * FIXED);
-        const Source cand{buf.cand.v, buf.cand.i, n};
-        if (!select_and_draw(cand, true, ek, V, top_k, top_p, mx, c, invT, z_all, step, key, sh, &tok)) {
-            const Source all{logits, nullptr, V};
-            select_and_draw(all, false, 0u, V, top_k, top_p, mx, c, invT, z_all, step, key, sh, &tok);
+        // bitonic sort of the candidates, descending, in shared memory (each pair once a stage)
+        for (int k = 2; k <= np; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int t = tid; t < np / 2; t += NT) {
+                    const int a = (t / j) * 2 * j + (t % j), bb = a + j;
+                    const unsigned long long x = buf.cand[a], y = buf.cand[bb];
+                    if ((x < y) == ((a & k) == 0)) { buf.cand[a] = y; buf.cand[bb] = x; }
+                }
+                __syncthreads();
+            }
         }
+        tok = select_sorted(buf.cand, np, ek, V, top_k, top_p, mx, c, invT, z_all, step, key, sh);
+        if (tok < 0) tok = select_all(Source{logits, V}, V, top_k, top_p, mx, c, invT, step, key, sh);
     }
     if (tid == 0) {
         *token = tok >= 0 && tok < V ? tok : 0;
