@@ -1,0 +1,271 @@
+"""Llama decode attention and sampling kernels: declarations and NumPy references.
+
+* ``attn_decode<HD, G, S, MINL>(out [Hq*HD] tile [G*HD/S], q [Hq*HD], k [Hkv, cap, HD], v [Hkv, cap, HD],
+  pos int32 [1], ws, counters, cap)``: grouped-query decode attention over cache entries 0..pos,
+  split over the sequence (flash-decoding), the length read on the device (kernels/llama_attn.cu).
+* ``sample<C>(part [B, 2C+4] tile [1, 2C+4], logits [V], token int32 [1], state int32 [1], step int32 [1],
+  vocab, temperature, top_k, top_p, seed)``: greedy / temperature / top-k / top-p sampling with a
+  Philox-4x32-10 Gumbel-max draw (kernels/llama_sample.cu).
+
+Both are PDL-ready (``.pdl()``) and serve graph replays at any device-side position.  ``ws``,
+``counters``, ``token`` and ``state`` are written although declared as inputs (deviceop's output
+partition sets the grid); the references write ``out``/``token`` and leave the counters at zero, as the
+kernels do.  Use :func:`attn_buffers` and :func:`sample_buffers` to make the scratch.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+import deviceop as dop
+from deviceop.kernel import In, Kernel, Out, Scalar
+
+HERE = Path(__file__).resolve().parent
+LOG2E = 1.4426950408889634
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise dop.ShapeError(message)
+
+
+def _aligned(name: str, *tensors) -> None:
+    for t in tensors:
+        _need(t.data_ptr % 16 == 0, f"{name} uses 16-byte loads: its tensors must start 16-byte aligned "
+                                    f"(a cache slice at a layer offset is, for head dims 64 and 128)")
+
+
+# -- attn_decode ---------------------------------------------------------------------------------
+
+def attn_chunks(n: int, splits: int, min_chunk: int) -> tuple[int, int]:
+    """(chunk length, active chunks) the kernel uses for a length of ``n`` = pos + 1 entries."""
+    length = max(min_chunk, (-(-n // splits) + 15) // 16 * 16)
+    return length, -(-n // length)
+
+
+def attn_ws_size(kv_heads: int, head_dim: int, group: int, splits: int) -> int:
+    """Floats of attn_decode's workspace (per-chunk partial accumulators, maxima and sums)."""
+    return kv_heads * splits * group * (head_dim + 2)
+
+
+def attn_buffers(kv_heads: int, head_dim: int, group: int, splits: int, *, stream=None):
+    """``(ws, counters)`` for attn_decode: scratch shared by every layer's launch on one stream
+    (the counters start at zero and the kernel leaves them at zero)."""
+    ws = dop.empty([attn_ws_size(kv_heads, head_dim, group, splits)], stream=stream)
+    counters = dop.from_numpy(np.zeros(kv_heads, np.int32), stream=stream)
+    return ws, counters
+
+
+def _attn_ref(g, out, q, k, v, pos, ws, counters, cap):
+    HD, G, S, MINL = g["HD"], g["G"], g["S"], g["MINL"]
+    hkv = k.shape[0]
+    p = int(pos[0])
+    if not 0 <= p < cap:
+        out[...] = np.nan
+        return
+    n = p + 1
+    length, nch = attn_chunks(n, S, MINL)
+    # scores in log2 units, as the kernel keeps them (its partial maxima are log2 too)
+    q64 = q.astype(np.float64).reshape(hkv, G, HD) * (LOG2E / math.sqrt(HD))
+    k64, v64 = k[:, :n].astype(np.float64), v[:, :n].astype(np.float64)
+    s = np.einsum("hgd,htd->hgt", q64, k64)
+    w = np.exp2(s - s.max(axis=-1, keepdims=True))
+    out[...] = (np.einsum("hgt,htd->hgd", w, v64) / w.sum(axis=-1, keepdims=True)).reshape(-1)
+    if nch > 1:  # the partials the kernel leaves in ws
+        acc = ws[: hkv * S * G * HD].reshape(hkv, S, G, HD)
+        m = ws[hkv * S * G * HD: hkv * S * G * (HD + 1)].reshape(hkv, S, G)
+        lsum = ws[hkv * S * G * (HD + 1): hkv * S * G * (HD + 2)].reshape(hkv, S, G)
+        for c in range(nch):
+            sc = s[:, :, c * length: min(n, (c + 1) * length)]
+            mc = sc.max(axis=-1)
+            e = np.exp2(sc - mc[..., None])
+            m[:, c], lsum[:, c] = mc, e.sum(axis=-1)
+            acc[:, c] = np.einsum("hgt,htd->hgd", e, v64[:, c * length: min(n, (c + 1) * length)])
+
+
+def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
+    HD, G, S, MINL = g["HD"], g["G"], g["S"], g["MINL"]
+    name = f"attn_decode<HD={HD}, G={G}, S={S}, MINL={MINL}>"
+    _need(HD in (64, 128), f"{name}: head dim {HD} is not supported; HD must be 64 or 128")
+    _need(1 <= G <= 8, f"{name}: G={G} query heads per KV head is not supported; G must be in [1, 8]")
+    _need(1 <= S <= 64 and (G * HD) % S == 0,
+          f"{name}: S={S} splits must be in [1, 64] and divide G*HD={G * HD}")
+    _need(MINL >= 16 and MINL % 16 == 0, f"{name}: MINL={MINL} must be a multiple of 16, at least 16")
+    _need(k.ndim == 3 and k.shape[2] == HD,
+          f"{name}: k {k.shape} must be [kv_heads, cap, {HD}] (the layer's cache slice)")
+    _need(v.shape == k.shape, f"{name}: v {v.shape} must match k {k.shape}")
+    hkv, kcap = k.shape[0], k.shape[1]
+    _need(cap == kcap, f"{name}: cap={cap} but the cache slices hold {kcap} entries; pass k.shape[1]")
+    t = out.tensor
+    _need(q.shape == (hkv * G * HD,) and t.shape == q.shape,
+          f"{name}: q {q.shape} and out {t.shape} must be [{hkv * G * HD}] = kv_heads {hkv} * G {G} * HD {HD}")
+    _need(out.tile_shape == (G * HD // S,),
+          f"{name}: partition out with [{G * HD // S}] (G*HD/S: one tile per CTA, Hkv*S CTAs), "
+          f"not {list(out.tile_shape)}")
+    _need(pos.shape == (1,), f"{name}: pos {pos.shape} must be one int32 [1]")
+    need = attn_ws_size(hkv, HD, G, S)
+    _need(ws.ndim == 1 and ws.shape[0] >= need,
+          f"{name}: ws {ws.shape} must hold {need} floats; make it with attn_buffers(...)")
+    _need(counters.ndim == 1 and counters.shape[0] >= hkv,
+          f"{name}: counters {counters.shape} must hold {hkv} int32 (one per KV head), zero initially")
+    _need(all(x.is_contiguous for x in (t, q, k, v, ws, counters)), f"{name}: every tensor must be contiguous")
+    for a, an in ((ws, "ws"), (counters, "counters")):
+        for b, bn in ((q, "q"), (k, "k"), (v, "v"), (pos, "pos")):
+            if a.overlaps(b):
+                raise dop.AliasingError(f"{name} writes {an} and reads {bn} from overlapping memory; "
+                                        f"give {an} its own buffer")
+    if ws.overlaps(counters):
+        raise dop.AliasingError(f"{name}: ws and counters overlap; give each its own buffer")
+    _aligned(name, t, q, k, v)
+
+
+attn_decode = Kernel(
+    "attn_decode", HERE / "llama_attn.cu",
+    [Out("out", "float32", rank=1), In("q", "float32", rank=1), In("k", "bfloat16", rank=3),
+     In("v", "bfloat16", rank=3), In("pos", "int32", rank=1), In("ws", "float32", rank=1),
+     In("counters", "int32", rank=1), Scalar("cap", "int32")],
+    generics=["HD", "G", "S", "MINL"], block=128, reference=_attn_ref, validate=_attn_check)
+
+
+def attn_reference(q, k, v, pos: int) -> np.ndarray:
+    """Float64 attention of every query head over entries 0..pos (NaN for pos outside the cache)."""
+    hkv, cap, hd = k.shape
+    if not 0 <= pos < cap:
+        return np.full(q.shape, np.nan)
+    g = q.shape[0] // (hkv * hd)
+    qh = q.astype(np.float64).reshape(hkv * g, hd)
+    kh = np.repeat(k[:, : pos + 1].astype(np.float64), g, axis=0)
+    vh = np.repeat(v[:, : pos + 1].astype(np.float64), g, axis=0)
+    s = np.einsum("hd,htd->ht", qh, kh) / math.sqrt(hd)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return (np.einsum("ht,htd->hd", p / p.sum(axis=1, keepdims=True), vh)).reshape(-1)
+
+
+# -- sample ------------------------------------------------------------------------------------------
+
+_M0, _M1, _W0, _W1 = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
+_MASK = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter, key) -> np.ndarray:
+    """Philox-4x32-10 (Random123), vectorised: counter [..., 4] and key [2] uint32 -> [..., 4] uint32."""
+    c = [np.asarray(counter, np.uint64)[..., i].copy() for i in range(4)]
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    for _ in range(10):
+        p0, p1 = np.uint64(_M0) * c[0], np.uint64(_M1) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & _MASK, (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & _MASK]
+        k0, k1 = (k0 + np.uint64(_W0)) & _MASK, (k1 + np.uint64(_W1)) & _MASK
+    return np.stack(c, axis=-1).astype(np.uint32)
+
+
+def gumbel_noise(indices, step: int, seed: int) -> np.ndarray:
+    """The kernel's Gumbel noise of tokens ``indices`` at draw ``step`` for ``seed`` (float64)."""
+    idx = np.asarray(indices, np.uint64)
+    ctr = np.zeros(idx.shape + (4,), np.uint64)
+    ctr[..., 0], ctr[..., 1] = idx, np.uint64(step & 0xFFFFFFFF)
+    r = philox4x32_10(ctr, (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF))[..., 0].astype(np.uint64)
+    u = (2 * (r >> np.uint64(9)) + 1).astype(np.float64) * 2.0 ** -24
+    return -np.log(-np.log(u))
+
+
+def sample_reference(logits, temperature: float, top_k: int, top_p: float, seed: int, step: int) -> int:
+    """The token the sample kernel draws, computed in float64 (see kernels/llama_sample.cu)."""
+    x = np.asarray(logits, np.float32).astype(np.float64)
+    x = np.where(np.isnan(x), -np.inf, x)
+    V = x.shape[0]
+    if not temperature > 0 or top_k == 1:
+        return int(np.argmax(x))
+    keep = np.ones(V, bool)
+    if 0 < top_k < V:
+        keep = x >= np.sort(x)[::-1][top_k - 1]
+    if top_p < 1:
+        mass = np.exp((x - x.max()) / temperature)
+        vals = np.sort(x[keep])[::-1]
+        cum = np.cumsum(np.exp((vals - x.max()) / temperature))
+        j = min(int(np.searchsorted(cum, max(top_p * mass[keep].sum(), 0.0), side="left")), len(vals) - 1)
+        keep &= x >= vals[j]
+    score = np.where(keep, x / temperature + gumbel_noise(np.arange(V), step, seed), -np.inf)
+    return int(np.argmax(score))
+
+
+def sample_distribution(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The probabilities the sampler draws from (float64): softmax(x/T) over the kept tokens."""
+    x = np.asarray(logits, np.float32).astype(np.float64)
+    V = x.shape[0]
+    keep = np.ones(V, bool)
+    if 0 < top_k < V:
+        keep = x >= np.sort(x)[::-1][top_k - 1]
+    w = np.where(keep, np.exp((x - x.max()) / temperature), 0.0)
+    if top_p < 1:
+        vals = np.sort(x[keep])[::-1]
+        cum = np.cumsum(np.exp((vals - x.max()) / temperature))
+        j = min(int(np.searchsorted(cum, max(top_p * w.sum(), 0.0), side="left")), len(vals) - 1)
+        w = np.where(x >= vals[j], w, 0.0)
+    return w / w.sum()
+
+
+def sample_rows(vocab: int) -> int:
+    """CTAs (rows of ``part``) for a vocabulary: the fewest that leave each at most 1024 logits
+    (126 for 128256: 32 candidates each fit the finishing CTA's 4096)."""
+    return max(1, -(-vocab // 1024))
+
+
+def sample_buffers(vocab: int, candidates: int = 32, *, stream=None):
+    """``(part, token, state)`` for sample<candidates>: part is [sample_rows(vocab), 2C+4] scratch
+    (partition it with [1, 2C+4]); state starts at zero and the kernel leaves it at zero."""
+    part = dop.empty([sample_rows(vocab), 2 * candidates + 4], stream=stream)
+    token = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+    state = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+    return part, token, state
+
+
+def _sample_ref(g, part, logits, token, state, step, vocab, temperature, top_k, top_p, seed):
+    token[0] = sample_reference(logits, temperature, top_k, top_p, seed, int(step[0]))
+
+
+def _sample_check(g, part, logits, token, state, step, vocab, temperature, top_k, top_p, seed):
+    C = g["C"]
+    name = f"sample<C={C}>"
+    t = part.tensor
+    _need(1 <= C <= 1024, f"{name}: C={C} candidates per CTA must be in [1, 1024]")
+    _need(logits.shape == (vocab,), f"{name}: logits {logits.shape} must be [vocab={vocab}]; pass logits.shape[0]")
+    _need(t.ndim == 2 and t.shape[1] == 2 * C + 4 and part.tile_shape == (1, 2 * C + 4),
+          f"{name}: part {t.shape} must be [B, {2 * C + 4}] partitioned with [1, {2 * C + 4}]; "
+          f"make it with sample_buffers(vocab, {C})")
+    B = t.shape[0]
+    _need(-(-vocab // B) <= 1024, f"{name}: {B} CTAs leave {-(-vocab // B)} logits to one; at most 1024: "
+                                  f"part needs at least {-(-vocab // 1024)} rows (sample_rows(vocab))")
+    _need(B * C <= 4096 and B <= 1024,
+          f"{name}: {B} rows * C={C} candidates = {B * C} > 4096 (the finishing CTA's shared memory); "
+          f"lower C or use fewer rows")
+    for a, an in ((token, "token"), (state, "state"), (step, "step")):
+        _need(a.ndim == 1 and a.shape[0] >= 1, f"{name}: {an} {a.shape} must be an int32 [1]")
+    _need(all(a.is_contiguous for a in (t, logits)), f"{name}: part and logits must be contiguous")
+    for a, an in ((token, "token"), (state, "state")):
+        for b, bn in ((logits, "logits"), (step, "step")):
+            if a.overlaps(b):
+                raise dop.AliasingError(f"{name} writes {an} and reads {bn} from overlapping memory; "
+                                        f"give {an} its own buffer")
+    if token.overlaps(state):
+        raise dop.AliasingError(f"{name}: token and state overlap; give each its own buffer")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise dop.LaunchError(f"{name}: temperature={temperature} must be finite and >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise dop.LaunchError(f"{name}: top_k={top_k} must be >= 0 (0 = off)")
+    if not 0 <= top_p <= 1:
+        raise dop.LaunchError(f"{name}: top_p={top_p} must be in [0, 1] (1 = off)")
+
+
+sample = Kernel(
+    "sample", HERE / "llama_sample.cu",
+    [Out("part", "float32", rank=2), In("logits", "float32", rank=1), In("token", "int32", rank=1),
+     In("state", "int32", rank=1), In("step", "int32", rank=1), Scalar("vocab", "int32"),
+     Scalar("temperature", "float32"), Scalar("top_k", "int32"), Scalar("top_p", "float32"),
+     Scalar("seed", "uint64")],
+    generics=["C"], block=1024, reference=_sample_ref, validate=_sample_check)
+
+__all__ = ["attn_decode", "attn_buffers", "attn_ws_size", "attn_chunks", "attn_reference",
+           "sample", "sample_buffers", "sample_rows", "sample_reference", "sample_distribution",
+           "philox4x32_10", "gumbel_noise"]

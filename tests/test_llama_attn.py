@@ -1,0 +1,428 @@
+"""Decode attention (attn_decode) and the device sampler (sample): kernels/llama_attn.py.
+
+CPU tests run the NumPy references on the reference device and compile every shipped generics set
+for sm_90; ``gpu`` tests hold the kernels to independent float64 math on the H100.
+
+Tolerances (GPU attention): the inputs are exact bf16 values, the kernel computes in fp32
+(exp2f within 2 ulp, sums of <= 4096 terms), so the error is ~1e-6 of the output scale; the tests
+allow 2e-5 of max|v| (an order of magnitude above the observed fp32 error, far below the 4e-3 a single
+bf16 rounding of the output would cost).
+"""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import deviceop as dop
+from deviceop import api
+from kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_reference, gumbel_noise,
+                                philox4x32_10, sample, sample_buffers, sample_distribution, sample_reference)
+
+BF16 = ml_dtypes.bfloat16
+
+# (name, Hkv, G, HD, S): Llama-3.2-1B, TinyLlama, SmolLM2-135M, Llama-3.2-3B, and multi-head (G=1)
+SHAPES = {"llama-1b": (8, 4, 64, 32), "tinyllama": (4, 8, 64, 32), "smollm2": (3, 3, 64, 32),
+          "llama-3b": (8, 3, 128, 32), "mha": (4, 1, 64, 16)}
+MINL = 64
+
+
+def attn_case(stream, rng, hkv, g, hd, cap, s=32, min_chunk=MINL):
+    """Fresh random q and a cache; returns host arrays and device tensors."""
+    q = rng.standard_normal(hkv * g * hd).astype(np.float32)
+    k = rng.standard_normal((hkv, cap, hd)).astype(BF16)
+    v = rng.standard_normal((hkv, cap, hd)).astype(BF16)
+    t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
+    ws, counters = attn_buffers(hkv, hd, g, s, stream=stream)
+    return (q, k, v), dict(q=t(q), k=t(k), v=t(v), pos=t(np.zeros(1, np.int32)), ws=ws, counters=counters,
+                           out=dop.empty([hkv * g * hd], stream=stream), gen=[hd, g, s, min_chunk], cap=cap)
+
+
+def attn_launch(d, pdl=False):
+    hd, g, s, _ = d["gen"]
+    launch = attn_decode(d["out"].partition([g * hd // s]), d["q"], d["k"], d["v"], d["pos"], d["ws"],
+                         d["counters"], d["cap"]).generics(d["gen"])
+    return launch.pdl() if pdl else launch
+
+
+def set_pos(stream, d, p):
+    api.memcpy(d["pos"], dop.from_numpy(np.array([p], np.int32), stream=stream)).sync_on(stream)
+
+
+def max_err(got, ref, v):
+    return float(np.max(np.abs(got - ref)) / np.max(np.abs(v.astype(np.float32))))
+
+
+# -- CPU: compiles, references, refusals --------------------------------------------------------------
+
+SHIPPED = [[hd, g, s, MINL] for (_, g, hd, s) in SHAPES.values()] + [[64, 4, 16, 64], [64, 4, 32, 16],
+                                                                      [64, 4, 32, 256]]
+
+
+@pytest.mark.parametrize("generics", SHIPPED, ids=[str(g) for g in SHIPPED])
+def test_attn_generics_compile_to_sm90(generics):
+    program, expr = attn_decode.compile(attn_decode.check_generics(generics), arch="sm_90")
+    assert program.cubin[:4] == b"\x7fELF" and program.symbol(expr).startswith("_Z")
+
+
+@pytest.mark.parametrize("c", [8, 16, 32])
+def test_sample_compiles_to_sm90(c):
+    program, expr = sample.compile(sample.check_generics([c]), arch="sm_90")
+    assert program.cubin[:4] == b"\x7fELF" and program.symbol(expr).startswith("_Z")
+
+
+def test_chunks_adapt_to_the_length():
+    assert attn_chunks(33, 32, 64) == (64, 1)            # short context: one CTA per head, no combine
+    assert attn_chunks(161, 32, 64) == (64, 3)
+    assert attn_chunks(1024, 32, 64) == (64, 16)
+    assert attn_chunks(4096, 32, 64) == (128, 32)        # every split busy at the capacity
+    assert attn_chunks(4096, 32, 16) == (128, 32)
+    assert attn_chunks(1000, 32, 16) == (32, 32)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_attn_reference_device_matches_float64(stream, rng, name):
+    hkv, g, hd, s = SHAPES[name]
+    cap = 300
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, s)
+    for p in (0, 1, 31, 200, cap - 1):
+        set_pos(stream, d, p)
+        attn_launch(d).sync_on(stream)
+        assert np.allclose(d["out"].numpy(), attn_reference(q, k, v, p), rtol=1e-6, atol=1e-6)
+    assert not d["counters"].numpy().any()
+
+
+def test_attn_reference_partials_combine_to_the_output(stream, rng):
+    hkv, g, hd, s = SHAPES["llama-1b"]
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, 512, s, min_chunk=16)
+    set_pos(stream, d, 400)
+    attn_launch(d).sync_on(stream)
+    length, nch = attn_chunks(401, s, 16)
+    assert nch > 1
+    ws = d["ws"].numpy()
+    acc = ws[: hkv * s * g * hd].reshape(hkv, s, g, hd)[:, :nch]
+    m = ws[hkv * s * g * hd: hkv * s * g * (hd + 1)].reshape(hkv, s, g)[:, :nch]
+    lsum = ws[hkv * s * g * (hd + 1):].reshape(hkv, s, g)[:, :nch]
+    f = np.exp2(m - m.max(axis=1, keepdims=True))
+    out = (acc * f[..., None]).sum(1) / (lsum * f).sum(1)[..., None]
+    assert np.allclose(out.reshape(-1), attn_reference(q, k, v, 400), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [-1, 64, 10_000])
+def test_attn_position_outside_the_cache_gives_nan(stream, rng, p):
+    (q, k, v), d = attn_case(stream, rng, 2, 4, 64, 64)
+    set_pos(stream, d, p)
+    attn_launch(d).sync_on(stream)
+    assert np.isnan(d["out"].numpy()).all()
+
+
+def test_attn_graph_replays_at_increasing_positions(stream, rng):
+    (q, k, v), d = attn_case(stream, rng, 8, 4, 64, 256)
+    graph = attn_launch(d, pdl=True).graph_on(stream)
+    for p in (0, 1, 31, 127, 255, 256):
+        set_pos(stream, d, p)
+        graph.launch().sync_on(stream)
+        got, ref = d["out"].numpy(), attn_reference(q, k, v, p)
+        assert np.isnan(got).all() if p == 256 else np.allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def _attn_args(stream, **over):
+    hkv, g, hd, cap = 2, 4, 64, 64
+    a = dict(out=dop.empty([hkv * g * hd], stream=stream), q=dop.empty([hkv * g * hd], stream=stream),
+             k=dop.empty([hkv, cap, hd], "bfloat16", stream=stream),
+             v=dop.empty([hkv, cap, hd], "bfloat16", stream=stream),
+             pos=dop.empty([1], "int32", stream=stream), cap=cap, gen=[hd, g, 32, 64], tile=g * hd // 32)
+    a["ws"], a["counters"] = attn_buffers(hkv, hd, g, 32, stream=stream)
+    a.update(over)
+    return a
+
+
+def _attn_try(stream, **over):
+    a = _attn_args(stream, **over)
+    attn_decode(a["out"].partition([a["tile"]]), a["q"], a["k"], a["v"], a["pos"], a["ws"], a["counters"],
+                a["cap"]).generics(a["gen"]).sync_on(stream)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(gen=[96, 4, 32, 64]), "head dim 96 is not supported"),
+    (dict(gen=[64, 16, 32, 64], tile=64 * 16 // 32), "G=16"),
+    (dict(gen=[64, 4, 48, 64]), "S=48"),
+    (dict(tile=16), "partition out with \\[8\\]"),
+    (dict(cap=128), "cap=128"),
+    (dict(ws=dop.empty([100])), "ws \\(100,\\) must hold"),
+    (dict(counters=dop.from_numpy(np.zeros(1, np.int32))), "counters"),
+    (dict(q=dop.empty([256])), "q \\(256,\\)"),
+    (dict(v=dop.empty([2, 32, 64], "bfloat16")), "v \\(2, 32, 64\\) must match"),
+])
+def test_attn_refuses_what_it_cannot_serve(stream, over, match):
+    with pytest.raises(dop.ShapeError, match=match):
+        _attn_try(stream, **over)
+
+
+def test_attn_refuses_wrong_dtypes(stream):
+    with pytest.raises(dop.DTypeError, match="bfloat16"):
+        _attn_try(stream, k=dop.empty([2, 64, 64], stream=stream))
+    with pytest.raises(dop.DTypeError, match="int32"):
+        _attn_try(stream, pos=dop.empty([1], stream=stream))
+
+
+def test_attn_refuses_scratch_overlapping_an_input(stream):
+    ws = dop.empty([20_000], stream=stream)
+    with pytest.raises(dop.AliasingError, match="writes ws and reads q"):
+        _attn_try(stream, ws=ws, q=ws[:512])
+
+
+# -- the sampler: RNG, reference, refusals -----------------------------------------------------------
+
+def test_philox_matches_random123_known_answers():
+    kat = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+           ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+           ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in kat:
+        assert tuple(int(x) for x in philox4x32_10(np.array(ctr, np.uint64), key)) == want
+
+
+def test_reference_greedy_is_the_lowest_argmax():
+    x = np.array([1.0, 3.0, -2.0, 3.0], np.float32)
+    assert sample_reference(x, 0.0, 0, 1.0, 1, 0) == 1
+    assert sample_reference(x, 0.7, 1, 0.9, 1, 0) == 1     # top_k = 1 is greedy too
+
+
+def test_reference_draws_the_renormalised_top_k_top_p_softmax(rng):
+    # the NumPy draw itself (Philox -> Gumbel-max), checked statistically: what the GPU test holds it to
+    from scipy.stats import chisquare
+    x = (rng.standard_normal(40) * 1.5).astype(np.float32)
+    for t, k, p in ((1.0, 0, 1.0), (0.8, 10, 1.0), (1.2, 0, 0.7), (0.9, 12, 0.8)):
+        want = sample_distribution(x, t, k, p)
+        kept = want > 0
+        g = gumbel_noise(np.arange(40)[None, :], 0, 0)  # noise shape check
+        assert g.shape == (1, 40)
+        n = 4000
+        noise = np.stack([gumbel_noise(np.arange(40), s, 77) for s in range(n)])
+        score = np.where(kept, x / t, -np.inf) + noise
+        counts = np.bincount(np.argmax(score, axis=1), minlength=40)
+        assert counts[~kept].sum() == 0
+        assert chisquare(counts[kept], n * want[kept]).pvalue > 1e-4
+        assert sample_reference(x, t, k, p, 77, 5) == int(np.argmax(score[5]))
+
+
+def test_reference_top_k_keeps_ties_and_top_p_keeps_the_maximum():
+    x = np.array([2.0, 1.0, 1.0, 0.0, -1.0], np.float32)
+    assert np.count_nonzero(sample_distribution(x, 1.0, 2, 1.0)) == 3     # the tie at the 2nd value stays
+    assert np.count_nonzero(sample_distribution(x, 1.0, 0, 0.0)) == 1     # top_p = 0: only the maximum
+
+
+def test_sample_reference_device_writes_the_reference_token(stream, rng):
+    V = 5000
+    x = rng.standard_normal(V).astype(np.float32)
+    part, token, state = sample_buffers(V, stream=stream)
+    logits, step = dop.from_numpy(x, stream=stream), dop.from_numpy(np.array([7], np.int32), stream=stream)
+    for t, k, p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 0.9)):
+        sample(part.partition([1, 68]), logits, token, state, step, V, t, k, p, 123).generics([32]).sync_on(stream)
+        assert int(token.numpy()[0]) == sample_reference(x, t, k, p, 123, 7)
+    assert int(state.numpy()[0]) == 0
+
+
+def _sample_try(stream, C=32, rows=None, V=5000, **scalars):
+    s = dict(temperature=1.0, top_k=0, top_p=1.0, seed=1)
+    s.update(scalars)
+    part = dop.empty([rows or -(-V // 1024), 2 * C + 4], stream=stream)
+    i32 = lambda: dop.from_numpy(np.zeros(1, np.int32), stream=stream)  # noqa: E731
+    sample(part.partition([1, 2 * C + 4]), dop.empty([V], stream=stream), i32(), i32(), i32(), V,
+           s["temperature"], s["top_k"], s["top_p"], s["seed"]).generics([C]).sync_on(stream)
+
+
+def test_sample_refuses_bad_shapes_and_parameters(stream):
+    with pytest.raises(dop.ShapeError, match="at most 1024"):
+        _sample_try(stream, rows=2)
+    with pytest.raises(dop.ShapeError, match="> 4096"):
+        _sample_try(stream, C=64, V=128256, rows=129)
+    with pytest.raises(dop.LaunchError, match="temperature"):
+        _sample_try(stream, temperature=-1.0)
+    with pytest.raises(dop.LaunchError, match="temperature"):
+        _sample_try(stream, temperature=math.nan)
+    with pytest.raises(dop.LaunchError, match="top_k"):
+        _sample_try(stream, top_k=-3)
+    with pytest.raises(dop.LaunchError, match="top_p"):
+        _sample_try(stream, top_p=1.5)
+    with pytest.raises(dop.DTypeError, match="uint64"):
+        _sample_try(stream, seed=-1)
+    with pytest.raises(dop.DTypeError, match="float32"):
+        part = dop.empty([5, 68], stream=stream)
+        sample(part.partition([1, 68]), dop.empty([5000], "bfloat16", stream=stream), *[dop.empty([1], "int32")] * 3,
+               5000, 1.0, 0, 1.0, 1)
+
+
+# -- GPU: the kernels against float64 -----------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama-1b", "llama-3b", "tinyllama", "smollm2", "mha"])
+def test_gpu_attn_matches_float64_at_every_position(stream, rng, name):
+    hkv, g, hd, s = SHAPES[name]
+    cap = 4096
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, s)
+    for p in (0, 1, 31, 127, 1000, 4095):
+        set_pos(stream, d, p)
+        attn_launch(d).sync_on(stream)
+        err = max_err(d["out"].numpy(), attn_reference(q, k, v, p), v)
+        assert err < 2e-5, (name, p, err)
+    assert not d["counters"].numpy().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("min_chunk", [16, 64, 256])
+def test_gpu_attn_graph_replayed_at_increasing_positions(stream, rng, min_chunk):
+    # one capture (PDL), replayed as the position grows: chunk counts change, counters reset each time
+    hkv, g, hd, s = SHAPES["llama-1b"]
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, 4096, s, min_chunk)
+    graph = attn_launch(d, pdl=True).graph_on(stream)
+    for p in list(range(0, 70)) + [127, 128, 255, 1000, 2047, 4094, 4095]:
+        set_pos(stream, d, p)
+        graph.launch().sync_on(stream)
+        assert max_err(d["out"].numpy(), attn_reference(q, k, v, p), v) < 2e-5, p
+    assert not d["counters"].numpy().any()
+    set_pos(stream, d, 4096)  # past the capacity: refused, nothing read
+    graph.launch().sync_on(stream)
+    assert np.isnan(d["out"].numpy()).all() and not d["counters"].numpy().any()
+
+
+@pytest.mark.gpu
+def test_gpu_attn_reads_nothing_past_the_capacity(stream, rng):
+    # layer 0 of a two-layer cache whose layer 1 is NaN: a read past cap would poison the output
+    hkv, g, hd, cap = 8, 4, 64, 512
+    kv = [rng.standard_normal((2, hkv, cap, hd)).astype(BF16) for _ in range(2)]
+    for a in kv:
+        a[1] = np.nan
+    q = rng.standard_normal(hkv * g * hd).astype(np.float32)
+    k2, v2 = (dop.from_numpy(a, stream=stream) for a in kv)
+    ws, counters = attn_buffers(hkv, hd, g, 32, stream=stream)
+    out = dop.empty([hkv * g * hd], stream=stream)
+    pos = dop.from_numpy(np.array([cap - 1], np.int32), stream=stream)
+    layer0 = [t.view([2 * hkv * cap * hd])[: hkv * cap * hd].view([hkv, cap, hd]) for t in (k2, v2)]
+    attn_decode(out.partition([8]), dop.from_numpy(q, stream=stream), *layer0, pos, ws, counters, cap) \
+        .generics([hd, g, 32, 64]).sync_on(stream)
+    assert max_err(out.numpy(), attn_reference(q, kv[0][0], kv[1][0], cap - 1), kv[1][0]) < 2e-5
+
+
+def _gpu_sampler(stream, x, C=32):
+    V = x.shape[0]
+    part, token, state = sample_buffers(V, C, stream=stream)
+    logits = dop.from_numpy(np.ascontiguousarray(x, np.float32), stream=stream)
+    step = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+
+    def draw(t, k, p, seed, s):
+        api.memcpy(step, dop.from_numpy(np.array([s], np.int32), stream=stream)).sync_on(stream)
+        sample(part.partition([1, 2 * C + 4]), logits, token, state, step, V, t, k, p, seed) \
+            .generics([C]).pdl().sync_on(stream)
+        return int(token.numpy()[0])
+    return draw, state
+
+
+def _margin(x, t, k, p, seed, s):
+    """How far the reference's draw is from changing: the Gumbel gap between the best two survivors."""
+    keep = sample_distribution(x, t, k, p) > 0
+    score = np.sort(np.where(keep, x.astype(np.float64) / t + gumbel_noise(np.arange(len(x)), s, seed), -np.inf))
+    return score[-1] - score[-2] if keep.sum() > 1 else np.inf
+
+
+@pytest.mark.gpu
+def test_gpu_sample_greedy_is_the_argmax_at_the_llama_vocab(stream, rng):
+    V = 128256
+    x = rng.standard_normal(V).astype(np.float32)
+    draw, state = _gpu_sampler(stream, x)
+    assert draw(0.0, 0, 1.0, 1, 0) == int(np.argmax(x))
+    x[[5, 77_000, 128_255]] = x.max() + 1.0  # a three-way tie: the lowest index wins
+    draw, state = _gpu_sampler(stream, x)
+    assert draw(0.0, 0, 1.0, 1, 0) == 5 and draw(0.9, 1, 0.5, 3, 1) == 5
+    assert int(state.numpy()[0]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V,scale", [(1000, 2.0), (5000, 3.0), (128256, 4.0), (128256, 0.05)])
+def test_gpu_sample_draws_the_reference_token(stream, rng, V, scale):
+    # scale 0.05: flat logits, so top_p without top_k needs the fallback on all logits
+    x = (rng.standard_normal(V) * scale).astype(np.float32)
+    draw, _ = _gpu_sampler(stream, x)
+    checked = 0
+    for t, k, p in ((1.0, 0, 1.0), (0.7, 50, 1.0), (0.8, 0, 0.9), (1.1, 40, 0.8), (0.6, 1000, 0.95)):
+        for s in range(6):
+            seed = int(rng.integers(0, 2**63))
+            want = sample_reference(x, t, k, p, seed, s)
+            got = draw(t, k, p, seed, s)
+            if got != want:  # only where fp32 and float64 can disagree: a near tie of the best two
+                assert _margin(x, t, k, p, seed, s) < 1e-4, (t, k, p, seed, s, got, want)
+            checked += 1
+    assert checked == 30
+
+
+@pytest.mark.gpu
+def test_gpu_sample_falls_back_when_one_cta_holds_the_top_k(stream, rng):
+    # the 600 largest logits all in the first CTA's slice: the candidates (32 a CTA) cannot decide top_k=600
+    V = 128256
+    x = rng.standard_normal(V).astype(np.float32)
+    x[:600] += 20.0
+    draw, _ = _gpu_sampler(stream, x)
+    for s in range(8):
+        seed = int(rng.integers(0, 2**63))
+        got, want = draw(1.0, 600, 1.0, seed, s), sample_reference(x, 1.0, 600, 1.0, seed, s)
+        assert got == want or _margin(x, 1.0, 600, 1.0, seed, s) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V,t,k,p", [(64, 1.0, 0, 1.0), (64, 0.7, 10, 1.0), (3000, 1.0, 20, 0.8),
+                                     (3000, 1.3, 0, 0.6)])
+def test_gpu_sample_distribution_is_the_renormalised_softmax(stream, rng, V, t, k, p):
+    # 20k draws (fresh steps) against the top-k/top-p softmax: chi-square
+    from scipy.stats import chisquare
+    x = (rng.standard_normal(V) * 2).astype(np.float32)
+    want = sample_distribution(x, t, k, p)
+    kept = want > 0
+    part, token, state = sample_buffers(V, stream=stream)
+    logits = dop.from_numpy(x, stream=stream)
+    step = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+    n = 20_000
+    tokens = dop.from_numpy(np.zeros(n, np.int32), stream=stream)
+    steps = dop.from_numpy(np.arange(n, dtype=np.int32), stream=stream)
+    launch = sample(part.partition([1, 68]), logits, token, state, step, V, t, k, p, 2024).generics([32]).pdl()
+    graph = launch.graph_on(stream)
+    for s in range(n):  # the step advances on the device side only: one captured graph
+        api.memcpy(step, steps[s:s + 1]).async_on(stream)
+        graph.replay()
+        api.memcpy(tokens[s:s + 1], token).async_on(stream)
+    got = tokens.numpy(stream=stream)
+    counts = np.bincount(got, minlength=V)
+    assert counts[~kept].sum() == 0
+    big = want * n >= 5  # chi-square needs expected counts >= 5: pool the rest
+    obs = np.append(counts[big], counts[kept & ~big].sum())
+    exp = np.append(n * want[big], n * want[kept & ~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-4
+
+
+@pytest.mark.gpu
+def test_gpu_sample_graph_replays_reproduce_the_tokens_and_take_new_parameters(stream, rng):
+    V = 128256
+    x = (rng.standard_normal(V) * 3).astype(np.float32)
+    part, token, state = sample_buffers(V, stream=stream)
+    logits = dop.from_numpy(x, stream=stream)
+    step = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
+    launch = sample(part.partition([1, 68]), logits, token, state, step, V, 0.8, 40, 0.9, 5) \
+        .generics([32]).pdl().dynamic("temperature", "top_k", "top_p", "seed")
+    graph = launch.graph_on(stream)
+
+    def run(steps):
+        out = []
+        for s in steps:
+            api.memcpy(step, dop.from_numpy(np.array([s], np.int32), stream=stream)).sync_on(stream)
+            graph.launch().sync_on(stream)
+            out.append(int(token.numpy()[0]))
+        return out
+    first = run(range(12))
+    assert run(range(12)) == first                               # same seed, same steps: same tokens
+    assert len(set(first)) > 1                                   # fresh numbers each step
+    graph.node(launch).set(temperature=0.0)
+    assert run([0, 1]) == [int(np.argmax(x))] * 2               # greedy after a parameter update
+    graph.node(launch).set(temperature=1.0, top_k=0, top_p=1.0, seed=99)
+    assert run([3]) == [sample_reference(x, 1.0, 0, 1.0, 99, 3)] or _margin(x, 1.0, 0, 1.0, 99, 3) < 1e-4
