@@ -62,17 +62,18 @@ def check_weights(cfg: LlamaConfig, weights: dict) -> None:
                                  "(e.g. model.to(torch.bfloat16)) first")
 
 
-def random_weights(cfg: LlamaConfig, seed: int = 0) -> dict:
+def random_weights(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
     """A seeded random checkpoint in bf16, initialised as Hugging Face initialises a
-    LlamaForCausalLM (normal(0, 0.02) matrices), with norm weights near 1 so that
-    they matter.  For tests and for running without a checkpoint."""
+    LlamaForCausalLM (normal(0, ``std``) matrices), with norm weights near 1 so that
+    they matter.  For tests and for running without a checkpoint (a larger ``std``
+    makes a tiny model's greedy output wander instead of repeating one token)."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in expected_shapes(cfg).items():
         if len(shape) == 1:
             w = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
-            w = 0.02 * rng.standard_normal(shape, dtype=np.float32)
+            w = std * rng.standard_normal(shape, dtype=np.float32)
         out[name] = w.astype(BF16)
     return out
 

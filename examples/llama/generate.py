@@ -1,0 +1,71 @@
+"""Generation: a whole generation in one graph launch, or one launch per token.
+
+    llama = Llama(cfg, weights, capacity=4096)
+    tokens = llama.generate(prompt, max_new_tokens=128)          # one graph launch
+    for token in llama.stream(prompt, max_new_tokens=128):        # one graph launch a token
+        print(token)
+
+Both capture their graph on first use and keep it for requests of the same
+prompt length, token budget and sampling (the only values the graph bakes in;
+the prompt itself, the position and the KV cache live in device memory).
+"""
+from __future__ import annotations
+
+import deviceop as dop
+
+from .config import LlamaConfig
+from .model import LlamaDecoder, Sampling
+
+
+class Llama:
+    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True):
+        self.device = dop.Device(0)
+        self.cuda_stream = stream if stream is not None else self.device.new_stream()
+        self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl)
+        self.cfg = cfg
+        self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
+        self._steps: dict = {}   # same key -> graph of one step
+
+    def _key(self, prompt_len: int, max_new: int, sampling: Sampling) -> tuple:
+        return prompt_len, max_new, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
+
+    def generate(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None, *,
+                 graph: bool = True) -> list:
+        """Prompt in, generated tokens out (stopping at EOS or ``max_new_tokens``).
+        ``graph=False`` runs the same ops eagerly (a host loop, for checking)."""
+        sampling = sampling or Sampling()
+        dec = self.decoder
+        prompt = dec.check_request(prompt, max_new_tokens)
+        dec.load_prompt(prompt)
+        if not graph:
+            dec.generation(sampling, prompt.size, max_new_tokens).sync_on(self.cuda_stream)
+            return dec.read_generated(prompt.size)
+        key = self._key(prompt.size, max_new_tokens, sampling)
+        g = self._loops.get(key)
+        if g is None:
+            g = self._loops[key] = dec.generation(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
+        g.replay()
+        self.cuda_stream.synchronize()
+        return dec.read_generated(prompt.size)
+
+    def stream(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None):
+        """Yield each generated token as soon as its step is done (one graph launch per token)."""
+        sampling = sampling or Sampling()
+        dec = self.decoder
+        prompt = dec.check_request(prompt, max_new_tokens)
+        dec.load_prompt(prompt)
+        key = self._key(prompt.size, max_new_tokens, sampling)
+        g = self._steps.get(key)
+        if g is None:
+            g = self._steps[key] = dec.step(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
+        dec.start().sync_on(self.cuda_stream)
+        seen = 0
+        while True:
+            g.replay()
+            self.cuda_stream.synchronize()
+            state = dec.state.numpy(stream=self.cuda_stream)
+            if state[3] > seen:
+                yield from dec.read_generated(prompt.size)[seen:]
+                seen = int(state[3])
+            if state[1] == 0:
+                return

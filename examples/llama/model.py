@@ -1,0 +1,231 @@
+"""The Llama decoder on deviceop: weights on the device, buffers, and the ops of a step.
+
+One decode step is 5 launches a layer plus the embedding, the head and the
+sampler, every one a programmatic dependent launch (``.pdl()``): a kernel
+streams its weights while the previous one finishes.  The step reads the
+position and the current token from a device-side ``state`` ([pos, cond, cur,
+generated], see kernels/llama_step.cu), so one captured step serves every
+position, and a ``dop.while_`` over it is a whole generation in one graph launch.
+
+    embed_gather      h0 = embed[cur]
+    per layer:
+      rms_qkv_rope    q = rope(Wq n(h0)); k, v = rope(Wk n(h0)), Wv n(h0) -> cache[pos]
+      attn_decode     a = softmax(q K^T / sqrt(hd)) V over cache[0..pos]
+      matvec_residual h1 = h0 + Wo a
+      rms_gate_up     m = silu(Wg n(h1)) * (Wu n(h1))
+      matvec_residual h0 = h1 + Wd m
+    rms_lm_head_argmax logits = W_head n(h0); token = argmax   (then `sample` if not greedy)
+    llama_step        feed the prompt or append the token; stop on EOS / max_new
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import deviceop as dop
+from deviceop import api
+from kernels import llama_attn as attn_k
+from kernels import llama_proj as proj
+from kernels.llama_step import llama_step, llama_step_start
+
+from .config import LlamaConfig
+from .weights import BF16, check_weights, layer_names
+
+
+# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers).
+ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
+SAMPLE_CANDIDATES = 32
+
+
+@dataclass
+class Sampling:
+    """How the next token is chosen: temperature 0 is greedy (the head's own argmax)."""
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class DeviceWeights:
+    """A model's weights on the device, laid out as the kernels read them: q, k and v
+    rows in one matrix, gate and up rows in one matrix (the rest as given)."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict, stream):
+        check_weights(cfg, weights)
+        self.cfg = cfg
+
+        def put(name):
+            return _to_device(weights[name], stream)
+
+        def cat(*names):
+            return _concat([weights[n] for n in names], stream)
+
+        self.embed = put("model.embed_tokens.weight")
+        self.final_norm = put("model.norm.weight")
+        self.head = self.embed if cfg.tie_word_embeddings else put("lm_head.weight")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            n = layer_names(i)
+            self.layers.append({"input_norm": put(n["input_norm"]), "post_norm": put(n["post_norm"]),
+                                "qkv": cat(n["q"], n["k"], n["v"]), "o": put(n["o"]),
+                                "gate_up": cat(n["gate"], n["up"]), "down": put(n["down"])})
+
+
+def _to_device(w, stream) -> dop.Tensor:
+    """A host array is copied; a device tensor (torch, CuPy: anything with DLPack) is used in place."""
+    if isinstance(w, np.ndarray):
+        return dop.from_numpy(np.ascontiguousarray(w), stream=stream)
+    return dop.from_dlpack(w)
+
+
+def _concat(parts: list, stream) -> dop.Tensor:
+    """Rows of ``parts`` stacked into one new device matrix."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return dop.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)), stream=stream)
+    rows = sum(p.shape[0] for p in parts)
+    out = dop.empty([rows, parts[0].shape[1]], dop.bfloat16, stream=stream)
+    start = 0
+    for p in parts:
+        src = _to_device(p, stream)
+        api.memcpy(out[start:start + src.shape[0]], src).sync_on(stream)
+        start += src.shape[0]
+    return out
+
+
+class LlamaDecoder:
+    """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True):
+        if capacity < 2:
+            raise dop.ShapeError(f"a KV capacity of {capacity} holds no generation; use at least 2")
+        self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
+        self.w = DeviceWeights(cfg, weights, stream)
+        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+
+        def buf(shape, dtype="float32"):
+            return dop.empty(shape, dtype, stream=stream)
+
+        def ints(values):
+            return dop.from_numpy(np.asarray(values, np.int32), stream=stream)
+
+        self.h0, self.h1 = buf([d]), buf([d])
+        self.q, self.attn, self.act = buf([cfg.q_size]), buf([cfg.q_size]), buf([cfg.intermediate_size])
+        shape = [cfg.num_hidden_layers, hkv, capacity, hd]
+        self.k_cache = dop.from_numpy(np.zeros(shape, BF16), stream=stream)
+        self.v_cache = dop.from_numpy(np.zeros(shape, BF16), stream=stream)
+        self.inv_freq = dop.from_numpy(cfg.inv_freq(), stream=stream)
+        self.error = ints([0])
+        self.state = ints([0, 1, 0, 0])        # [pos, cond, cur, generated]
+        self.tokens = ints(np.zeros(capacity))
+        self.token = ints([0])                  # the step's chosen token
+        self.eos = ints(list(cfg.eos_token_id) or [0])
+
+        self.embed_tile, self.embed_gen = proj.embed_plan(d)
+        self.qkv_tile, self.qkv_gen = proj.qkv_plan(d, hq, hkv, hd)
+        self.o_tile, self.o_gen = proj.matvec_residual_plan(d, cfg.q_size)
+        self.gu_tile, self.gu_gen = proj.gate_up_plan(d, cfg.intermediate_size)
+        self.down_tile, self.down_gen = proj.matvec_residual_plan(d, cfg.intermediate_size)
+        self.head_tile, rows, self.head_gen = proj.lm_head_plan(d, cfg.vocab_size)
+        self.logits = buf([rows])
+        self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
+        # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
+        self.attn_tile, self.attn_gen = cfg.group * hd // ATTN_SPLITS, [hd, cfg.group, ATTN_SPLITS, ATTN_MIN_CHUNK]
+        self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, ATTN_SPLITS, stream=stream)
+        self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, SAMPLE_CANDIDATES,
+                                                                       stream=stream)
+
+    # -- views of the state --------------------------------------------------------
+    @property
+    def pos(self) -> dop.Tensor:
+        return self.state[0:1]
+
+    @property
+    def cond(self) -> dop.Tensor:
+        return self.state[1:2]
+
+    @property
+    def cur(self) -> dop.Tensor:
+        return self.state[2:3]
+
+    # -- the ops of one step ----------------------------------------------------------
+    def _layer(self, i: int) -> dop.DeviceOp:
+        cfg, w, p = self.cfg, self.w.layers[i], self.pdl
+        eps, cap = cfg.rms_norm_eps, self.capacity
+        k, v = self.k_cache[i], self.v_cache[i]
+        return dop.zip_(
+            proj.rms_qkv_rope(self.q.partition([self.qkv_tile]), self.h0, w["input_norm"], w["qkv"], self.inv_freq,
+                              self.pos, k, v, self.error, eps, cap).generics(self.qkv_gen).pdl(p),
+            attn_k.attn_decode(self.attn.partition([self.attn_tile]), self.q, k, v, self.pos, self.attn_ws,
+                               self.attn_counters, cap).generics(self.attn_gen).pdl(p),
+            proj.matvec_residual(self.h1.partition([self.o_tile]), self.attn, w["o"], self.h0)
+            .generics(self.o_gen).pdl(p),
+            proj.rms_gate_up_silu(self.act.partition([self.gu_tile]), self.h1, w["post_norm"], w["gate_up"], eps)
+            .generics(self.gu_gen).pdl(p),
+            proj.matvec_residual(self.h0.partition([self.down_tile]), self.act, w["down"], self.h1)
+            .generics(self.down_gen).pdl(p))
+
+    def forward(self, sampling: Sampling) -> dop.DeviceOp:
+        """The token at ``state.pos`` (``state.cur``) in, the next token in ``self.token`` out."""
+        cfg, p = self.cfg, self.pdl
+        ops = [proj.embed_gather(self.h0.partition([self.embed_tile]), self.w.embed, self.cur, self.error,
+                                 cfg.vocab_size).generics(self.embed_gen).pdl(p)]
+        ops += [self._layer(i) for i in range(cfg.num_hidden_layers)]
+        ops.append(proj.rms_lm_head_argmax(self.logits.partition([self.head_tile]), self.h0, self.w.final_norm,
+                                           self.w.head, self.token, self.head_work, cfg.rms_norm_eps,
+                                           cfg.vocab_size).generics(self.head_gen).pdl(p))
+        if not sampling.greedy:
+            ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
+                                     self.logits[:cfg.vocab_size], self.token, self.sample_state, self.pos,
+                                     cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
+                                     sampling.seed).generics([SAMPLE_CANDIDATES]).pdl(p))
+        return dop.zip_(*ops)
+
+    def step(self, sampling: Sampling, prompt_len: int, max_new: int) -> dop.DeviceOp:
+        """One loop iteration: the forward, then the control step."""
+        return dop.zip_(self.forward(sampling),
+                        llama_step(self.tokens.partition([self.capacity]), self.state, self.token, self.eos,
+                                   len(self.cfg.eos_token_id), prompt_len, max_new, self.capacity).pdl(self.pdl))
+
+    def start(self) -> dop.DeviceOp:
+        return llama_step_start(self.state.partition([4]), self.tokens)
+
+    def generation(self, sampling: Sampling, prompt_len: int, max_new: int) -> dop.DeviceOp:
+        """Prompt and generation in one op: captured, one conditional WHILE node."""
+        return dop.zip_(self.start(), dop.while_(self.cond, lambda: self.step(sampling, prompt_len, max_new)))
+
+    # -- host side ----------------------------------------------------------------------
+    def check_request(self, prompt, max_new: int) -> np.ndarray:
+        """The prompt as int32, or a deviceop error before anything launches."""
+        prompt = np.asarray(prompt)
+        if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
+            raise dop.ShapeError(f"a prompt is a non-empty 1-D sequence of token ids, got shape {prompt.shape} "
+                                 f"of {prompt.dtype}")
+        bad = prompt[(prompt < 0) | (prompt >= self.cfg.vocab_size)]
+        if bad.size:
+            raise dop.ShapeError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if max_new < 1:
+            raise dop.ShapeError(f"max_new_tokens={max_new}: ask for at least one token")
+        if prompt.size + max_new > self.capacity:
+            raise dop.ShapeError(f"a prompt of {prompt.size} tokens and {max_new} new ones need "
+                                 f"{prompt.size + max_new} KV entries; the cache holds {self.capacity}: "
+                                 "build the decoder with a larger capacity or ask for fewer tokens")
+        return prompt.astype(np.int32)
+
+    def load_prompt(self, prompt: np.ndarray) -> None:
+        tokens = np.zeros(self.capacity, np.int32)
+        tokens[:prompt.size] = prompt
+        api.memcpy(self.tokens, dop.from_numpy(tokens, stream=self.stream)).sync_on(self.stream)
+        api.memcpy(self.error, dop.from_numpy(np.zeros(1, np.int32), stream=self.stream)).sync_on(self.stream)
+
+    def read_generated(self, prompt_len: int) -> list:
+        state = self.state.numpy(stream=self.stream)
+        error = int(self.error.numpy(stream=self.stream)[0])
+        if error:
+            raise dop.StateError(f"the device reported error word {error} (1: a token outside the vocabulary, "
+                                 "2: a position outside the KV cache); the generation is not valid")
+        return [int(t) for t in self.tokens.numpy(stream=self.stream)[prompt_len:prompt_len + int(state[3])]]
