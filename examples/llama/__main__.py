@@ -28,8 +28,8 @@ from .weights import load_checkpoint, random_weights  # noqa: E402
 
 
 def copy_rate(stream, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted once: what a kernel reading
-    weights can hope for), median of timed copies after a warm-up."""
+    """Device-to-device copy rate in bytes/s, counting the bytes read and written (as
+    bench/_copy.py does): what a kernel streaming its weights can hope to read at."""
     from deviceop import api
     n = nbytes // 4
     a = dop.from_numpy(np.random.default_rng(0).standard_normal(n, dtype=np.float32), stream=stream)
@@ -41,7 +41,7 @@ def copy_rate(stream, nbytes: int = 1 << 30) -> float:
         end = stream.record_event()
         end.synchronize()
         times.append(start.elapsed_ms(end) * 1e-3)
-    return nbytes / float(np.median(times[2:]))
+    return 2 * nbytes / float(np.median(times[2:]))
 
 
 def main(argv=None) -> int:
