@@ -29,7 +29,7 @@ from .dtypes import DType, dtype as as_dtype
 from .errors import AliasingError, DTypeError, LaunchError, ShapeError
 from .nodes import KernelNode
 from .op import DeviceOp, stats
-from .runtime.launch import LaunchConfig, ptr
+from .runtime.launch import LaunchConfig, check_param_layout, ptr
 from .runtime.module import load_module
 from .tensor import Partition, SharedTensor, Tensor
 
@@ -110,6 +110,7 @@ class Kernel:
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
         self._functions: dict = {}
+        self._compiled: set = set()  # (arch, generics) compiled and checked without a driver: see check_compiled
         self._configs: dict = {}
         self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
         self._prepared: dict = {}  # eager launch key -> prepared launch; see _fast_launch_type
@@ -168,6 +169,29 @@ class Kernel:
                     fn = load_module(prog, device).get_function(expr, self.signature, label=expr)
                     self._functions[key] = fn
         return fn
+
+    def check_compiled(self, arch: str, values=()) -> None:
+        """Compile for ``arch`` and check the declared signature against the CUBIN,
+        without a driver: what loading the kernel checks on a GPU (a CompileError
+        for source NVRTC rejects, a LaunchError for a kernel the CUBIN lacks or whose
+        parameters disagree with the declaration).  The reference device calls this
+        before it first runs a launch's NumPy reference for these generics."""
+        key = (arch, values)
+        if key in self._compiled:
+            return
+        prog, expr = self.compile(values, arch=arch)
+        try:
+            layout = prog.param_layout(expr)
+        except ValueError:  # a CUBIN this reader does not understand: the GPU checks it at load
+            layout = ()
+        if layout is None:
+            known = ", ".join(prog.lowered_names) or "none"
+            raise LaunchError(f"{self.name}: the compiled CUBIN has no kernel {expr!r} (name expressions "
+                              f"compiled: {known}), so a GPU could not load it; declare the kernel "
+                              f'extern "C" under its entry name, or give its template parameters as generics')
+        if layout != ():
+            check_param_layout(expr, self.signature, layout)
+        self._compiled.add(key)
 
     def config(self, grid: tuple, values=()) -> LaunchConfig:
         key = (grid, values)
@@ -571,6 +595,7 @@ def checked_launch(kernel: Kernel, head: tuple, values, describe, key=None) -> t
     device, gen, pdl, cooperative = head
     launch_args = check_launch(kernel, values, gen, describe())
     if device.is_reference:
+        kernel.check_compiled(device.arch, gen)  # what loading it would refuse on a GPU
         plan = (None, None)
     else:
         plan = _launcher(kernel.function(device, gen), pdl, cooperative, kernel.config(values[0].grid, gen))

@@ -109,10 +109,18 @@ def test_on_the_gpu_a_new_scalar_never_writes_past_the_table(stream, rng):
 
 # -- item 2: strided views are refused unless a parameter declares them -------------------
 
+def _broadcast(value, n):
+    """A stride-0 tensor of n elements, imported through DLPack (host memory here, GPU memory on a GPU)."""
+    if dop.Device(0).is_reference:
+        return dop.from_dlpack(np.broadcast_to(value, (n,)))
+    import cupy
+    return dop.from_dlpack(cupy.broadcast_to(cupy.asarray(value), (n,)))
+
+
 def _views(rng):
     """The four views of the issue, each (name, tensor, a launch that reads it)."""
     t = dop.from_numpy(rng.standard_normal(600).astype(np.float32))
-    bcast = dop.from_dlpack(np.broadcast_to(np.float32(rng.standard_normal()), (256,)))  # stride 0
+    bcast = _broadcast(np.float32(rng.standard_normal()), 256)
     big = dop.from_numpy(rng.standard_normal((4, 1024)).astype(np.float32))
     w = dop.from_numpy(rng.standard_normal(512).astype(np.float32))
 
@@ -204,3 +212,108 @@ def test_on_the_gpu_a_row_strided_view_is_refused_and_its_copy_is_normalized_rig
     x = host[:, :512].astype(np.float64)
     want = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-5) * w.numpy(stream=stream)
     np.testing.assert_allclose(out.numpy(stream=stream), want, rtol=1e-5, atol=1e-5)
+
+
+# -- item 4 (compile part): the reference device compiles the kernel it stands in for ------
+
+def _scale(source, params=None, entry=None):
+    """A one-tile y = alpha * x kernel over ``source``, with a NumPy reference."""
+    def ref(g, out, x, alpha):
+        out[...] = np.float64(alpha) * x.astype(np.float64)
+    params = params or [Out("out", "float32", rank=1), In("x", "float32", rank=1), dop.Scalar("alpha", "float32")]
+    return Kernel("scale", source, params, generics=["B"], block=lambda g: g["B"], reference=ref, entry=entry)
+
+
+SCALE = """
+template <int B>
+__global__ void scale(float* out, const float* x, float alpha) {
+    out[blockIdx.x * B + threadIdx.x] = alpha * x[blockIdx.x * B + threadIdx.x];
+}
+"""
+
+
+def _scale_launch(kernel, rng, n=64):
+    x = dop.from_numpy(rng.standard_normal(n).astype(np.float32))
+    return kernel(dop.empty(n).partition([32]), x, 2.0).generics([32])
+
+
+def test_a_kernel_that_does_not_compile_is_refused_with_the_nvrtc_log(stream, rng):
+    broken = _scale(SCALE.replace("alpha * x", "alpha * undeclared_name * x"))
+    for _ in range(2):  # refused every time, not only the first
+        with pytest.raises(dop.CompileError, match=r"(?s)undeclared_name.*>> +4 \|"):
+            _scale_launch(broken, rng).sync_on(stream)
+    with pytest.raises(dop.CompileError, match="undeclared_name"):  # and in a capture, which ends cleanly
+        _scale_launch(broken, rng).graph_on(stream)
+    _scale_launch(_scale(SCALE), rng).sync_on(stream)  # the stream goes on
+
+
+def test_a_template_instantiation_that_fails_is_refused_for_those_generics_only(stream, rng):
+    k = _scale(SCALE.replace("float alpha) {", "float alpha) {\n    static_assert(B % 32 == 0, \"B\");"))
+    _scale_launch(k, rng).sync_on(stream)           # B=32 compiles
+    x = dop.from_numpy(rng.standard_normal(48).astype(np.float32))
+    with pytest.raises(dop.CompileError, match="static assertion failed"):
+        k(dop.empty(48).partition([48]), x, 2.0).generics([48]).sync_on(stream)
+
+
+def test_a_signature_that_disagrees_with_the_kernel_is_refused_without_a_driver(stream, rng):
+    wrong = [Out("out", "float32", rank=1), In("x", "float32", rank=1), dop.Scalar("alpha", "float64")]
+    with pytest.raises(dop.LaunchError, match=r"parameter 2 of kernel scale<32> is 4 bytes at offset 16, but "
+                                              r"the signature declares dop.float64 \(8 bytes at 16\)"):
+        _scale_launch(_scale(SCALE, wrong), rng).sync_on(stream)
+    fewer = _scale(SCALE, [Out("out", "float32", rank=1), In("x", "float32", rank=1)])
+    with pytest.raises(dop.LaunchError, match="kernel scale<32> takes 3 parameters but its declared signature has 2"):
+        fewer(dop.empty(64).partition([32]), dop.empty(64)).generics([32]).sync_on(stream)
+
+
+def test_an_entry_the_cubin_lacks_is_refused(stream, rng):
+    """An entry name with C++ linkage (mangled) or misspelt: no GPU could load it."""
+    source = "__global__ void fill(float* out) { out[threadIdx.x] = 1.0f; }"
+    for entry, src in (("fill", source), ("fil", 'extern "C" ' + source)):
+        k = Kernel("fill", src, [Out("out", "float32", rank=1)], block=32,
+                   reference=lambda g, out: out.fill(1.0), entry=entry)
+        with pytest.raises(dop.LaunchError, match=rf"no kernel '{entry}'.*extern \"C\""):
+            k(dop.empty(32).partition([32])).sync_on(stream)
+
+
+def test_the_cubin_says_what_cuFuncGetParamInfo_says():
+    """The parameter layout read from the CUBIN's EIATTR_KPARAM_INFO records."""
+    from kernels import affine, rms_norm, store_row
+    expected = {affine: [(0, 8), (8, 8), (16, 4), (20, 4)],
+                store_row: [(0, 8), (8, 8), (16, 8), (24, 4)],
+                rms_norm: [(0, 8), (8, 8), (16, 8), (24, 4)]}
+    gens = {affine: (256,), store_row: (128,), rms_norm: (512, 128)}
+    for kernel, layout in expected.items():
+        prog, expr = kernel.compile(gens[kernel], arch="sm_90")
+        assert prog.param_layout(expr) == layout, kernel.name
+        assert prog.param_layout("no_such_kernel") is None
+
+
+def test_a_kernel_is_compiled_once_per_generics_on_the_reference_device(stream, rng, monkeypatch):
+    k = _scale(SCALE)
+    compiled = []
+    real = k.compile
+    monkeypatch.setattr(k, "compile", lambda values=(), arch=None: (compiled.append(values), real(values, arch))[1])
+    for alpha in (1.0, 2.0, 3.0):
+        x = dop.from_numpy(rng.standard_normal(64).astype(np.float32))
+        k(dop.empty(64).partition([32]), x, alpha).generics([32]).sync_on(stream)
+    k(dop.empty(64).partition([64]), dop.empty(64), 1.0).generics([64]).sync_on(stream)
+    assert compiled == [(32,), (64,)]  # a GPU compiles when it loads, the reference device when it first checks
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_cubin_layout_matches_cuFuncGetParamInfo_for_every_shipped_kernel(device):
+    from cuda.bindings import driver as cu
+    import kernels as lib
+    cases = [(lib.affine, (256,)), (lib.add, (128,)), (lib.rms_norm, (512, 128)), (lib.matvec, (16, 1, 256)),
+             (lib.store_row, (128,)), (lib.load_row, (128,)), (lib.rms_matvec_bf16, (8, 1, 256)),
+             (lib.matvec_add, (8, 1, 256)), (lib.matvec_batched, (8, 1, 256, 4))]
+    for kernel, gen in cases:
+        fn = kernel.function(device, gen)
+        actual = []
+        while True:
+            code, offset, size = cu.cuFuncGetParamInfo(fn.handle, len(actual))
+            if code:
+                break
+            actual.append((offset, size))
+        prog, expr = kernel.compile(gen, arch=device.arch)
+        assert prog.param_layout(expr) == actual, kernel.name
