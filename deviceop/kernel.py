@@ -112,9 +112,9 @@ class Kernel:
         self._functions: dict = {}
         self._compiled: set = set()  # (arch, generics) compiled and checked without a driver: see check_compiled
         self._configs: dict = {}
-        self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
+        self._verified: dict = {}  # launch key -> plan (launcher, LaunchConfig) of a checked launch: checked_launch
         self._prepared: dict = {}  # eager launch key -> prepared launch; see _fast_launch_type
-        # the tensor parameters after the output (the launch-check cache keys on their layouts)
+        # the tensor parameters after the output (a verdict hit unwraps their SharedTensors)
         self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
@@ -166,6 +166,8 @@ class Kernel:
                 fn = self._functions.get(key)
                 if fn is None:
                     prog, expr = self.compile(values, arch=device.arch)
+                    # refused as on the reference device; the parameter layout is the driver's to check
+                    self._check_program(prog, expr, layout=False)
                     fn = load_module(prog, device).get_function(expr, self.signature, label=expr)
                     self._functions[key] = fn
         return fn
@@ -177,21 +179,24 @@ class Kernel:
         parameters disagree with the declaration).  The reference device calls this
         before it first runs a launch's NumPy reference for these generics."""
         key = (arch, values)
-        if key in self._compiled:
-            return
-        prog, expr = self.compile(values, arch=arch)
+        if key not in self._compiled:
+            self._check_program(*self.compile(values, arch=arch))
+            self._compiled.add(key)
+
+    def _check_program(self, prog, expr: str, layout: bool = True) -> None:
+        """Refuse a compiled program without the kernel ``expr``, or (``layout``) whose
+        parameters disagree with the declared signature (the rule of check_param_layout)."""
         try:
-            layout = prog.param_layout(expr)
+            params = prog.param_layout(expr)
         except ValueError:  # a CUBIN this reader does not understand: the GPU checks it at load
-            layout = ()
-        if layout is None:
+            return
+        if params is None:
             known = ", ".join(prog.lowered_names) or "none"
             raise LaunchError(f"{self.name}: the compiled CUBIN has no kernel {expr!r} (name expressions "
-                              f"compiled: {known}), so a GPU could not load it; declare the kernel "
+                              f"compiled: {known}), so no GPU can load it; declare the kernel "
                               f'extern "C" under its entry name, or give its template parameters as generics')
-        if layout != ():
-            check_param_layout(expr, self.signature, layout)
-        self._compiled.add(key)
+        if layout:
+            check_param_layout(expr, self.signature, params)
 
     def config(self, grid: tuple, values=()) -> LaunchConfig:
         key = (grid, values)
