@@ -50,6 +50,77 @@ class CompiledProgram:
         """The symbol to look up in the module for ``name`` (an entry name or name expression)."""
         return self.lowered_names.get(name, name)
 
+    def param_layout(self, name: str) -> list[tuple[int, int]] | None:
+        """``(offset, size)`` in bytes of each parameter of the kernel ``name`` (an entry
+        name or name expression), read from the CUBIN without a driver: the facts
+        ``cuFuncGetParamInfo`` reports once it is loaded.  None if the CUBIN has no
+        kernel of that name (``cuModuleGetFunction`` would fail)."""
+        return cubin_param_layout(self.cubin, self.symbol(name))
+
+
+# -- what a CUBIN says about its kernels, read without a driver ------------------
+#
+# A CUBIN is a 64-bit little-endian ELF file.  Each kernel ``sym`` has a code
+# section ``.text.<sym>`` and an attribute section ``.nv.info.<sym>``: a run of
+# records, each a format byte, an attribute byte and then
+#   * format EIFMT_SVAL (4): a 2-byte payload size and that many bytes;
+#   * the others (EIFMT_NVAL 1, EIFMT_BVAL 2, EIFMT_HVAL 3): a 2-byte value.
+# An EIATTR_KPARAM_INFO record (attribute 0x17, EIFMT_SVAL, 12 bytes) describes
+# one parameter: a 4-byte index (0), a 2-byte ordinal, a 2-byte byte offset in
+# the parameter buffer, and 4 bytes whose top 14 bits are its size in bytes
+# (the low 18 hold its alignment, address space and constant bank).  This is
+# the layout nvdisasm prints and CUDA's loader reads; it is not a documented
+# API: a section that does not parse as such raises ValueError, which callers
+# take as "cannot tell" (the GPU checks the loaded kernel), never as a refusal.
+
+_EIFMT_SVAL = 4
+_EIATTR_KPARAM_INFO = 0x17
+
+
+def _elf_sections(image: bytes) -> dict[str, bytes]:
+    """Section name -> contents of a 64-bit little-endian ELF file."""
+    if image[:4] != b"\x7fELF" or image[4:6] != b"\x02\x01":
+        raise ValueError("not a 64-bit little-endian ELF file")
+    (shoff,) = struct.unpack_from("<Q", image, 0x28)              # e_shoff: the section header table
+    entsize, count, names = struct.unpack_from("<HHH", image, 0x3A)  # e_shentsize, e_shnum, e_shstrndx
+    # each header: sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size (the fields read here)
+    headers = [struct.unpack_from("<IIQQQQ", image, shoff + i * entsize) for i in range(count)]
+    strings = headers[names][4]
+    sections = {}
+    for name, _type, _flags, _addr, offset, size in headers:
+        start = strings + name
+        sections[image[start:image.index(b"\0", start)].decode()] = image[offset:offset + size]
+    return sections
+
+
+def cubin_param_layout(cubin: bytes, symbol: str) -> list[tuple[int, int]] | None:
+    """``(offset, size)`` of each parameter of the kernel ``symbol`` in ``cubin``, by
+    ordinal; None if there is no such kernel.  Raises ValueError if the CUBIN or
+    its records do not have the layout described above."""
+    try:
+        sections = _elf_sections(cubin)
+    except (struct.error, IndexError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the CUBIN's ELF sections ({exc})") from None
+    if ".text." + symbol not in sections:
+        return None
+    info = sections.get(".nv.info." + symbol, b"")
+    params, at = {}, 0
+    while at + 4 <= len(info):
+        fmt, attribute, value = info[at], info[at + 1], int.from_bytes(info[at + 2:at + 4], "little")
+        if fmt != _EIFMT_SVAL:
+            at += 4
+            continue
+        payload = info[at + 4:at + 4 + value]
+        at += 4 + value
+        if attribute == _EIATTR_KPARAM_INFO:
+            if len(payload) != 12:
+                raise ValueError(f"an EIATTR_KPARAM_INFO record of {len(payload)} bytes (expected 12)")
+            _index, ordinal, offset, word = struct.unpack("<IHHI", payload)
+            params[ordinal] = (offset, word >> 18)
+    if at != len(info) or sorted(params) != list(range(len(params))):
+        raise ValueError(f"the .nv.info section of {symbol} does not parse as attribute records")
+    return [params[i] for i in range(len(params))]
+
 
 # -- NVRTC facts ---------------------------------------------------------------
 

@@ -6,7 +6,9 @@ A kernel is CUDA C++ (a ``.cu`` file or a string) plus a declaration:
   with ``.generics([...])``, compiled as the NVRTC name expression
   ``entry<v0, v1, ...>``),
 * the role of each parameter, output first: ``Out`` (a partition the kernel
-  writes, one block per tile), ``In`` (a tensor it reads), ``Scalar``,
+  writes, one block per tile), ``In`` (a tensor it reads), ``Scalar``; a
+  tensor parameter's layout is dense (C-contiguous) unless declared
+  ``layout="strided"``,
 * its block shape and dynamic shared memory (functions of the generics), and
   optionally its thread-block cluster (a function of the generics and the grid),
 * a NumPy reference that computes the same output — what the reference
@@ -27,9 +29,12 @@ from .dtypes import DType, dtype as as_dtype
 from .errors import AliasingError, DTypeError, LaunchError, ShapeError
 from .nodes import KernelNode
 from .op import DeviceOp, stats
-from .runtime.launch import LaunchConfig, ptr
+from .runtime.launch import LaunchConfig, check_param_layout, ptr
 from .runtime.module import load_module
 from .tensor import Partition, SharedTensor, Tensor
+
+
+LAYOUTS = ("dense", "strided")
 
 
 @dataclass(frozen=True)
@@ -38,22 +43,35 @@ class Param:
     role: str              # "out" | "in" | "scalar"
     dtype: DType
     rank: int | None = None
+    # what the kernel assumes of a tensor's memory: "dense" (C-contiguous: the kernel
+    # receives a bare pointer and indexes it row-major) or "strided" (any strides: a
+    # kernel that takes the strides some other way, and reads them)
+    layout: str = "dense"
 
     def describe(self) -> str:
         if self.role == "scalar":
             return f"{self.name}: {self.dtype.name}"
         rank = f", rank {self.rank}" if self.rank is not None else ""
-        return f"{self.name}: {'out ' if self.role == 'out' else ''}{self.dtype.name}{rank}"
+        layout = f", {self.layout}" if self.layout != "dense" else ""
+        return f"{self.name}: {'out ' if self.role == 'out' else ''}{self.dtype.name}{rank}{layout}"
 
 
-def Out(name: str, dtype, rank: int | None = None) -> Param:
-    """The output partition (always the first parameter)."""
-    return Param(name, "out", as_dtype(dtype), rank)
+def _tensor_param(name: str, role: str, dtype, rank, layout) -> Param:
+    if layout not in LAYOUTS:
+        raise LaunchError(f"parameter {name}: layout must be one of {', '.join(map(repr, LAYOUTS))}, "
+                          f"got {layout!r}")
+    return Param(name, role, as_dtype(dtype), rank, layout)
 
 
-def In(name: str, dtype, rank: int | None = None) -> Param:
-    """An input tensor the kernel reads."""
-    return Param(name, "in", as_dtype(dtype), rank)
+def Out(name: str, dtype, rank: int | None = None, layout: str = "dense") -> Param:
+    """The output partition (always the first parameter).  ``layout="dense"`` (the
+    default) refuses a tensor that is not C-contiguous; ``"strided"`` accepts any."""
+    return _tensor_param(name, "out", dtype, rank, layout)
+
+
+def In(name: str, dtype, rank: int | None = None, layout: str = "dense") -> Param:
+    """An input tensor the kernel reads (``layout`` as for ``Out``)."""
+    return _tensor_param(name, "in", dtype, rank, layout)
 
 
 def Scalar(name: str, dtype) -> Param:
@@ -92,14 +110,16 @@ class Kernel:
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
         self._functions: dict = {}
+        self._compiled: set = set()  # (arch, generics) compiled and checked without a driver: see check_compiled
         self._configs: dict = {}
-        self._verified: dict = {}  # checked launch signature -> (launcher, LaunchConfig); see KernelLaunch
+        self._verified: dict = {}  # launch key -> plan (launcher, LaunchConfig) of a checked launch: checked_launch
         self._prepared: dict = {}  # eager launch key -> prepared launch; see _fast_launch_type
-        # the tensor parameters after the output (the launch-check cache keys on their layouts)
+        # the tensor parameters after the output (a verdict hit unwraps their SharedTensors)
         self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
         self._launch_types: dict = {}  # positions of the arguments that are ops -> launch class
+        self._launch_key = _launch_key_function(self)  # (device, generics, pdl, cooperative, *args) -> key
 
     def __call__(self, *args) -> "KernelLaunch":
         if len(args) != len(self.params):
@@ -146,9 +166,37 @@ class Kernel:
                 fn = self._functions.get(key)
                 if fn is None:
                     prog, expr = self.compile(values, arch=device.arch)
+                    # refused as on the reference device; the parameter layout is the driver's to check
+                    self._check_program(prog, expr, layout=False)
                     fn = load_module(prog, device).get_function(expr, self.signature, label=expr)
                     self._functions[key] = fn
         return fn
+
+    def check_compiled(self, arch: str, values=()) -> None:
+        """Compile for ``arch`` and check the declared signature against the CUBIN,
+        without a driver: what loading the kernel checks on a GPU (a CompileError
+        for source NVRTC rejects, a LaunchError for a kernel the CUBIN lacks or whose
+        parameters disagree with the declaration).  The reference device calls this
+        before it first runs a launch's NumPy reference for these generics."""
+        key = (arch, values)
+        if key not in self._compiled:
+            self._check_program(*self.compile(values, arch=arch))
+            self._compiled.add(key)
+
+    def _check_program(self, prog, expr: str, layout: bool = True) -> None:
+        """Refuse a compiled program without the kernel ``expr``, or (``layout``) whose
+        parameters disagree with the declared signature (the rule of check_param_layout)."""
+        try:
+            params = prog.param_layout(expr)
+        except ValueError:  # a CUBIN this reader does not understand: the GPU checks it at load
+            return
+        if params is None:
+            known = ", ".join(prog.lowered_names) or "none"
+            raise LaunchError(f"{self.name}: the compiled CUBIN has no kernel {expr!r} (name expressions "
+                              f"compiled: {known}), so no GPU can load it; declare the kernel "
+                              f'extern "C" under its entry name, or give its template parameters as generics')
+        if layout:
+            check_param_layout(expr, self.signature, params)
 
     def config(self, grid: tuple, values=()) -> LaunchConfig:
         key = (grid, values)
@@ -297,49 +345,21 @@ class KernelLaunch(DeviceOp):
                 values[i] = values[i]._run(ctx)
         return self._launch(ctx, values)
 
-    def _launch(self, ctx, values):
+    def _launch(self, ctx, values, key=None):
         """Check (or find checked) and launch, the arguments' ops already run.
 
         The general path: every launch on the reference device, every launch
         captured into a graph, and the first eager launch of each argument
-        layout.  Eager launches seen before take the kernel's generated
-        ``_run`` (``_fast_launch_type``) instead."""
+        set.  Eager launches seen before take the kernel's generated ``_run``
+        (``_fast_launch_type``) instead; ``key`` is the launch key when that
+        path has built it already."""
         gen = self._generics
         if gen is None:
             raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
                               f"call .generics([...]) on the launch")
-        kernel, part, device = self.kernel, values[0], ctx.device
-        # A launch whose device, generics, tiles, pointers, shapes, strides and
-        # dtypes were all seen before was already checked: one dict lookup gives
-        # the verdict and the launch plan (graph captures, and the first eager
-        # launch of a scalar value, hit this).  Anything unexpected takes the
-        # full check below.
-        # Each tensor enters the key as its layout id (Tensor._sig_id: cheaper to
-        # hash than the layout tuple).  Plain loops, not comprehensions: each
-        # comprehension is a function call (before Python 3.12), and this runs
-        # once per launch.
-        launch_args = list(values)
-        try:
-            t = launch_args[0] = part.tensor
-            key = [device, gen, part.tile_shape, self._pdl, self._cooperative, t._sig_id]
-            for i in kernel._input_positions:
-                t = launch_args[i]
-                if type(t) is SharedTensor:  # its .tensor, without the property call on the live path
-                    t = launch_args[i] = t._tensor if t._live else t.tensor
-                key.append(t._sig_id)
-            key = tuple(key)
-        except AttributeError:  # an argument of the wrong kind: the full check names it
-            key = None
-        plan = kernel._verified.get(key) if key is not None else None
-        if plan is None:
-            launch_args = self._check(values, gen)
-            fn = None if device.is_reference else kernel.function(device, gen)
-            config = kernel.config(part.grid, gen)  # the reference device too refuses what CUDA would
-            plan = (None, config) if fn is None else _launcher(fn, self._pdl, self._cooperative, config)
-            if key is not None:
-                if len(kernel._verified) > 65536:
-                    kernel._verified.clear()
-                kernel._verified[key] = plan
+        kernel, device = self.kernel, ctx.device
+        launch_args, plan = checked_launch(kernel, (device, gen, self._pdl, self._cooperative), values,
+                                           self.describe, key)
         launcher, config = plan
         if launcher is None:  # the reference device
             self._run_reference(ctx, gen, launch_args, values)
@@ -348,7 +368,8 @@ class KernelLaunch(DeviceOp):
             if ctx.capture is not None:  # a node of the graph: its handle, its arguments (kept alive)
                 ctx.capture.add_kernel_node(self, KernelNode(
                     kernel, gen, self.describe(), values, launch_args, self._mutable,
-                    kernel.function(device, gen), config, ctx.capture.last_node(ctx.stream)))
+                    kernel.function(device, gen), config, ctx.capture.last_node(ctx.stream),
+                    head=(device, gen, self._pdl, self._cooperative)))
         stats["launches"] += 1
         return tuple(values)
 
@@ -356,7 +377,7 @@ class KernelLaunch(DeviceOp):
         """An eager launch not prepared yet: launched by the general path (which
         checks it), then prepared for ``key``, so the next launch like it costs
         one dict lookup and one driver call."""
-        out = self._launch(ctx, values)
+        out = self._launch(ctx, values, key)
         device = ctx.device
         if not device.is_reference:
             kernel, gen, part = self.kernel, self._generics, values[0]
@@ -377,15 +398,54 @@ class KernelLaunch(DeviceOp):
             kernel.reference(dict(zip(kernel.generic_names, gen)), *[t._array if isinstance(t, Tensor) else t
                                                                       for t in launch_args])
             return
-        node = KernelNode(kernel, gen, self.describe(), values, launch_args, self._mutable)
+        node = KernelNode(kernel, gen, self.describe(), values, launch_args, self._mutable,
+                          head=(ctx.device, gen, self._pdl, self._cooperative))
         ctx.capture.add_kernel_node(self, node)
         step = node._replay_reference  # recorded, run at each replay (with the node's current arguments)
         ctx.capture.tape.append(_TapeStep(step, ("kernel", self.describe())))
 
-    def _check(self, values, gen) -> list:
-        return check_launch(self.kernel, values, gen, self.describe())
-
     _execute = _run
+
+
+def _launch_key_code(kernel: Kernel, head) -> tuple[list[str], str]:
+    """The launch key of ``kernel`` as source code: ``(unwrap lines, key expression)``
+    over the arguments ``a0`` ... ``a{n-1}``, after the four ``head`` expressions
+    (device, generics, pdl, cooperative).  The one definition of the key, used by
+    the eager fast path (inlined) and by every other path (``_launch_key_function``).
+
+    Why it is exact: a partition's and a tensor's layout id stand for their
+    (pointer, shape, strides, dtype[, tile]), so equal keys mean equal checks and
+    equal parameter bytes.  A scalar keys on its type and value, and a float
+    zero on its sign too (0.0 == -0.0, but their bytes differ).  So every input
+    of every check of a launch (roles, dtypes, ranks, layouts, aliasing, the
+    kernel's ``validate``, which may read scalars) is in the key."""
+    key = [*head, "a0._sig_id"]
+    unwrap = []
+    for i, p in enumerate(kernel.params[1:], 1):
+        if p.role == "in":  # a SharedTensor's tensor while the handle is live; else no key (the check names it)
+            unwrap.append(f"t{i} = a{i}._tensor if type(a{i}) is SharedTensor and a{i}._live else a{i}")
+            key.append(f"t{i}._sig_id")
+        elif p.dtype.kind == "f":
+            key += [f"type(a{i})", f"a{i}", f"(a{i} or copysign(1.0, a{i}))"]
+        else:
+            key += [f"type(a{i})", f"a{i}"]
+    return unwrap, f"({', '.join(key)})"
+
+
+_KEY_ENV = {"SharedTensor": SharedTensor, "copysign": math.copysign}
+
+
+def _launch_key_function(kernel: Kernel):
+    """``key(device, generics, pdl, cooperative, a0, ...)``: the launch key (see
+    ``_launch_key_code``); raises AttributeError, TypeError or ValueError for
+    arguments that have none (not a tensor, a released handle, an array)."""
+    args = [f"a{i}" for i in range(len(kernel.params))]
+    unwrap, key = _launch_key_code(kernel, ("device", "gen", "pdl", "cooperative"))
+    body = [f"def launch_key(device, gen, pdl, cooperative, {', '.join(args)}):",
+            *[f"    {line}" for line in unwrap], f"    return {key}"]
+    scope = dict(_KEY_ENV)
+    exec(compile("\n".join(body), f"<deviceop launch key of {kernel.name}>", "exec"), scope)
+    return scope["launch_key"]
 
 
 def _fast_launch_type(kernel: Kernel, dynamic: tuple) -> type:
@@ -393,29 +453,16 @@ def _fast_launch_type(kernel: Kernel, dynamic: tuple) -> type:
     ``dynamic`` are ops, with ``_run`` generated for its parameter list, and the
     ``first()`` node to go with it (whose ``_run`` is the same code inlined: one
     frame per launch fewer).  An eager launch whose arguments were all seen
-    before is one key (every tensor's layout id, every scalar's type and value),
-    one lookup in ``kernel._prepared`` and one prepared driver call
-    (Function.prepared): no loop, no argument list, no re-packing.  Anything
-    else (a first launch, a graph capture, the reference device, a bad argument)
-    takes the general ``KernelLaunch._launch``, which checks everything and
-    names what is wrong.
-
-    Why it is exact: a partition's and a tensor's layout id stand for their
-    (pointer, shape, strides, dtype[, tile]), so equal keys mean equal checks and
-    equal parameter bytes.  A scalar keys on its type and value, and a float
-    zero on its sign too (0.0 == -0.0, but their bytes differ)."""
+    before is one key (``_launch_key_code``: every tensor's layout id, every
+    scalar's type and value), one lookup in ``kernel._prepared`` and one
+    prepared driver call (Function.prepared): no loop, no argument list, no
+    re-packing.  Anything else (a first launch, a graph capture, the reference
+    device, a bad argument) takes the general ``KernelLaunch._launch``, which
+    checks everything the key has not been checked for and names what is wrong."""
     n = len(kernel.params)
     a = [f"a{i}" for i in range(n)]
-    key = ["ctx.device", "op._generics", "op._pdl", "op._cooperative", "a0._sig_id"]
-    unwrap = []
-    for i, p in enumerate(kernel.params[1:], 1):
-        if p.role == "in":  # a SharedTensor's tensor while the handle is live; else the general path names it
-            unwrap.append(f"            t{i} = a{i}._tensor if type(a{i}) is SharedTensor and a{i}._live else a{i}")
-            key.append(f"t{i}._sig_id")
-        elif p.dtype.kind == "f":
-            key += [f"type(a{i})", f"a{i}", f"(a{i} or copysign(1.0, a{i}))"]
-        else:
-            key += [f"type(a{i})", f"a{i}"]
+    unwrap, key = _launch_key_code(kernel, ("ctx.device", "op._generics", "op._pdl", "op._cooperative"))
+    unwrap = [f"            {line}" for line in unwrap]
     values = f"[{', '.join(a)}]"
 
     def run(head: list, result: str) -> list:
@@ -427,7 +474,7 @@ def _fast_launch_type(kernel: Kernel, dynamic: tuple) -> type:
                 "    if ctx.capture is None:",
                 "        try:",
                 *unwrap,
-                f"            key = ({', '.join(key)})",
+                f"            key = {key}",
                 "            call, params, launch = prepared[key]",
                 "        except KeyError:",
                 f"            op._launch_and_prepare(ctx, {values}, key)",
@@ -452,7 +499,7 @@ def _fast_launch_type(kernel: Kernel, dynamic: tuple) -> type:
                                 "    if op._consumed:",
                                 "        op._already_executed()",
                                 "    op._consumed = True"], "a0.tensor if self.as_tensor else a0")
-    env = {"SharedTensor": SharedTensor, "copysign": math.copysign, "stats": stats, "prepared": kernel._prepared}
+    env = {**_KEY_ENV, "stats": stats, "prepared": kernel._prepared}
     made = []
     for body in (launch_run, output_run):
         scope = dict(env)
@@ -478,7 +525,7 @@ class _TapeStep:
 
 
 def check_arg(kernel: Kernel, p: Param, a) -> None:
-    """Is ``a`` a valid value for parameter ``p`` (role, dtype, rank)?"""
+    """Is ``a`` a valid value for parameter ``p`` (role, dtype, rank, layout)?"""
     k = kernel.name
     if p.role == "out":
         if not isinstance(a, Partition):
@@ -501,10 +548,15 @@ def check_arg(kernel: Kernel, p: Param, a) -> None:
     if p.rank is not None and t.ndim != p.rank:
         raise ShapeError(f"argument {p.name} of {k} must have rank {p.rank}, got shape {t.shape}; "
                          f"reshape it (e.g. .reshape(...)) first")
+    if p.layout == "dense" and not t._contig:
+        # the kernel gets a bare pointer and indexes it row-major: a reversed, broadcast (stride 0),
+        # every-other-element or row-strided view would have it read the wrong elements, or past the end
+        raise ShapeError(f"argument {p.name} of {k} must be dense (C-contiguous), got shape {t.shape} with "
+                         f"strides {t.strides} (in elements); pass a contiguous copy: t.contiguous()")
 
 
 def check_launch(kernel: Kernel, values, gen, label: str) -> list:
-    """Every check of a launch: roles, dtypes, ranks, aliasing, the kernel's own rules.
+    """Every check of a launch: roles, dtypes, ranks, layouts, aliasing, the kernel's own rules.
     Returns the launch arguments (tensors for partitions and shared handles)."""
     params = kernel.params
     for p, v in zip(params, values):
@@ -518,3 +570,42 @@ def check_launch(kernel: Kernel, values, gen, label: str) -> list:
     if kernel.validate is not None:
         kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
     return launch_args
+
+
+def checked_launch(kernel: Kernel, head: tuple, values, describe, key=None) -> tuple[list, tuple]:
+    """``(launch arguments, plan)`` of a launch whose arguments are ``values``:
+    the verdict of every check, looked up by the launch key (``head`` is its
+    device, generics, pdl and cooperative) or, for a key not seen before (or
+    arguments that have none), reached by running them all (``check_launch``,
+    and on the reference device the kernel's compile).  The plan is the
+    Function's launcher and LaunchConfig, ``(None, LaunchConfig)`` on the reference
+    device.  ``describe()`` names the launch in errors.  Used by every launch
+    not prepared already, and by ``KernelNode.set``: one verdict cache, one key."""
+    verified = kernel._verified
+    try:
+        if key is None:
+            key = kernel._launch_key(*head, *values)
+        plan = verified.get(key)
+    except (AttributeError, TypeError, ValueError):  # an argument of the wrong kind, unhashable: checked below
+        key = plan = None
+    if plan is not None:
+        # Plain loop: the partition's tensor and each live SharedTensor's tensor (the key had them all)
+        launch_args = list(values)
+        launch_args[0] = values[0].tensor
+        for i in kernel._input_positions:
+            t = launch_args[i]
+            if type(t) is SharedTensor:
+                launch_args[i] = t._tensor
+        return launch_args, plan
+    device, gen, pdl, cooperative = head
+    launch_args = check_launch(kernel, values, gen, describe())
+    if device.is_reference:
+        kernel.check_compiled(device.arch, gen)  # what loading it would refuse on a GPU
+        plan = (None, kernel.config(values[0].grid, gen))  # the block and grid limits CUDA would refuse
+    else:
+        plan = _launcher(kernel.function(device, gen), pdl, cooperative, kernel.config(values[0].grid, gen))
+    if key is not None:
+        if len(verified) > 65536:
+            verified.clear()
+        verified[key] = plan
+    return launch_args, plan

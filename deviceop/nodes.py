@@ -16,8 +16,10 @@ new tensors or a new output partition (hence a new grid) for the next replay::
 
 That is seed 004's "combined approach": no recapture, no re-instantiation,
 one driver call.  Each change is checked as a launch would be (roles, dtypes,
-ranks, aliasing, the kernel's own rules); a scalar-only change takes a short
-path that packs the new value into the node's parameter buffer.
+ranks, layouts, aliasing, the kernel's own rules), on the whole would-be
+argument set and before anything changes, with the launches' verdict cache: a
+scalar-only change to arguments seen before takes a short path that packs the
+new value into the node's parameter buffer.
 """
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ class KernelNode:
     """One kernel node of a captured graph (see the module docstring)."""
 
     __slots__ = ("kernel", "generics", "label", "index", "handle", "mutable", "values", "launch_args",
-                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_graph", "_ref_args", "_stale")
+                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_graph", "_ref_args", "_stale",
+                 "_head")
 
     def __init__(self, kernel, generics, label, values, launch_args, mutable, function=None, config=None,
-                 handle=None):
+                 handle=None, *, head):
         # capture pays only for these attributes: the parameter buffer is made on the first set()
         self.kernel, self.generics, self.label = kernel, generics, label
+        self._head = head  # the launch key's (device, generics, pdl, cooperative): see kernel.checked_launch
         self.index, self.handle, self.mutable = -1, handle, mutable
         self.values, self.launch_args = list(values), list(launch_args)
         self._function, self._config, self._graph, self._stale = function, config, None, False
@@ -124,39 +128,35 @@ class KernelNode:
                              "(or recapture)")
         if not changed:
             return
+        # every check of a launch, on the would-be arguments, before anything changes
+        from .kernel import checked_launch
+        launch_args, _ = checked_launch(kernel, self._head, new, lambda: self.label)
         fn = self._function
         if fn is not None and self._params is None:
             self._prepare()
-        if all(params[i].role == "scalar" for i in changed):
-            coerced = {i: _coerce(params[i], new[i], self.label) for i in changed}
-            launch_args = list(self.launch_args)
-            for i, v in coerced.items():
-                launch_args[i] = new[i]
-            if fn is not None:
-                saved = self._buf.raw
-                for i, v in coerced.items():
-                    try:
-                        struct.pack_into("@" + params[i].dtype.pack, self._buf, fn.offsets[i], v)
-                    except (struct.error, OverflowError) as exc:
-                        self._buf[:len(saved)] = saved
-                        raise DTypeError(f"argument {params[i].name} of {self.label}: {new[i]!r} does not fit "
-                                         f"a {params[i].dtype.name} ({exc})") from None
-                self._commit(graph, saved)
-        else:
-            from .kernel import check_launch
-            launch_args = check_launch(kernel, new, self.generics, self.label)
-            if fn is not None:
-                p = self._params
-                saved, grid = self._buf.raw, (p.gridDimX, p.gridDimY, p.gridDimZ)
-                packed = fn.pack(*launch_args)
-                config = kernel.config(new[0].grid, self.generics)  # may refuse the grid: before any change
-                self._buf[:len(packed)] = packed
-                p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
+        if fn is not None and all(params[i].role == "scalar" for i in changed):
+            saved = self._buf.raw
+            for i in changed:
                 try:
-                    self._commit(graph, saved)
-                except BaseException:
-                    p.gridDimX, p.gridDimY, p.gridDimZ = grid
-                    raise
+                    struct.pack_into("@" + params[i].dtype.pack, self._buf, fn.offsets[i],
+                                     _coerce(params[i], new[i], self.label))
+                except (struct.error, OverflowError) as exc:
+                    self._buf[:len(saved)] = saved
+                    raise DTypeError(f"argument {params[i].name} of {self.label}: {new[i]!r} does not fit "
+                                     f"a {params[i].dtype.name} ({exc})") from None
+            self._commit(graph, saved)
+        elif fn is not None:
+            p = self._params
+            saved, grid = self._buf.raw, (p.gridDimX, p.gridDimY, p.gridDimZ)
+            packed = fn.pack(*launch_args)
+            config = kernel.config(new[0].grid, self.generics)  # may refuse the grid: before any change
+            self._buf[:len(packed)] = packed
+            p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
+            try:
+                self._commit(graph, saved)
+            except BaseException:
+                p.gridDimX, p.gridDimY, p.gridDimZ = grid
+                raise
         self.values, self.launch_args = new, launch_args  # the graph keeps the new buffers alive
         if fn is None:
             self._ref_args = [t._array if isinstance(t, Tensor) else t for t in launch_args]
@@ -166,7 +166,18 @@ class KernelNode:
         set the node; False (nothing changed) when anything needs the full path."""
         if self.handle is None:
             return False
-        buf, values = self._buf, self.values
+        buf, values, kernel = self._buf, self.values, self.kernel
+        if kernel.validate is not None:
+            # the kernel's own rules may read scalars: these arguments must have been checked before
+            # (else the full path checks them, and records the verdict for the next time)
+            new = list(values)
+            try:
+                for name, v in changes.items():
+                    new[fast[name][0]] = v
+                if kernel._launch_key(*self._head, *new) not in kernel._verified:
+                    return False
+            except (KeyError, AttributeError, TypeError, ValueError):
+                return False
         done = []  # scalars packed so far
         try:
             for name, v in changes.items():

@@ -342,6 +342,18 @@ class Tensor:
         t._arr = arr
         return t
 
+    def contiguous(self, *, stream=None) -> "Tensor":
+        """This tensor if it is dense (C-contiguous), else a dense copy of it in new
+        memory (on the GPU, ordered on ``stream``, default: the tensor's home stream)."""
+        if self._contig:
+            return self
+        if self.device.is_reference:
+            return Tensor._wrap(np.ascontiguousarray(self._array), self.device, self.dtype)
+        import cupy
+        stream = stream or self._home_stream or self.device.default_stream()
+        with cupy.cuda.Device(self.device.ordinal), stream.cupy:
+            return Tensor._wrap(cupy.ascontiguousarray(self._array), self.device, self.dtype, stream)
+
     def partition(self, tile_shape) -> "Partition":
         """Borrow this tensor mutably as the output of one launch, cut into tiles."""
         return Partition(self, tile_shape)

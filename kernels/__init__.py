@@ -1,7 +1,9 @@
 """deviceop's kernel library: one ``.cu`` file and one declaration per kernel.
 
 Built on deviceop's public API only.  Each kernel's NumPy reference is what
-the reference device runs and what the tests hold the GPU to.
+the reference device runs and what the tests hold the GPU to.  Every tensor
+parameter is dense (the declaration's default layout): deviceop refuses a
+strided view before any of these kernels sees it.
 
 * ``rms_norm<D, BS>(out [R, D] tile [1, D], x [R, D], w [D], eps)``
 * ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``: one warp per output row
@@ -83,7 +85,6 @@ def _matvec_check(g, out, x, w):
     _need(w.shape[0] == t.shape[0], f"matvec: w has {w.shape[0]} rows but out has {t.shape[0]}")
     _need(K % (128 * BK) == 0, f"matvec: K={K} must be a multiple of 128*BK={128 * BK}")
     _need(1 <= BN <= 32, f"matvec: BN={BN} must be in [1, 32] (one warp per output row)")
-    _need(x.is_contiguous and w.is_contiguous, "matvec: x and w must be contiguous")
     _aligned(t, x, w)
 
 
@@ -131,7 +132,6 @@ def _matvec_batched_check(g, out, x, w):
     _need(w.shape[0] == t.shape[1], f"matvec_batched: w has {w.shape[0]} rows but out has {t.shape[1]} columns")
     _need(K % (128 * BK) == 0, f"matvec_batched: K={K} must be a multiple of 128*BK={128 * BK}")
     _need(1 <= BN <= 32 and 1 <= MB <= 16, f"matvec_batched: BN={BN} must be in [1, 32] and MB={MB} in [1, 16]")
-    _need(x.is_contiguous and w.is_contiguous and t.is_contiguous, "matvec_batched: out, x and w must be contiguous")
     _aligned(t, x, w)
 
 
@@ -193,7 +193,6 @@ def _fused_check(name, per_load):
         _need(1 <= BN <= 32, f"{name}: BN={BN} must be in [1, 32] (one warp per output row)")
         _need(4 * (K + BN) <= 48 * 1024, f"{name}: K={K} does not fit the 48 KB shared-memory copy of x")
         others = [r for r in rest if hasattr(r, "shape")]
-        _need(all(r.is_contiguous for r in [x, *others]), f"{name}: x, w and the vectors must be contiguous")
         if name.startswith("rms"):
             _need(rest[0].shape == (K,), f"{name}: g {rest[0].shape} must be [{K}]")
         else:
@@ -250,7 +249,6 @@ def _rows_check(name, load):
         tile = (B,) if load else (table.shape[0], B)
         _need(out.tile_shape == tile, f"{name}<B={B}>: partition out with {list(tile)}, not {list(out.tile_shape)}")
         _need(B % 128 == 0 and B <= 4096, f"{name}: B={B} must be a multiple of 128, at most 4096")
-        _need(table.is_contiguous and vec.is_contiguous, f"{name}: the table and the vector must be contiguous")
         _aligned(table, vec)
     return check
 

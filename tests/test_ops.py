@@ -11,7 +11,7 @@ import pytest
 import deviceop as dop
 from deviceop import api, zip_, DeviceOpVec
 from deviceop.op import stats
-from kernels import add, matvec, rms_norm
+from kernels import add, affine, matvec, rms_norm
 
 
 def counts():
@@ -380,16 +380,21 @@ def test_launch_checks_are_cached_by_layout_not_by_tensor_object(stream, rng):
 
 
 def test_checks_of_a_repeated_launch_run_once(stream, rng):
-    """Per-token rebuilds of one model pay the launch checks once: the verdict is cached
-    by device, generics, tiles and each tensor's pointer, shape, strides and dtype."""
+    """Per-token rebuilds of one model pay the launch checks once per argument set: the
+    verdict is cached by device, generics, tiles, each tensor's pointer, shape, strides and
+    dtype, and each scalar's type and value (a kernel's rules may read its scalars)."""
     calls = []
-    src = add.source
-    k = dop.Kernel("add_counted", src, add.params, generics=["B"], block=lambda g: g["B"] // 4,
-                   reference=add.reference, validate=lambda *a: calls.append(1), entry="add")
-    a = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
+    k = dop.Kernel("affine_counted", affine.source, affine.params, generics=["B"], block=lambda g: g["B"] // 4,
+                   reference=affine.reference, validate=lambda g, out, x, alpha, beta: calls.append((alpha, beta)),
+                   entry="affine")
+    x = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
     out = dop.empty(256)
     for _ in range(3):
-        k(out.partition([128]), a, a).generics([128]).sync_on(stream)
-    assert len(calls) == 1
-    k(out.partition([128]), a, dop.empty(256)).generics([128]).sync_on(stream)  # a new tensor: checked again
+        k(out.partition([128]), x, 2.0, 1.0).generics([128]).sync_on(stream)
+    assert calls == [(2.0, 1.0)]
+    k(out.partition([128]), dop.empty(256), 2.0, 1.0).generics([128]).sync_on(stream)  # a new tensor: checked again
     assert len(calls) == 2
+    for alpha in (3.0, 2.0, 3.0, -0.0, 0.0, -0.0):  # a new scalar, or the sign of a zero: checked again
+        k(out.partition([128]), x, alpha, 1.0).generics([128]).sync_on(stream)
+    assert calls[2:] == [(3.0, 1.0), (-0.0, 1.0), (0.0, 1.0)]
+    assert [str(a) for a, _ in calls[3:]] == ["-0.0", "0.0"]

@@ -281,3 +281,97 @@ def test_graph_cache_any_batch_sequence_matches_eager(batches, seed):
             np.testing.assert_allclose(got, 2.0 * xs.astype(np.float64) + 1.0, rtol=1e-6, atol=1e-6)
         s = cache.stats
         assert s.hits + s.misses + s.fallbacks == 2 * len(batches) and s.graphs <= 3
+
+
+# -- checks that must run whatever ran before (issue 24) ----------------------------------
+#
+# A random history of launches over fixed buffers, each through one of three ways
+# (eager with plain scalars, eager with scalars computed by ops, or a captured
+# node updated with ``set`` and replayed), with an input that is a dense view or
+# not, and a scalar that is valid or not.  Whatever came before, each launch is
+# refused exactly when the model says (and then changes nothing), else it
+# computes what the model computes: no check is ever skipped because an earlier
+# launch of the same layouts passed it.
+
+SAFETY_VIEWS = ("dense", "reversed", "every_other")
+ROWS = (4, 4, 3, 1000, 2**40, True, 4.0)       # store_row's rows: the table has 4
+ALPHAS = (1.5, -0.0, 0.25, True)               # affine's alpha
+HOW = ("eager", "op", "node")
+
+
+@st.composite
+def launch_histories(draw):
+    steps = []
+    for _ in range(draw(st.integers(1, 10))):
+        kernel = draw(st.sampled_from(("store_row", "affine")))
+        scalar = draw(st.sampled_from(ROWS if kernel == "store_row" else ALPHAS))
+        steps.append((kernel, draw(st.sampled_from(SAFETY_VIEWS)), scalar, draw(st.sampled_from(HOW))))
+    return steps, draw(st.integers(0, 3)), draw(st.integers(0, 2**32 - 1))
+
+
+def _expected_refusal(kernel, view, scalar):
+    """The exception a launch must raise, or None: the shared checks in parameter
+    order (the input's layout before the scalar's type), then the kernel's rules."""
+    if view != "dense":
+        return dop.ShapeError
+    if kernel == "store_row":
+        if type(scalar) is not int or not -2**31 <= scalar < 2**31:
+            return dop.DTypeError
+        return dop.ShapeError if scalar != 4 else None
+    return dop.DTypeError if type(scalar) is bool else None
+
+
+@given(launch_histories())
+def test_every_launch_is_checked_whatever_launched_before(history):
+    from kernels import store_row
+    steps, row, seed = history
+    device = dop.Device()
+    stream = device.new_stream()
+    rng = np.random.default_rng(seed)
+    n = {"store_row": 128, "affine": 256}
+    hosts = {k: rng.standard_normal(2 * m).astype(np.float32) for k, m in n.items()}
+    bases = {k: dop.from_numpy(h, device=device, stream=stream) for k, h in hosts.items()}
+    views = {k: {"dense": (b[0:n[k]], hosts[k][0:n[k]]), "reversed": (b[n[k] - 1::-1], hosts[k][n[k] - 1::-1]),
+                 "every_other": (b[0::2], hosts[k][0::2])} for k, b in bases.items()}
+    table_host = rng.standard_normal((4, 128)).astype(np.float32)
+    table = dop.from_numpy(table_host, device=device, stream=stream)
+    index = dop.from_numpy(np.array([row], np.int32), device=device, stream=stream)
+    out = dop.from_numpy(np.full(256, np.nan, np.float32), device=device, stream=stream)
+    model = {"store_row": table_host.copy(), "affine": np.full(256, np.nan, np.float32)}
+    result = {"store_row": table, "affine": out}
+
+    def launch(kernel, x, scalar):
+        if kernel == "store_row":
+            return store_row(table.partition([4, 128]), x, index, scalar).generics([128])
+        return affine(out.partition([128]), x, scalar, 0.5).generics([128])
+
+    dense = {k: v["dense"][0] for k, v in views.items()}
+    nodes, graphs = {}, []
+    for kernel, scalar in (("store_row", 4), ("affine", 1.0)):
+        step = launch(kernel, dense[kernel], scalar).dynamic()
+        graphs.append(step.graph_on(stream))  # captured, not replayed: the model is unchanged
+        nodes[kernel] = graphs[-1].node(step), graphs[-1]
+    for kernel, view, scalar, how in steps:
+        x, x_host = views[kernel][view]
+        refusal = _expected_refusal(kernel, view, scalar)
+        before = result[kernel].numpy(stream=stream)
+        name = "rows" if kernel == "store_row" else "alpha"
+        try:
+            if how == "node":
+                node, graph = nodes[kernel]
+                node.set(x=x, **{name: scalar})
+                graph.launch().sync_on(stream)
+            else:
+                launch(kernel, x, dop.value(scalar) if how == "op" else scalar).sync_on(stream)
+        except (dop.ShapeError, dop.DTypeError) as exc:
+            assert refusal is not None and type(exc) is refusal, f"{kernel} {view} {scalar!r} {how}: {exc}"
+            np.testing.assert_array_equal(result[kernel].numpy(stream=stream), before)
+            continue
+        assert refusal is None, f"{kernel} {view} {scalar!r} {how}: accepted, but should raise {refusal.__name__}"
+        if kernel == "store_row":
+            model[kernel][row] = x_host
+        else:
+            model[kernel] = (np.float64(scalar) * x_host.astype(np.float64) + 0.5).astype(np.float32)
+        np.testing.assert_allclose(result[kernel].numpy(stream=stream), model[kernel], rtol=1e-6, atol=1e-6)
+    for graph in graphs:
+        graph.close()

@@ -4,7 +4,9 @@ A :class:`Function` knows its parameter list (its *signature*): ``ptr`` for a
 device pointer (optionally of one dtype: ``ptr("float32")``) or a dtype for a
 scalar.  The signature is checked against the CUBIN's own parameter layout
 (``cuFuncGetParamInfo``) when the function is loaded, so a declaration that
-disagrees with the kernel fails there rather than corrupting a launch.
+disagrees with the kernel fails there rather than corrupting a launch
+(``check_param_layout``: the reference device applies the same rule to the
+layout it reads from the CUBIN).
 
 At launch the arguments are converted (Tensor → device pointer, number →
 the declared scalar type, range- and kind-checked), packed with one
@@ -192,6 +194,35 @@ class PreparedLaunch:
         self.function._launch_failed(exc, stream, f"cuLaunchKernel({self.function.name})")
 
 
+def param_offsets(signature) -> list[int]:
+    """The byte offset of each parameter of ``signature`` (normalized: ptr or DType)
+    in the kernel's parameter buffer, under C alignment rules."""
+    offsets = []
+    for i, spec in enumerate(signature):
+        prefix = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in signature[:i])
+        align = "P" if isinstance(spec, ptr) else spec.pack
+        offsets.append(struct.calcsize(prefix + "0" + align))
+    return offsets
+
+
+def check_param_layout(name: str, signature, actual, offsets=None) -> None:
+    """Refuse a declared ``signature`` that disagrees with the kernel's own parameter
+    layout ``actual`` (``(offset, size)`` per parameter: cuFuncGetParamInfo of the
+    loaded kernel on a GPU, the CUBIN's records on the reference device): the one
+    rule for both, so a declaration that would corrupt a launch fails everywhere."""
+    signature = tuple(_normalize_param(s) for s in signature)
+    offsets = param_offsets(signature) if offsets is None else offsets
+    declared = [(o, 8 if isinstance(s, ptr) else s.itemsize) for o, s in zip(offsets, signature)]
+    actual = [tuple(a) for a in actual]
+    if len(actual) != len(declared):
+        raise LaunchError(f"kernel {name} takes {len(actual)} parameters but its declared "
+                          f"signature has {len(declared)}: {list(signature)}")
+    for i, (a, d) in enumerate(zip(actual, declared)):
+        if a != d:
+            raise LaunchError(f"parameter {i} of kernel {name} is {a[1]} bytes at offset {a[0]}, "
+                              f"but the signature declares {signature[i]!r} ({d[1]} bytes at {d[0]})")
+
+
 def pointer_of(value, spec: ptr, index: int, name: str) -> int:
     """The device address a pointer parameter receives for ``value``."""
     addr = getattr(value, "_ptr", None)  # deviceop Tensor: cached at construction
@@ -219,12 +250,7 @@ class Function:
         self.address = int(handle)  # what launch_kernel takes
         self.signature = tuple(_normalize_param(s) for s in signature)
         fmt = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature)
-        offsets = []
-        for i, spec in enumerate(self.signature):
-            # the offset of parameter i under C alignment rules
-            prefix = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature[:i])
-            align = "P" if isinstance(spec, ptr) else spec.pack
-            offsets.append(struct.calcsize(prefix + "0" + align))
+        offsets = param_offsets(self.signature)
         self._verify_layout(offsets)
         self.offsets = tuple(offsets)  # byte offset of each parameter in the packed buffer
         self._struct = struct.Struct(fmt)
@@ -241,21 +267,14 @@ class Function:
         self.launch_cluster = self._build_launcher("cluster")
 
     def _verify_layout(self, offsets) -> None:
-        """Compare the declared signature with the CUBIN's parameter layout."""
+        """Compare the declared signature with the loaded kernel's parameter layout."""
         actual = []
         while True:
             code, offset, size = cu.cuFuncGetParamInfo(self.handle, len(actual))
             if code:
                 break
             actual.append((offset, size))
-        declared = [(o, 8 if isinstance(s, ptr) else s.itemsize) for o, s in zip(offsets, self.signature)]
-        if len(actual) != len(declared):
-            raise LaunchError(f"kernel {self.name} takes {len(actual)} parameters but its declared "
-                              f"signature has {len(declared)}: {list(self.signature)}")
-        for i, (a, d) in enumerate(zip(actual, declared)):
-            if a != d:
-                raise LaunchError(f"parameter {i} of kernel {self.name} is {a[1]} bytes at offset {a[0]}, "
-                                  f"but the signature declares {self.signature[i]!r} ({d[1]} bytes at {d[0]})")
+        check_param_layout(self.name, self.signature, actual, offsets)
 
     def _default_dynamic_shared_memory(self) -> int:
         """The dynamic shared memory a launch may take before the opt-in attribute is
