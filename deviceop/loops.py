@@ -23,7 +23,8 @@ How the capture is wired (driver API, CUDA >= 12.4):
 ``count`` is an int (baked into the graph) or an int32 device tensor of one
 element, read by the control kernel at every test: change it between replays
 and the same graph runs a different number of iterations.  After a ``loop``
-the index holds the number of iterations run, in every mode.
+the index holds the number of iterations run, in every mode; a device count
+that is negative runs none (the index is 0), as a count of 0 does.
 
 On the reference device a captured loop is a tape step that replays the
 body's recorded tape with the same control logic.
@@ -250,7 +251,9 @@ class Loop(_Loop):
     def _count_now(self, ctx) -> int:
         if self.count_tensor is None:
             return self.count
-        return int(self.count_tensor.numpy(stream=ctx.stream)[0])  # eager: the host reads it once
+        # a negative count runs no iteration and leaves index 0, as the captured
+        # loop's test (index < count, from index 0) does
+        return max(0, int(self.count_tensor.numpy(stream=ctx.stream)[0]))  # eager: the host reads it once
 
     def _set_index(self, ctx, i: int) -> None:
         if ctx.device.is_reference:

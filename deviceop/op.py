@@ -96,9 +96,12 @@ class DeviceOp:
         """The ops this one executes (for graph-safety checks and module preloading)."""
         return ()
 
-    def unsafe_for_graphs(self):
+    def unsafe_for_graphs(self, fresh: list | None = None):
         """The first op in this DAG that is not graph-safe, or None (each node visited once:
-        shared clones make the tree a DAG, and walking it as a tree is exponential)."""
+        shared clones make the tree a DAG, and walking it as a tree is exponential).
+
+        ``fresh``, a list, receives the ops not executed yet (shared ops: those whose
+        cell is unclaimed): what a capture must hand back if it fails."""
         stack, seen = [self], set()
         while stack:
             op = stack.pop()
@@ -107,6 +110,8 @@ class DeviceOp:
             seen.add(id(op))
             if not op.graph_safe:
                 return op
+            if fresh is not None and not op._consumed and (type(op) is not SharedOp or op.core.unclaimed):
+                fresh.append(op)
             stack.extend(reversed(op.children()))
         return None
 
@@ -407,6 +412,30 @@ class _SharedCore:
             if type(waiter) is threading.Event:
                 waiter.set()
 
+    @property
+    def unclaimed(self) -> bool:
+        """No execution has run, is running or failed the op."""
+        return not (self.claims or self.done or self.failed)
+
+    def reset(self, ran_here: bool) -> None:
+        """Back to unclaimed, the result dropped: what a failed capture does to a cell
+        it ran, whose result is a buffer the discarded graph would have filled.
+        ``ran_here``: the op completed in that capture, so every op in its tree
+        (up to other shared ops, reset on their own) was executed by it and is
+        made executable again."""
+        if ran_here:
+            stack, seen = [self.op], set()
+            while stack:
+                op = stack.pop()
+                if id(op) in seen:
+                    continue
+                seen.add(id(op))
+                op._consumed = False
+                if type(op) is not SharedOp:
+                    stack.extend(op.children())
+        self.done = self.failed = False
+        self.result, self.claims = None, []
+
     def wait(self, ctx):
         """The result of a run another execution claimed (see the class docstring)."""
         if not self.done and not self.failed and self.claims[0] is ctx:
@@ -454,6 +483,8 @@ class SharedOp(DeviceOp):
                     raise
                 core.done = True
                 claims[0] = None  # the cell does not keep the context alive
+                if ctx.capture is not None:  # a capture that fails later must undo this
+                    ctx.capture.shared.append(core)
                 if len(claims) > 1:  # read after done is set: a waiter appends, then reads done
                     core.wake()
                 return result

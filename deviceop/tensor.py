@@ -317,8 +317,9 @@ class Tensor:
 
     def _make_view(self, shape) -> "Tensor":
         size = self.size
-        dims = shape if type(shape) is tuple and -1 not in shape and math.prod(shape) == size \
-            and all(type(d) is int for d in shape) else \
+        # the fast path checks signs too: two negative sizes multiply to a positive count
+        dims = shape if type(shape) is tuple and math.prod(shape) == size \
+            and all(type(d) is int and d >= 0 for d in shape) else \
             _resolve_shape(shape, size, f"view of {self.dtype.name} tensor {self._shape}")
         if not self._contig:
             raise ShapeError(f"cannot view the non-contiguous tensor {self._shape} (strides {self._strides}) "
