@@ -32,18 +32,18 @@ class Capture:
     kernel nodes recorded so far, and (on the reference device) the tape of
     work to replay.
 
-    It also knows what executing into it changed, so that a capture that fails
-    (or whose graph is never made) can hand it back with ``undo()``: the ops
-    that had not run before it (``fresh``, found when each op is checked) and
-    the shared ops that completed in it (``shared``), whose results are buffers
-    only the discarded graph would have filled."""
+    It also knows what executing into it may change, so that a capture that
+    fails (or whose graph is never made) can hand it back with ``undo()``: the
+    ops that had not run before it (``fresh``).  Every op a capture runs is
+    checked for graph safety first — the op's tree, what a ``then`` callback
+    returns, a loop's body — and that walk is where they are found."""
 
-    __slots__ = ("keep", "tape", "label", "nodes", "by_launch", "fresh", "shared")
+    __slots__ = ("keep", "tape", "label", "nodes", "by_launch", "fresh")
 
     def __init__(self, label: str):
         self.keep, self.tape, self.label = [], [], label
         self.nodes, self.by_launch = [], {}
-        self.fresh, self.shared = [], []
+        self.fresh = []
 
     def check_graph_safe(self, op: DeviceOp) -> None:
         bad = op.unsafe_for_graphs(self.fresh)
@@ -67,24 +67,19 @@ class Capture:
         self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
 
     def undo(self) -> None:
-        """Leave no op marked as executed by this capture: every shared op that
-        completed in it is unclaimed again (a clone run later recomputes it instead
-        of returning a buffer no graph will fill), and every op it executed may be
-        executed again.  A shared op that failed in it is reset too when the capture
-        checked it before running it (the ops of the tree, and those a ``then``
-        callback returns); one made inside a loop body stays failed (its clones
-        raise StateError: build it again)."""
-        for core in reversed(self.shared):
-            core.reset(ran_here=True)
+        """Leave no op marked as executed by this capture: every shared op it ran
+        (completed or failed) is unclaimed again, so a clone run later computes
+        it instead of returning a buffer no graph will fill, and every op it
+        executed may be executed again (ops that had run before it stay as they were)."""
         for op in self.fresh:
             op._consumed = False
             if type(op) is SharedOp and (op.core.done or op.core.failed):
-                op.core.reset(ran_here=False)
+                op.core.reset()
         self.forget()
 
     def forget(self) -> None:
         """The graph was made: nothing to undo, and no op kept alive for it."""
-        self.shared, self.fresh = [], []
+        self.fresh = []
 
 
 def _preload(op: DeviceOp, device) -> None:

@@ -239,7 +239,7 @@ def _unpartition(v):
 
 def _reshape(v, shape):
     if isinstance(v, SharedTensor):
-        v = v.tensor
+        return v.view(shape)  # a view made through a handle: a borrow while it lives
     if isinstance(v, Tensor):
         return v.view(shape)
     raise ShapeError(f"reshape() needs an op producing a tensor, got {type(v).__name__}")
@@ -417,22 +417,9 @@ class _SharedCore:
         """No execution has run, is running or failed the op."""
         return not (self.claims or self.done or self.failed)
 
-    def reset(self, ran_here: bool) -> None:
-        """Back to unclaimed, the result dropped: what a failed capture does to a cell
-        it ran, whose result is a buffer the discarded graph would have filled.
-        ``ran_here``: the op completed in that capture, so every op in its tree
-        (up to other shared ops, reset on their own) was executed by it and is
-        made executable again."""
-        if ran_here:
-            stack, seen = [self.op], set()
-            while stack:
-                op = stack.pop()
-                if id(op) in seen:
-                    continue
-                seen.add(id(op))
-                op._consumed = False
-                if type(op) is not SharedOp:
-                    stack.extend(op.children())
+    def reset(self) -> None:
+        """Back to unclaimed, the result dropped: what a failed capture does to a
+        cell it ran, whose result is a buffer only the discarded graph would fill."""
         self.done = self.failed = False
         self.result, self.claims = None, []
 
@@ -483,8 +470,6 @@ class SharedOp(DeviceOp):
                     raise
                 core.done = True
                 claims[0] = None  # the cell does not keep the context alive
-                if ctx.capture is not None:  # a capture that fails later must undo this
-                    ctx.capture.shared.append(core)
                 if len(claims) > 1:  # read after done is set: a waiter appends, then reads done
                     core.wake()
                 return result

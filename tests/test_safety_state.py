@@ -284,3 +284,136 @@ def test_a_negative_count_tensor_runs_no_iteration_and_leaves_index_zero(mode, w
     index, y, xs = _count_down_loop(device, mode, 2, rng)  # and a positive count still counts
     assert index == 2
     np.testing.assert_array_equal(y, 2 * xs)
+
+
+# -- 9. ownership beyond handles (docs/robustness.md, "Ownership") ------------------------
+
+def test_try_partition_waits_for_views_made_through_a_handle(stream):
+    h = dop.empty(N, stream=stream).into_shared()
+    v = h.view(2, 128)
+    with pytest.raises(dop.OwnershipError, match="1 live borrow.*view made through a handle"):
+        h.try_partition([128])
+    v2 = v[1:]          # a view made from the borrowed view carries its borrow
+    del v
+    with pytest.raises(dop.OwnershipError, match="view made through a handle"):
+        h.try_partition([128])
+    del v2
+    assert h.try_partition([128]).grid == (2,)
+
+
+def test_a_reshape_of_a_handle_in_an_op_is_a_borrow_while_its_value_lives(stream, rng):
+    xs = rng.standard_normal(N).astype(np.float32)
+    h = upload(xs, stream).into_shared()
+    out = dop.empty(N, stream=stream)
+    value = affine(out.partition([128]), dop.shared(h).clone().reshape(N), 2.0, 0.0).generics([128]).sync_on(stream)
+    with pytest.raises(dop.OwnershipError, match="view made through a handle"):
+        h.try_partition([128])  # value[1] is a view of h's buffer
+    assert value[1] is not h.tensor and value[1].data_ptr == h.tensor.data_ptr
+    del value
+    assert h.try_partition([128]).grid == (2,)
+
+
+class Foreign:
+    """Another framework's array: it exports its memory through DLPack and keeps it."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_memory_imported_from_another_framework_is_never_claimed(rng):
+    """On the reference device (host memory; test_imports_on_the_gpu_... is the GPU's)."""
+    device = dop.ReferenceDevice(0)
+    stream = device.new_stream()
+    xs = rng.standard_normal(N).astype(np.float32)
+    for import_ in (dop.from_dlpack, dop.as_tensor):
+        foreign = Foreign(xs.copy())
+        imported = import_(foreign, device=device)
+        h = imported.into_shared()
+        with pytest.raises(dop.OwnershipError, match="imported from another framework.*api.dup"):
+            h.try_partition([128])
+        with pytest.raises(dop.OwnershipError, match="imported from another framework"):
+            api.memcpy(h, dop.empty(N, device=device))
+        assert h.live_handles == 1  # refused, not consumed: the handle still reads
+        # the two ways out the message names: a copy deviceop owns, or an explicit plain borrow
+        own = api.dup(h).sync_on(stream)
+        affine(own.into_shared().try_partition([128]), imported, 2.0, 0.0).generics([128]).sync_on(stream)
+        np.testing.assert_array_equal(own.numpy(), 2 * xs)
+        affine(h.tensor.partition([128]), own, 3.0, 0.0).generics([128]).sync_on(stream)
+        np.testing.assert_array_equal(foreign.array, 6 * xs)  # the other framework sees the write
+
+
+def test_an_import_of_deviceop_memory_is_a_borrow_of_its_buffer(rng):
+    """Memory deviceop allocated that comes back through DLPack is counted while the import lives
+    (on the reference device, whose memory NumPy can hold; the GPU twin uses CuPy)."""
+    device = dop.ReferenceDevice(0)
+    t = dop.from_numpy(rng.standard_normal(N).astype(np.float32), device=device)
+    h = t.into_shared()
+    alias = dop.from_dlpack(np.from_dlpack(t), device=device)  # another framework's view of t, imported again
+    assert alias.data_ptr == t.data_ptr
+    with pytest.raises(dop.OwnershipError, match="an import of its memory"):
+        h.try_partition([128])
+    half = alias[:128]
+    del alias
+    with pytest.raises(dop.OwnershipError, match="an import of its memory"):
+        h.try_partition([128])  # a view of the import keeps the borrow
+    del half
+    assert h.try_partition([128]).grid == (2,)
+
+
+def test_memcpy_into_a_shared_handle_needs_the_only_handle(stream, rng):
+    xs = rng.standard_normal(N).astype(np.float32)
+    src = upload(xs, stream)
+    h = dop.empty(N, stream=stream).into_shared()
+    reader = h.clone()
+    with pytest.raises(dop.OwnershipError, match="api.memcpy into a SharedTensor.*1 other live SharedTensor handle"):
+        api.memcpy(h, src)
+    reader.release()
+    op = api.memcpy(h, src)       # the only handle now: allowed (Arc::get_mut), and not consumed
+    late = h.clone()              # ... until a clone appears before it runs
+    with pytest.raises(dop.OwnershipError, match="1 other live SharedTensor handle"):
+        op.sync_on(stream)
+    late.release()
+    api.memcpy(h, src).sync_on(stream)
+    np.testing.assert_array_equal(h.tensor.numpy(), xs)
+    assert h.live_handles == 1
+    shared_dst = dop.shared(h)    # an op producing the handle: checked when it runs
+    keep = h.clone()
+    with pytest.raises(dop.OwnershipError):
+        api.memcpy(shared_dst.clone(), src).sync_on(stream)
+    keep.release()
+
+
+def test_a_loop_index_that_is_a_shared_handle_must_be_the_only_one(stream):
+    index = dop.from_numpy(np.zeros(1, np.int32), stream=stream).into_shared()
+    other = index.clone()
+    with pytest.raises(dop.OwnershipError, match="dop.loop's index"):
+        dop.loop(3, index, lambda i: dop.value(None))
+    other.release()
+    dop.loop(3, index, lambda i: dop.value(None)).sync_on(stream)
+    assert index.tensor.numpy()[0] == 3
+
+
+@pytest.mark.gpu
+def test_imports_on_the_gpu_are_external_or_borrows(rng):
+    import cupy
+    device = dop.CudaDevice(0)
+    stream = device.new_stream()
+    c = cupy.asarray(rng.standard_normal(N).astype(np.float32))
+    for imported in (dop.from_dlpack(c, device=device), dop.as_tensor(c, device=device),
+                     dop.Tensor.from_cuda_array_interface(c, device=device)):
+        with pytest.raises(dop.OwnershipError, match="imported from another framework"):
+            imported.into_shared().try_partition([128])
+    t = dop.from_numpy(rng.standard_normal(N).astype(np.float32), device=device, stream=stream)
+    h = t.into_shared()
+    alias = dop.from_dlpack(cupy.from_dlpack(t), device=device)
+    with pytest.raises(dop.OwnershipError, match="an import of its memory"):
+        h.try_partition([128])
+    del alias
+    gc.collect()
+    assert h.try_partition([128]).grid == (2,)
