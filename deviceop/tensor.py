@@ -15,6 +15,7 @@ explicit transfers.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import operator
@@ -606,17 +607,22 @@ class SharedTensor:
         return (f"is still reachable from {' and '.join(reach)}; release() the other handles and drop the "
                 "borrowing views or imports (del them) first, or write into a buffer you own")
 
-    def _exclusive(self, what: str) -> None:
-        """Raise OwnershipError unless this is the only way deviceop can see to reach the buffer."""
+    def _exclusive(self, what: str, consume: bool) -> Tensor:
+        """The tensor, if this is the only way deviceop can see to reach the buffer
+        (the handle ended with the same lock held when ``consume``); else OwnershipError."""
         tensor = self.tensor
+        alloc = tensor._alloc
         for attempt in (0, 1):
-            with tensor._alloc.lock:
+            with alloc.lock:
                 why = self._why_not_exclusive(tensor)
-            if why is None:
-                return
-            if attempt == 0 and tensor._alloc.borrows:
-                import gc
-                gc.collect()  # a view in an unreachable reference cycle is no borrow: the verdict must not hinge on it
+                if why is None:
+                    if consume:
+                        alloc.handles -= 1
+                        self._live = False
+                    return tensor
+            if attempt or not alloc.borrows:
+                break
+            gc.collect()  # a view in an unreachable reference cycle is no borrow: the verdict must not hinge on it
         raise OwnershipError(f"{what}: the {tensor.dtype.name} buffer {tensor.shape} {why}")
 
     def try_partition(self, tile_shape) -> Partition:
@@ -627,22 +633,20 @@ class SharedTensor:
         the buffer, writable by one launch."""
         tensor = self.tensor
         part = Partition(tensor, tile_shape)  # a bad tile fails before the handle is consumed
-        self._exclusive("try_partition")
         alloc = tensor._alloc
-        with alloc.lock:
-            why = self._why_not_exclusive(tensor)  # again under the lock that consumes: no clone in between
-            if why is not None:
-                raise OwnershipError(f"try_partition: the {tensor.dtype.name} buffer {tensor.shape} {why}")
-            alloc.handles -= 1
-            self._live = False
+        with alloc.lock:  # the common case inline (a claim is made per buffer per forward built)
+            if alloc.handles == 1 and not alloc.borrows and not alloc.external:
+                alloc.handles -= 1
+                self._live = False
+                return part
+        self._exclusive("try_partition", consume=True)
         return part
 
     def check_writable(self, what: str) -> Tensor:
         """The tensor, for a write through this handle (``api.memcpy`` into it):
         allowed when ``try_partition`` would be, without consuming the handle
         (cutile-rs's ``Arc::get_mut``).  Raises OwnershipError otherwise."""
-        self._exclusive(what)
-        return self._tensor
+        return self._exclusive(what, consume=False)
 
     # read-only conveniences, all through .tensor
     @property
