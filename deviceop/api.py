@@ -149,13 +149,13 @@ class Memcpy(DeviceOp):
         super().__init__()
         self.dst, self.src = dst, src
         if not isinstance(dst, DeviceOp) and not isinstance(src, DeviceOp):
-            _check_copy(_tensor_of(dst, "memcpy destination"), _tensor_of(src, "memcpy source"))
+            _check_copy(_destination(dst), _tensor_of(src, "memcpy source"))
 
     def children(self):
         return tuple(x for x in (self.dst, self.src) if isinstance(x, DeviceOp))
 
     def _execute(self, ctx):
-        dst = _tensor_of(resolve(self.dst, ctx), "memcpy destination")
+        dst = _destination(resolve(self.dst, ctx))  # checked again: clones may have been made since
         src = _tensor_of(resolve(self.src, ctx), "memcpy source")
         _check_copy(dst, src)
         _copy(dst, src, ctx)
@@ -165,6 +165,14 @@ class Memcpy(DeviceOp):
 def memcpy(dst, src) -> DeviceOp:
     """Copy ``src`` into ``dst`` (same dtype and element count, both contiguous)."""
     return Memcpy(dst, src)
+
+
+def _destination(x) -> Tensor:
+    """The tensor memcpy writes: a SharedTensor only when nothing else can reach
+    its buffer (a handle is read-only while shared, as an Arc is)."""
+    if isinstance(x, SharedTensor):
+        return x.check_writable("api.memcpy into a SharedTensor")
+    return _tensor_of(x, "memcpy destination")
 
 
 def _tensor_of(x, what: str) -> Tensor:

@@ -23,7 +23,7 @@ from cuda.bindings import driver as cu
 from .errors import (CaptureError, CudaError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
                      StateError)
 from .nodes import KernelNode
-from .op import DeviceOp, ExecutionContext, _tls, check_stream, executing, too_deep, value
+from .op import DeviceOp, ExecutionContext, SharedOp, _tls, check_stream, executing, too_deep, value
 from .runtime.driver import check, raise_error
 from .tensor import Tensor
 
@@ -31,16 +31,23 @@ from .tensor import Tensor
 class Capture:
     """State of one capture in progress: what the graph must keep alive, the
     kernel nodes recorded so far, and (on the reference device) the tape of
-    work to replay."""
+    work to replay.
 
-    __slots__ = ("keep", "tape", "label", "nodes", "by_launch")
+    It also knows what executing into it may change, so that a capture that
+    fails (or whose graph is never made) can hand it back with ``undo()``: the
+    ops that had not run before it (``fresh``).  Every op a capture runs is
+    checked for graph safety first — the op's tree, what a ``then`` callback
+    returns, a loop's body — and that walk is where they are found."""
+
+    __slots__ = ("keep", "tape", "label", "nodes", "by_launch", "fresh")
 
     def __init__(self, label: str):
         self.keep, self.tape, self.label = [], [], label
         self.nodes, self.by_launch = [], {}
+        self.fresh = []
 
     def check_graph_safe(self, op: DeviceOp) -> None:
-        bad = op.unsafe_for_graphs()
+        bad = op.unsafe_for_graphs(self.fresh)
         if bad is not None:
             raise GraphSafetyError(
                 f"{bad.describe()} cannot be recorded into a graph: it allocates (a replay would reuse or free "
@@ -59,6 +66,21 @@ class Capture:
     def add_kernel_node(self, launch, node) -> None:
         self.nodes.append(node)
         self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
+
+    def undo(self) -> None:
+        """Leave no op marked as executed by this capture: every shared op it ran
+        (completed or failed) is unclaimed again, so a clone run later computes
+        it instead of returning a buffer no graph will fill, and every op it
+        executed may be executed again (ops that had run before it stay as they were)."""
+        for op in self.fresh:
+            op._consumed = False
+            if type(op) is SharedOp and (op.core.done or op.core.failed):
+                op.core.reset()
+        self.forget()
+
+    def forget(self) -> None:
+        """The graph was made: nothing to undo, and no op kept alive for it."""
+        self.fresh = []
 
 
 def _preload(op: DeviceOp, device) -> None:
@@ -101,7 +123,13 @@ class CudaGraph:
     def capture(cls, op: DeviceOp, stream) -> "CudaGraph":
         """Capture ``op`` on ``stream`` (what ``op.graph_on(stream)`` does)."""
         graph, output, cap = cls._record(op, stream)
-        return cls(stream, graph, cls._instantiate(stream, graph, cap.label), output, cap)
+        try:
+            made = cls(stream, graph, cls._instantiate(stream, graph, cap.label), output, cap)
+        except BaseException:
+            cap.undo()  # no graph: nothing will ever fill the buffers the shared ops returned
+            raise
+        cap.forget()
+        return made
 
     @classmethod
     def _record(cls, op: DeviceOp, stream):
@@ -117,10 +145,15 @@ class CudaGraph:
                 output = op._run(ExecutionContext(stream, cap))
             except BaseException as exc:
                 cls._abort(stream, graph)
+                cap.undo()
                 if isinstance(exc, CudaError):  # a driver call broke the capture: say which op was captured
                     raise CaptureError(f"capturing {op.describe()} failed: {exc}") from exc
                 raise  # deviceop errors name their op; user errors and interrupts go on unchanged
-            return cls._end(stream, cap), output, cap
+            try:
+                return cls._end(stream, cap), output, cap
+            except BaseException:
+                cap.undo()
+                raise
 
     @staticmethod
     def _begin(stream):
@@ -279,6 +312,17 @@ class CudaGraph:
             (graph, cap), output = scope.recorded, None
         else:
             raise StateError(f"recapture() takes an op or a scope body f(s), got {type(work).__name__}")
+        try:
+            how = self._update_to(graph, cap, output, reinstantiate)
+        except BaseException:
+            cap.undo()  # the old graph goes on doing its old work; the new capture's results are no one's
+            raise
+        cap.forget()
+        return how
+
+    def _update_to(self, graph, cap: Capture, output, reinstantiate: bool) -> str:
+        """The second half of ``recapture``: make this graph do ``graph``'s work."""
+        stream = self._stream
         with self._lock:
             if graph is None:  # reference device: the tape is the graph
                 same = [getattr(t, "node", None) for t in cap.tape] == [getattr(t, "node", None) for t in self._tape]
@@ -469,13 +513,19 @@ class Scope:
         try:
             if exc_type is not None:
                 CudaGraph._abort(self.stream, self._graph_handle)
+                self._cap.undo()
                 return False
-            graph = CudaGraph._end(self.stream, self._cap)
-            if not self._instantiate:
-                self.recorded = (graph, self._cap)
-                return False
-            self.graph = CudaGraph(self.stream, graph, CudaGraph._instantiate(self.stream, graph, self._cap.label),
-                                   None, self._cap)
+            try:
+                graph = CudaGraph._end(self.stream, self._cap)
+                if not self._instantiate:
+                    self.recorded = (graph, self._cap)
+                    return False
+                self.graph = CudaGraph(self.stream, graph,
+                                       CudaGraph._instantiate(self.stream, graph, self._cap.label), None, self._cap)
+            except BaseException:
+                self._cap.undo()
+                raise
+            self._cap.forget()
             return False
         finally:
             self._lock_cm.__exit__(None, None, None)

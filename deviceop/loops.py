@@ -23,7 +23,8 @@ How the capture is wired (driver API, CUDA >= 12.4):
 ``count`` is an int (baked into the graph) or an int32 device tensor of one
 element, read by the control kernel at every test: change it between replays
 and the same graph runs a different number of iterations.  After a ``loop``
-the index holds the number of iterations run, in every mode.
+the index holds the number of iterations run, in every mode; a device count
+that is negative runs none (the index is 0), as a count of 0 does.
 
 On the reference device a captured loop is a tape step that replays the
 body's recorded tape with the same control logic.
@@ -146,9 +147,12 @@ class _Loop(DeviceOp):
         return ()
 
     # -- execution ----------------------------------------------------------------------
-    def _build_body(self, capturing: bool) -> DeviceOp:
+    def _build_body(self, capture=None) -> DeviceOp:
+        """The body op, checked; ``capture``: the capture it is recorded into (which
+        notes the ops it runs, to hand them back if it fails)."""
         op = value(self._body(*self._body_args()))
-        bad = op.unsafe_for_graphs()
+        capturing = capture is not None
+        bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
         if bad is not None:
             where = "captured" if capturing else "run"
             raise GraphSafetyError(f"the body of {self._label} contains {bad.describe()}, which allocates or "
@@ -159,7 +163,7 @@ class _Loop(DeviceOp):
     def _execute(self, ctx: ExecutionContext):
         if ctx.capture is None:
             for _ in self._eager_iterations(ctx):
-                self._build_body(False)._run(ctx)
+                self._build_body()._run(ctx)
         else:
             supported, why = ctx.device.conditional_nodes()
             if not supported:
@@ -177,7 +181,7 @@ class _Loop(DeviceOp):
         cap, body = ctx.capture, []
         outer, cap.tape = cap.tape, body
         try:
-            self._build_body(True)._run(ctx)
+            self._build_body(cap)._run(ctx)
         finally:
             cap.tape = outer
 
@@ -217,7 +221,7 @@ class _Loop(DeviceOp):
                                              cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
               "cuStreamBeginCaptureToGraph")
         try:
-            self._build_body(True)._run(ExecutionContext(body_stream, ctx.capture))
+            self._build_body(ctx.capture)._run(ExecutionContext(body_stream, ctx.capture))
             self._launch_control(body_stream, handle, start=False)
         finally:
             code = cu.cuStreamEndCapture(body_stream.handle)[0]
@@ -231,6 +235,8 @@ class Loop(_Loop):
     __slots__ = ("count", "count_tensor", "index")
 
     def __init__(self, count, index, body):
+        if isinstance(index, SharedTensor):  # the loop writes the index: a shared one must be ours alone
+            index.check_writable("dop.loop's index")
         self.index = _int32_cell(index, "the loop index", "dop.from_numpy(np.zeros(1, np.int32))")
         if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
             if count < 0 or count > 2**31 - 1:
@@ -250,7 +256,9 @@ class Loop(_Loop):
     def _count_now(self, ctx) -> int:
         if self.count_tensor is None:
             return self.count
-        return int(self.count_tensor.numpy(stream=ctx.stream)[0])  # eager: the host reads it once
+        # a negative count runs no iteration and leaves index 0, as the captured
+        # loop's test (index < count, from index 0) does
+        return max(0, int(self.count_tensor.numpy(stream=ctx.stream)[0]))  # eager: the host reads it once
 
     def _set_index(self, ctx, i: int) -> None:
         if ctx.device.is_reference:

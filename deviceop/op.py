@@ -134,9 +134,12 @@ class DeviceOp:
         """The ops this one executes (for graph-safety checks and module preloading)."""
         return ()
 
-    def unsafe_for_graphs(self):
+    def unsafe_for_graphs(self, fresh: list | None = None):
         """The first op in this DAG that is not graph-safe, or None (each node visited once:
-        shared clones make the tree a DAG, and walking it as a tree is exponential)."""
+        shared clones make the tree a DAG, and walking it as a tree is exponential).
+
+        ``fresh``, a list, receives the ops not executed yet (shared ops: those whose
+        cell is unclaimed): what a capture must hand back if it fails."""
         stack, seen = [self], set()
         while stack:
             op = stack.pop()
@@ -145,6 +148,8 @@ class DeviceOp:
             seen.add(id(op))
             if not op.graph_safe:
                 return op
+            if fresh is not None and not op._consumed and (type(op) is not SharedOp or op.core.unclaimed):
+                fresh.append(op)
             stack.extend(reversed(op.children()))
         return None
 
@@ -324,7 +329,7 @@ def _unpartition(v):
 
 def _reshape(v, shape):
     if isinstance(v, SharedTensor):
-        v = v.tensor
+        return v.view(shape)  # a view made through a handle: a borrow while it lives
     if isinstance(v, Tensor):
         return v.view(shape)
     raise ShapeError(f"reshape() needs an op producing a tensor, got {type(v).__name__}")
@@ -496,6 +501,17 @@ class _SharedCore:
         for waiter in self.claims[1:]:
             if type(waiter) is threading.Event:
                 waiter.set()
+
+    @property
+    def unclaimed(self) -> bool:
+        """No execution has run, is running or failed the op."""
+        return not (self.claims or self.done or self.failed)
+
+    def reset(self) -> None:
+        """Back to unclaimed, the result dropped: what a failed capture does to a
+        cell it ran, whose result is a buffer only the discarded graph would fill."""
+        self.done = self.failed = False
+        self.result, self.claims = None, []
 
     def wait(self, ctx):
         """The result of a run another execution claimed (see the class docstring)."""

@@ -15,9 +15,12 @@ explicit transfers.
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import operator
+import threading
+import weakref
 
 import numpy as np
 
@@ -71,14 +74,54 @@ def _sig_id(sig: tuple) -> int:
 
 class _Allocation:
     """One allocation, shared by every view of it: its extent (for overlap
-    checks) and the number of live SharedTensor handles to it (ownership)."""
+    checks) and who can reach it (ownership, see SharedTensor): the number of
+    live SharedTensor handles, the live *borrows* (views made through a handle,
+    imports of its memory through DLPack), and whether another framework owns
+    the memory (``external``: imported, its other references are invisible)."""
 
-    __slots__ = ("lo", "hi", "handles", "lock")
+    __slots__ = ("lo", "hi", "handles", "lock", "borrows", "external", "__weakref__")
 
-    def __init__(self, lo: int, hi: int):
-        import threading
+    def __init__(self, lo: int, hi: int, external: bool = False):
         self.lo, self.hi, self.handles = lo, hi, 0
         self.lock = threading.Lock()
+        self.borrows = []  # what each live borrow is (one entry per _Borrow alive)
+        self.external = external
+
+
+class _Borrow:
+    """A borrow of an allocation: carried by the view (or import) that made it
+    and by every view made from that one, so it lives as long as any of them.
+    Counted in ``alloc.borrows`` from its making to its collection (list append
+    and remove are single operations under the GIL: no lock on this path)."""
+
+    __slots__ = ("alloc", "what")
+
+    def __init__(self, alloc: _Allocation, what: str):
+        self.alloc, self.what = alloc, what
+        alloc.borrows.append(what)
+
+    def __del__(self):
+        try:
+            self.alloc.borrows.remove(self.what)
+        except ValueError:  # pragma: no cover - every borrow added its entry
+            pass
+
+
+# The allocations deviceop made, while they live: an import (from_dlpack) of
+# memory inside one of them is a borrow of it.
+_owned: "weakref.WeakSet[_Allocation]" = weakref.WeakSet()
+_owned_lock = threading.Lock()
+
+
+def _owner_of(lo: int, hi: int) -> "_Allocation | None":
+    """The live deviceop allocation that holds ``[lo, hi)``, if any (imports are rare: a scan)."""
+    if lo >= hi:  # an empty import touches no byte of anyone's
+        return None
+    with _owned_lock:
+        for a in list(_owned):
+            if a.lo <= lo and hi <= a.hi and a.lo < a.hi:
+                return a
+    return None
 
 
 class _HostMemory:
@@ -106,14 +149,15 @@ class Tensor:
     """
 
     __slots__ = ("_base", "_arr", "device", "dtype", "_ptr", "_shape", "_strides", "_alloc", "_contig",
-                 "_home_stream", "_sig", "_sig_id", "_views", "__weakref__")
+                 "_home_stream", "_sig", "_sig_id", "_views", "_borrow", "__weakref__")
 
     def __init__(self, *args, **kwargs):
         raise TypeError("create tensors with dop.empty/zeros/from_numpy/from_dlpack or the api ops")
 
     @classmethod
-    def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None) -> "Tensor":
-        """A tensor over all of ``array``, which owns (or keeps alive) the memory."""
+    def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None, external: bool = False) -> "Tensor":
+        """A tensor over all of ``array``, which owns (or keeps alive) the memory;
+        ``external``: memory another framework owns (an import)."""
         t = object.__new__(cls)
         t._base = t._arr = array
         t.device = device
@@ -130,7 +174,15 @@ class Tensor:
         # "can these two alias?" is usually one identity test
         mem = getattr(getattr(array, "data", None), "mem", None) if not device.is_reference else None
         t._alloc = _Allocation(*((int(mem.ptr), int(mem.ptr) + int(mem.size)) if mem is not None and mem.size
-                                 else t._range()))
+                                 else t._range()), external)
+        t._borrow = None
+        if external:
+            owner = _owner_of(*t._range())
+            if owner is not None:  # deviceop memory coming back through DLPack: a borrow of its buffer
+                t._borrow = _Borrow(owner, "an import of its memory (from_dlpack / as_tensor)")
+        else:
+            with _owned_lock:
+                _owned.add(t._alloc)
         t._home_stream = home_stream
         t._sig = (t._ptr, t._shape, t._strides, t.dtype)
         t._sig_id = _sig_id(t._sig)
@@ -142,9 +194,18 @@ class Tensor:
         t = object.__new__(Tensor)
         t._base, t._arr, t.device, t.dtype = self._base, None, self.device, self.dtype
         t._ptr, t._shape, t._strides, t._contig = ptr, shape, strides, contiguous
-        t._alloc, t._home_stream = self._alloc, self._home_stream
+        t._alloc, t._home_stream, t._borrow = self._alloc, self._home_stream, self._borrow
         t._sig, t._views = (ptr, shape, strides, self.dtype), None
         t._sig_id = _sig_id(t._sig)
+        return t
+
+    def _twin(self) -> "Tensor":
+        """A new tensor object with this one's layout (no cached array or views, no borrow)."""
+        t = object.__new__(Tensor)
+        t._base, t._arr, t.device, t.dtype = self._base, None, self.device, self.dtype
+        t._ptr, t._shape, t._strides, t._contig = self._ptr, self._shape, self._strides, self._contig
+        t._alloc, t._home_stream, t._borrow = self._alloc, self._home_stream, None
+        t._sig, t._sig_id, t._views = self._sig, self._sig_id, None
         return t
 
     @property
@@ -209,13 +270,17 @@ class Tensor:
 
     @classmethod
     def from_dlpack(cls, obj, *, device=None) -> "Tensor":
-        """A zero-copy tensor over ``obj``'s memory (torch, CuPy, JAX ... anything with ``__dlpack__``)."""
+        """A zero-copy tensor over ``obj``'s memory (torch, CuPy, JAX ... anything with ``__dlpack__``).
+
+        The memory stays the other framework's: ``try_partition`` on a handle to
+        it is refused (deviceop cannot see who else holds it); ``api.dup`` makes
+        a copy deviceop owns."""
         from .runtime.device import Device
         device = device if device is not None else Device(0)
         if isinstance(obj, Tensor):
             return obj
         if device.is_reference:
-            return cls._wrap(host_array_from_dlpack(obj), device)  # (NumPy alone refuses bfloat16)
+            return cls._wrap(host_array_from_dlpack(obj), device, external=True)  # (NumPy alone refuses bfloat16)
         import cupy
         kind = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
         if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
@@ -223,7 +288,7 @@ class Tensor:
                              "zero-copy import needs device memory: copy it with dop.from_numpy(...)")
         with cupy.cuda.Device(device.ordinal):
             array = cupy.from_dlpack(obj)
-        return cls._wrap(array, device)
+        return cls._wrap(array, device, external=True)
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
@@ -235,7 +300,7 @@ class Tensor:
         import cupy
         with cupy.cuda.Device(device.ordinal):
             array = cupy.asarray(obj)  # CuPy wraps CAI memory without copying
-        return cls._wrap(array, device)
+        return cls._wrap(array, device, external=True)
 
     # -- metadata ------------------------------------------------------------
     @property
@@ -317,8 +382,9 @@ class Tensor:
 
     def _make_view(self, shape) -> "Tensor":
         size = self.size
-        dims = shape if type(shape) is tuple and -1 not in shape and math.prod(shape) == size \
-            and all(type(d) is int for d in shape) else \
+        # the fast path checks signs too: two negative sizes multiply to a positive count
+        dims = shape if type(shape) is tuple and math.prod(shape) == size \
+            and all(type(d) is int and d >= 0 for d in shape) else \
             _resolve_shape(shape, size, f"view of {self.dtype.name} tensor {self._shape}")
         if not self._contig:
             raise ShapeError(f"cannot view the non-contiguous tensor {self._shape} (strides {self._strides}) "
@@ -476,11 +542,22 @@ class SharedTensor:
 
     ``clone()`` makes another live handle; ``release()`` (or the handle being
     collected) ends one.  ``try_partition(tile)`` turns the *only* live handle
-    into a writable Partition and fails with an OwnershipError while any
-    other handle can still reach the buffer — the runtime form of cutile-rs's
-    ``Arc::try_unwrap``.  Counting is explicit — handles made and ended, not
-    CPython reference counts — and per allocation: two handles made from two
-    views of one buffer still count as two.
+    into a writable Partition and fails with an OwnershipError while anything
+    else deviceop can see may still reach the buffer — the runtime form of
+    cutile-rs's ``Arc::try_unwrap``:
+
+    * another live handle (counted explicitly — handles made and ended, not
+      CPython reference counts — and per allocation: two handles made from two
+      views of one buffer still count as two);
+    * a live *borrow*: a view made through a handle (``handle.view(...)``, an
+      op's ``.reshape`` of a handle) or a DLPack import of the buffer's memory,
+      counted while that view, or any view made from it, is alive;
+    * memory imported from another framework (``from_dlpack``, ``as_tensor``):
+      its other references are invisible, so it is never claimed.
+
+    A plain Tensor is not tracked: ``tensor.partition`` is a mutable borrow its
+    caller vouches for (docs/robustness.md, "Ownership", says what is and is
+    not enforced).
     """
 
     __slots__ = ("_tensor", "_live", "__weakref__")
@@ -496,7 +573,8 @@ class SharedTensor:
 
     @property
     def tensor(self) -> Tensor:
-        """The tensor, for reading (launch inputs, views)."""
+        """The tensor, for reading (launch inputs).  It is a plain Tensor: views of
+        it are not counted as borrows; make views with ``handle.view(...)``."""
         if not self._live:
             raise StateError("this SharedTensor handle was released or consumed by try_partition")
         return self._tensor
@@ -523,24 +601,69 @@ class SharedTensor:
         except Exception:
             pass
 
+    def _why_not_exclusive(self, tensor: Tensor) -> str | None:
+        """What else can reach the buffer (None: nothing deviceop can see).  Call with the allocation's lock."""
+        alloc = tensor._alloc
+        if alloc.external:
+            return ("is memory imported from another framework (from_dlpack / as_tensor), which may still hold and "
+                    "use it: deviceop cannot count its references. Copy it into a buffer deviceop owns "
+                    "(api.dup(x), then .into_shared()) and claim that, or, if nothing else uses it, borrow it "
+                    "explicitly with handle.tensor.partition(tile)")
+        others = alloc.handles - 1
+        borrows = list(alloc.borrows)
+        own = tensor._borrow  # a handle made from a borrowed view: that borrow is the claimer's own
+        if own is not None and own.alloc is alloc and own.what in borrows:
+            borrows.remove(own.what)
+        if not others and not borrows:
+            return None
+        reach = []
+        if others:
+            reach.append(f"{others} other live SharedTensor handle(s)")
+        if borrows:
+            reach.append(f"{len(borrows)} live borrow(s): {'; '.join(sorted(set(borrows)))}")
+        return (f"is still reachable from {' and '.join(reach)}; release() the other handles and drop the "
+                "borrowing views or imports (del them) first, or write into a buffer you own")
+
+    def _exclusive(self, what: str, consume: bool) -> Tensor:
+        """The tensor, if this is the only way deviceop can see to reach the buffer
+        (the handle ended with the same lock held when ``consume``); else OwnershipError."""
+        tensor = self.tensor
+        alloc = tensor._alloc
+        for attempt in (0, 1):
+            with alloc.lock:
+                why = self._why_not_exclusive(tensor)
+                if why is None:
+                    if consume:
+                        alloc.handles -= 1
+                        self._live = False
+                    return tensor
+            if attempt or not alloc.borrows:
+                break
+            gc.collect()  # a view in an unreachable reference cycle is no borrow: the verdict must not hinge on it
+        raise OwnershipError(f"{what}: the {tensor.dtype.name} buffer {tensor.shape} {why}")
+
     def try_partition(self, tile_shape) -> Partition:
-        """Claim the buffer for writing: succeeds only if this is the sole live handle.
+        """Claim the buffer for writing: succeeds only if nothing else deviceop can
+        see reaches it (see the class docstring).
 
         The handle is consumed (like a Rust move); the partition's tensor is
         the buffer, writable by one launch."""
         tensor = self.tensor
         part = Partition(tensor, tile_shape)  # a bad tile fails before the handle is consumed
         alloc = tensor._alloc
-        with alloc.lock:
-            others = alloc.handles - 1
-            if others:
-                raise OwnershipError(
-                    f"try_partition: the {tensor.dtype.name} buffer {tensor.shape} is still reachable from "
-                    f"{others} other live SharedTensor handle(s); release() them (or drop the clones) first, "
-                    "or write into a buffer you own")
-            alloc.handles -= 1
-            self._live = False
+        with alloc.lock:  # the common case inline (a claim is made per buffer per forward built)
+            if alloc.handles == 1 and not alloc.borrows and not alloc.external:
+                alloc.handles -= 1
+                self._live = False
+                return part
+        self._exclusive("try_partition", consume=True)
         return part
+
+    def check_writable(self, what: str) -> Tensor:
+        """The tensor, for a write through this handle (``api.memcpy`` into it):
+        allowed when ``try_partition`` would be, without consuming the handle
+        (cutile-rs's ``Arc::get_mut``).  Raises OwnershipError otherwise."""
+        return self._exclusive(what, consume=False)
 
     # read-only conveniences, all through .tensor
     @property
@@ -552,7 +675,13 @@ class SharedTensor:
         return self.tensor.dtype
 
     def view(self, *shape) -> Tensor:
-        return self.tensor.view(*shape)
+        """A view of the buffer, counted as a borrow while it (or a view made from
+        it) is alive: ``try_partition`` on any handle to the buffer waits for it."""
+        tensor = self.tensor
+        like = tensor.view(*shape)  # the tensor's cached view: its shape checked once
+        v = like._twin()  # an object of its own: its life is the borrow's
+        v._borrow = _Borrow(tensor._alloc, "a view made through a handle (handle.view / .reshape)")
+        return v
 
     reshape = view
 

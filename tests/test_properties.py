@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from hypothesis import example, given, strategies as st
 
 import deviceop as dop
@@ -171,6 +172,10 @@ class Buffers:
     # -- the whole program, two ways ---------------------------------------------
     def as_op(self):
         """Every step a shared op, composed as the step's ``wrap`` says; one zip runs them all."""
+        return zip_(*[n.clone() for n in self.shared_steps()])
+
+    def shared_steps(self) -> list:
+        """Every step as a shared op (inputs: shared tensors), composed as its ``wrap`` says."""
         nodes = []
         for k, s in enumerate(self.prog.steps):
             if s.kind == "input":
@@ -186,7 +191,7 @@ class Buffers:
             else:
                 op = self.step_value(k, *args).map(lambda t: t).inspect(lambda t: None).boxed()
             nodes.append(op.shared())
-        return zip_(*[n.clone() for n in nodes])
+        return nodes
 
     def record(self, s) -> None:
         """The scope body: each step recorded with concrete tensors, in order."""
@@ -375,3 +380,68 @@ def test_every_launch_is_checked_whatever_launched_before(history):
         np.testing.assert_allclose(result[kernel].numpy(stream=stream), model[kernel], rtol=1e-6, atol=1e-6)
     for graph in graphs:
         graph.close()
+
+
+# -- a capture that fails midway hands every op back -------------------------------------
+
+class Injected(Exception):
+    """The fault a property test injects into a capture."""
+
+
+def one_shot_fault():
+    """An op that raises the first time it runs and is a no-op after."""
+    fired = []
+
+    def fire(_):
+        if not fired:
+            fired.append(True)
+            raise Injected("injected into the capture")
+    return dop.value(None).inspect(fire)
+
+
+@given(programs(), st.integers(0, 9), st.sampled_from(["graph_on", "scope", "recapture"]))
+@example(Program(steps=(Step("input", n=128), Step("affine", (0,), 128, alpha=2.0, beta=1.0),
+                        Step("add", (1, 0), 128, wrap="then")), seed=3), 2, "graph_on")  # fault after two steps
+def test_a_capture_that_fails_midway_leaves_every_step_to_compute(prog, at, how):
+    """After a capture that raised part-way (``graph_on``, a scope body, ``recapture``),
+    running the same ops eagerly computes what a fresh eager run computes, each
+    shared step exactly once: nothing the failed capture ran counts as done."""
+    device = dop.Device()
+    stream = device.new_stream()
+    data = host_data(prog)
+    kernel_steps = sum(s.kind not in ("input", "memcpy") for s in prog.steps)
+    fresh = Buffers(prog, data, device, stream, poison_inputs=False)
+    fresh.as_op().sync_on(stream)
+    want = fresh.results()
+
+    bufs = Buffers(prog, data, device, stream, poison_inputs=False)
+    nodes = bufs.shared_steps()
+    k = at % (len(nodes) + 1)  # the fault comes after k steps
+    clones = [n.clone() for n in nodes]
+    root = zip_(*clones[:k], one_shot_fault(), *clones[k:])
+    if how == "graph_on":
+        with pytest.raises(Injected):
+            root.graph_on(stream)
+    elif how == "scope":
+        with pytest.raises(Injected):
+            with CudaGraph.scope(stream) as s:
+                for i, n in enumerate(clones):
+                    if i == k:
+                        raise Injected("injected into the scope body")
+                    s.record(n)
+                raise Injected("injected after the last record")
+        root = zip_(*[n.clone() for n in nodes])
+    else:
+        other = Buffers(prog, data, device, stream, poison_inputs=True)
+        graph = other.as_op().graph_on(stream)
+        with pytest.raises(Injected):
+            graph.recapture(root)
+        graph.close()
+    assert not stream.is_capturing()
+    assert not any(n.is_done for n in nodes[len([s for s in prog.steps if s.kind == "input"]):]), \
+        "a step the failed capture ran is still marked done"
+    before = stats["launches"]
+    root.sync_on(stream)
+    assert stats["launches"] - before == kernel_steps, "a shared step ran more (or less) than once"
+    for j, (g, w) in enumerate(zip(bufs.results(), want)):
+        np.testing.assert_array_equal(g, w, err_msg=f"eager after a failed {how}, step {j}")
