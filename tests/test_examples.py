@@ -23,3 +23,13 @@ def test_example_runs_on_the_reference_device(path):
             "unet_block.py": ["--c", "32", "--hw", "16", "--groups", "8", "--steps", "5"]}.get(path.name, [])
     proc = subprocess.run([sys.executable, str(path), *args], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_llama_example_runs_on_the_reference_device_in_seconds():
+    """python -m examples.llama: a tiny config, a whole generation in one graph launch."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DEVICEOP_DEVICE="reference")
+    proc = subprocess.run([sys.executable, "-m", "examples.llama", "--max-new", "8", "--capacity", "64"], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "generated 8 tokens" in proc.stdout
