@@ -219,13 +219,18 @@ def test_qkv_rope_refuses_bad_shapes_and_dtypes(stream, rng):
 
 # -- matvec_residual ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,k,gen", [(64, 512, None), (96, 1024, [1024, 2, 1, 5, 48]), (32, 2048, [2048, 1, 4, 3, 16])])
+@pytest.mark.parametrize("n,k,gen", [(64, 512, None), (96, 1024, [1024, 2, 1, 5, 48, 1, 2]),
+                                     (32, 2048, [2048, 1, 4, 3, 16, 1, 2]),
+                                     (48, 2048, [2048, 2, 2, 6, 24, 2, 3]),   # K in 2 slices, 3 buffers
+                                     (32, 4096, [4096, 1, 4, 8, 16, 4, 1]),   # 4 slices, 1 buffer
+                                     (40, 1024, [1024, 1, 1, 4, 8, 1, 8])],   # 8 buffers: rows pass the buffers
+                         ids=["plan", "nr2-w5", "w3", "ks2-nb3", "ks4-nb1", "nb8"])
 def test_matvec_residual_vs_float64(stream, rng, n, k, gen):
     w, x = bf16(rng, n, k), rng.standard_normal(k, dtype=np.float32)
     res = rng.standard_normal(n, dtype=np.float32)
     tile, plan = lp.matvec_residual_plan(n, k, ctas=4)
     gen = gen or plan
-    tile = gen[-1]
+    tile = gen[4]   # RPC
     out = dop.empty([n], stream=stream)
     lp.matvec_residual(out.partition([tile]), t(x, stream), t(w, stream), t(res, stream)).generics(gen).pdl() \
         .sync_on(stream)
@@ -237,18 +242,24 @@ def test_matvec_residual_refuses_what_it_cannot_do(stream, rng):
     n, k = 64, 512
     out, x, w = dop.empty([n], stream=stream), dop.empty([k], stream=stream), t(bf16(rng, n, k), stream)
     res = dop.empty([n], stream=stream)
-    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH=1024"):
-        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 4, 4, 8]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH\\*KS=1024"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 4, 4, 8, 1, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="partition out with \\[16\\]"):
-        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 2, 4, 16]).sync_on(stream)
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 2, 4, 16, 1, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH\\*KS=1024"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 1, 2, 4, 8, 2, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="KS=2 slices must divide the W=3 warps"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 1, 1, 3, 8, 2, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="NB\\*NR\\*CH=64"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 4, 2, 4, 8, 1, 8]).sync_on(stream)
     with pytest.raises(dop.DTypeError, match="bfloat16"):
         lp.matvec_residual(out.partition([8]), x, dop.empty([n, k], stream=stream), res)
     with pytest.raises(dop.AliasingError):
-        lp.matvec_residual(out.partition([8]), x, w, out).generics([k, 2, 2, 4, 8]).sync_on(stream)
+        lp.matvec_residual(out.partition([8]), x, w, out).generics([k, 2, 2, 4, 8, 1, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="shared-memory"):
         big = dop.empty([16384], stream=stream)
         lp.matvec_residual(out.partition([8]), big, t(bf16(rng, n, 16384), stream), res) \
-            .generics([16384, 2, 4, 4, 8]).sync_on(stream)
+            .generics([16384, 2, 4, 4, 8, 1, 2]).sync_on(stream)
 
 
 # -- rms_gate_up_silu --------------------------------------------------------------------------------
