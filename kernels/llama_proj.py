@@ -263,7 +263,8 @@ def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | Non
     grid = _grid(n, ctas if ctas is not None else 2 * sms, nr)
     rpc = n // grid
     w = warps or ks * min(8 // ks, rpc // nr)
-    return rpc, [k, nr, ch or _chunk(k, nr), w, rpc, ks, nb]
+    _need(ks >= 1 and k % ks == 0, f"matvec_residual: KS={ks} must divide K={k}")
+    return rpc, [k, nr, ch or _chunk(k // ks, nr), w, rpc, ks, nb]
 
 
 def _grid(n: int, target: int, unit: int) -> int:

@@ -132,7 +132,7 @@ def test_embed_gather_copies_the_row_and_flags_a_bad_token(stream, rng):
 class Qkv:
     """Random inputs of rms_qkv_rope with a poisoned cache; ``run`` launches it, ``expect`` is float64 math."""
 
-    def __init__(self, rng, stream, d=256, hq=4, hkv=2, hd=32, cap=8, ctas=None):
+    def __init__(self, rng, stream, d=256, hq=4, hkv=2, hd=32, cap=8, ctas=None, **plan):
         self.d, self.hq, self.hkv, self.hd, self.cap, self.stream = d, hq, hkv, hd, cap, stream
         self.hidden = rng.standard_normal(d, dtype=np.float32)
         self.norm_w = (1 + 0.1 * rng.standard_normal(d)).astype(BF16)
@@ -140,7 +140,7 @@ class Qkv:
         self.inv_freq = llama3_inv_freq(hd).astype(np.float32)
         self.k0 = bf16(rng, hkv, cap, hd, scale=1.0)   # what was in the cache before
         self.v0 = bf16(rng, hkv, cap, hd, scale=1.0)
-        self.tile, self.gen = lp.qkv_plan(d, hq, hkv, hd, ctas=ctas)
+        self.tile, self.gen = lp.qkv_plan(d, hq, hkv, hd, ctas=ctas, **plan)
 
     def run(self, pos, layers=2, layer=1):
         s = self.stream
@@ -165,9 +165,10 @@ def assert_bf16_close(got, ref):
     assert np.all(np.abs(got - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-4 * np.max(np.abs(ref)))
 
 
-@pytest.mark.parametrize("ctas", [None, 8])
-def test_qkv_rope_appends_k_and_v_at_pos_and_only_there(stream, rng, ctas):
-    case = Qkv(rng, stream, ctas=ctas)
+@pytest.mark.parametrize("ctas,plan", [(None, {}), (8, {}), (4, dict(warps=3, nb=3))],
+                         ids=["plan", "8-ctas", "warps-take-several-pairs"])
+def test_qkv_rope_appends_k_and_v_at_pos_and_only_there(stream, rng, ctas, plan):
+    case = Qkv(rng, stream, ctas=ctas, **plan)
     pos = int(rng.integers(1, case.cap - 1))
     q, kc, vc, error = case.run(pos)
     q_ref, k_ref, v_ref = case.expect(pos)
@@ -395,12 +396,53 @@ def test_llama_1b_matvec_residual(stream, rng, k):
     assert rel(out.numpy(stream=stream), ref) < (1e-4 if k == 2048 else 2e-4)
 
 
+# The grid, buffer and K-split variants bench/llama_kernels_proj.py times, at the 1B shapes.
+MATVEC_VARIANTS = {"o-128-nr2": (2048, dict(ctas=128, nr=2)), "o-128-w16": (2048, dict(ctas=128, warps=16)),
+                   "o-128-nb4": (2048, dict(ctas=128, nb=4)),
+                   "o-128-w4-nb4": (2048, dict(ctas=128, warps=4, nb=4)), "o-256-nr2-w4": (2048, dict(ctas=256, nr=2)),
+                   "down-nb4": (8192, dict(nb=4)), "down-ks2-nr2": (8192, dict(ks=2, nr=2)),
+                   "down-ks2-nb4": (8192, dict(ks=2, nb=4)),
+                   "down-128-ks2-nr2-w16": (8192, dict(ctas=128, ks=2, nr=2, warps=16)),
+                   "down-128-w16-nb4": (8192, dict(ctas=128, warps=16, nb=4)),
+                   "down-128-nr2": (8192, dict(ctas=128, nr=2)),
+                   "down-128-ks2-nr2-w8": (8192, dict(ctas=128, ks=2, nr=2, warps=8))}
+
+
 @pytest.mark.gpu
-def test_llama_1b_gate_up_silu(stream, rng):
+@pytest.mark.parametrize("variant", list(MATVEC_VARIANTS))
+def test_llama_1b_matvec_residual_variants(stream, rng, variant):
+    k, plan = MATVEC_VARIANTS[variant]
+    n = LLAMA_1B["d"]
+    w, x, res = bf16(rng, n, k), rng.standard_normal(k, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    tile, gen = lp.matvec_residual_plan(n, k, **plan)
+    out = dop.empty([n], stream=stream)
+    lp.matvec_residual(out.partition([tile]), t(x, stream), t(w, stream), t(res, stream)).generics(gen).pdl() \
+        .sync_on(stream)
+    ref = res.astype(np.float64) + w.astype(np.float64) @ x.astype(np.float64)
+    assert rel(out.numpy(stream=stream), ref) < (1e-4 if k == 2048 else 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [dict(ctas=128, warps=8, nb=3), dict(ctas=128, warps=6), dict(ctas=256),
+                                  dict(ctas=128, warps=4, nb=3)], ids=["128-w8-nb3", "128-w6", "256", "128-w4-nb3"])
+def test_llama_1b_qkv_rope_variants(stream, rng, plan):
+    s = LLAMA_1B
+    case = Qkv(rng, stream, d=s["d"], hq=s["hq"], hkv=s["hkv"], hd=s["hd"], cap=64, **plan)
+    pos = int(rng.integers(0, 64))
+    q, kc, vc, error = case.run(pos, layers=1, layer=0)
+    q_ref, k_ref, v_ref = case.expect(pos)
+    assert rel(q, q_ref) < 1e-4 and error == 0
+    assert_bf16_close(kc[0][:, pos], k_ref)
+    assert_bf16_close(vc[0][:, pos], v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [None, 128])
+def test_llama_1b_gate_up_silu(stream, rng, ctas):
     d, inter = LLAMA_1B["d"], LLAMA_1B["inter"]
     x, g = rng.standard_normal(d, dtype=np.float32), (1 + 0.1 * rng.standard_normal(d)).astype(BF16)
     w = bf16(rng, 2 * inter, d)
-    tile, gen = lp.gate_up_plan(d, inter)
+    tile, gen = lp.gate_up_plan(d, inter, ctas=ctas)
     act = dop.empty([inter], stream=stream)
     lp.rms_gate_up_silu(act.partition([tile]), t(x, stream), t(g, stream), t(w, stream), EPS).generics(gen).pdl() \
         .sync_on(stream)
