@@ -74,36 +74,28 @@ def variants() -> dict:
     return {
         "qkv": {"default": lp.qkv_plan(D, HQ, HKV, HD),
                 "256 W=6": lp.qkv_plan(D, HQ, HKV, HD, ctas=256),
-                "128 W=8 NB=3": lp.qkv_plan(D, HQ, HKV, HD, ctas=128, warps=8, nb=3),
-                "128 W=6 NB=2": lp.qkv_plan(D, HQ, HKV, HD, ctas=128, warps=6),
-                "128 W=4 NB=3": lp.qkv_plan(D, HQ, HKV, HD, ctas=128, warps=4, nb=3)},
+                "256 W=3 NB=2": lp.qkv_plan(D, HQ, HKV, HD, ctas=256, warps=3)},
         "o": {"default": mv(D, HQ * HD),
-              "128 NR=2 W=8": mv(D, HQ * HD, ctas=128, nr=2),
-              "128 NR=1 W=16": mv(D, HQ * HD, ctas=128, warps=16),
-              "128 NR=1 W=8 NB=4": mv(D, HQ * HD, ctas=128, nb=4),
-              "256 NR=2 W=4": mv(D, HQ * HD, ctas=256, nr=2),
-              "128 NR=1 W=4 NB=4": mv(D, HQ * HD, ctas=128, warps=4, nb=4)},
-        "gate_up": {"default": lp.gate_up_plan(D, I),
-                    "128 W=8": lp.gate_up_plan(D, I, ctas=128)},
+              "256 NR=1 W=8": mv(D, HQ * HD, ctas=256, nr=1, ks=1, warps=8),
+              "128 NR=2 W=8": mv(D, HQ * HD, ctas=128, nr=2, ks=1, warps=8),
+              "128 KS=2 NR=1 W=16": mv(D, HQ * HD, ctas=128, nr=1, ks=2, warps=16),
+              "128 NR=1 W=16 NB=3": mv(D, HQ * HD, ctas=128, nr=1, ks=1, warps=16, nb=3)},
+        "gate_up": {"default": lp.gate_up_plan(D, I)},
         "down": {"default": mv(D, I),
-                 "256 NR=1 W=8 NB=4": mv(D, I, nb=4),
-                 "256 KS=2 NR=2 W=8": mv(D, I, ks=2, nr=2),
-                 "256 KS=2 NR=1 W=8 NB=4": mv(D, I, ks=2, nb=4),
-                 "128 KS=2 NR=2 W=16": mv(D, I, ctas=128, ks=2, nr=2, warps=16),
-                 "128 NR=1 W=16 NB=4": mv(D, I, ctas=128, warps=16, nb=4),
-                 "128 NR=2 W=8": mv(D, I, ctas=128, nr=2),
-                 "128 KS=2 NR=2 W=8": mv(D, I, ctas=128, ks=2, nr=2, warps=8)},
+                 "256 NR=1 W=8 (before)": mv(D, I, ctas=256, nr=1, ks=1, warps=8),
+                 "256 KS=2 NR=2 W=8": mv(D, I, ctas=256, ks=2, nr=2, warps=8),
+                 "128 KS=4 NR=2 W=16": mv(D, I, ctas=128, ks=4, nr=2, warps=16),
+                 "128 KS=2 NR=1 W=16 NB=3": mv(D, I, ctas=128, ks=2, nr=1, warps=16, nb=3),
+                 "128 KS=2 NR=2 W=16 NB=3": mv(D, I, ctas=128, ks=2, nr=2, warps=16, nb=3)},
         "lm_head": {"default": lp.lm_head_plan(D, V)},
     }
 
 
 # Chains beside the defaults and the per-kernel fastest: kind -> variant label (default if absent).
 CHAIN_SETS = {
-    "down KS=2": {"down": "256 KS=2 NR=2 W=8"},
-    "half register file (co-resident)": {"qkv": "128 W=8 NB=3", "o": "128 NR=2 W=8", "gate_up": "128 W=8",
-                                         "down": "128 KS=2 NR=2 W=8"},
-    "small kernels half, big full": {"qkv": "128 W=8 NB=3", "o": "128 NR=2 W=8", "down": "256 KS=2 NR=2 W=8"},
-    "small kernels a quarter": {"qkv": "128 W=4 NB=3", "o": "128 NR=1 W=4 NB=4", "down": "256 KS=2 NR=2 W=8"},
+    "qkv 256 W=6": {"qkv": "256 W=6"},
+    "down 256 KS=2 NR=2 W=8": {"down": "256 KS=2 NR=2 W=8"},
+    "O and down as before (256 CTAs of 8 warps)": {"o": "256 NR=1 W=8", "down": "256 NR=1 W=8 (before)"},
 }
 
 

@@ -253,17 +253,22 @@ matvec_residual = Kernel(
     validate=_matvec_residual_check)
 
 
-def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int = 1,
-                         ch: int | None = None, warps: int | None = None, ks: int = 1,
+def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int | None = None,
+                         ch: int | None = None, warps: int | None = None, ks: int | None = None,
                          nb: int = 2) -> tuple[int, list]:
-    """(tile, generics) of matvec_residual: the CTA count dividing N nearest 2 per SM
-    (or ``ctas``), 8 warps (or fewer when the CTA has fewer row groups).  H100, 1B
-    shapes, 16 launches with PDL (O / down, us): 256 CTAs NR=1 3.95 / 13.33 (these),
-    128 NR=2 3.88 / 13.57, 128 NR=1 4.17 / 13.47, 512 NR=1 4.85 / 15.81."""
-    grid = _grid(n, ctas if ctas is not None else 2 * sms, nr)
-    rpc = n // grid
-    w = warps or ks * min(8 // ks, rpc // nr)
+    """(tile, generics) of matvec_residual: the CTA count dividing N nearest one a SM
+    (or ``ctas``) of 16 warps (or fewer when the CTA has fewer row groups); rows of
+    K >= 4096 go in pairs (NR=2) with K cut in two slices (KS=2), shorter ones
+    alone.  H100, 1B shapes, 16 launches with PDL, us: O (K=2048) 128 CTAs NR=1
+    W=16 3.88 (this), 256 NR=1 W=8 4.03, 128 NR=2 W=8 4.04; down (K=8192) 128 KS=2
+    NR=2 W=16 11.89 (this), 256 KS=2 NR=2 W=8 12.02, 256 NR=1 W=8 12.51."""
+    long = k >= 4096
+    nr = nr or (2 if long else 1)
+    ks = ks or (2 if long else 1)
     _need(ks >= 1 and k % ks == 0, f"matvec_residual: KS={ks} must divide K={k}")
+    grid = _grid(n, ctas if ctas is not None else sms, nr)
+    rpc = n // grid
+    w = warps or ks * max(1, min(16 // ks, rpc // nr))
     return rpc, [k, nr, ch or _chunk(k // ks, nr), w, rpc, ks, nb]
 
 
