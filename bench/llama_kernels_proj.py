@@ -73,7 +73,7 @@ def variants() -> dict:
     mv = lp.matvec_residual_plan
     return {
         "qkv": {"default": lp.qkv_plan(D, HQ, HKV, HD),
-                "256 W=6": lp.qkv_plan(D, HQ, HKV, HD, ctas=256),
+                "128 W=12 (before)": lp.qkv_plan(D, HQ, HKV, HD, ctas=128),
                 "256 W=3 NB=2": lp.qkv_plan(D, HQ, HKV, HD, ctas=256, warps=3)},
         "o": {"default": mv(D, HQ * HD),
               "256 NR=1 W=8": mv(D, HQ * HD, ctas=256, nr=1, ks=1, warps=8),
@@ -84,7 +84,7 @@ def variants() -> dict:
         "down": {"default": mv(D, I),
                  "256 NR=1 W=8 (before)": mv(D, I, ctas=256, nr=1, ks=1, warps=8),
                  "256 KS=2 NR=2 W=8": mv(D, I, ctas=256, ks=2, nr=2, warps=8),
-                 "128 KS=4 NR=2 W=16": mv(D, I, ctas=128, ks=4, nr=2, warps=16),
+                 "128 KS=2 NR=2 W=16": mv(D, I, ctas=128, ks=2, nr=2, warps=16),
                  "128 KS=2 NR=1 W=16 NB=3": mv(D, I, ctas=128, ks=2, nr=1, warps=16, nb=3),
                  "128 KS=2 NR=2 W=16 NB=3": mv(D, I, ctas=128, ks=2, nr=2, warps=16, nb=3)},
         "lm_head": {"default": lp.lm_head_plan(D, V)},
@@ -93,7 +93,8 @@ def variants() -> dict:
 
 # Chains beside the defaults and the per-kernel fastest: kind -> variant label (default if absent).
 CHAIN_SETS = {
-    "qkv 256 W=6": {"qkv": "256 W=6"},
+    "qkv 128 W=12": {"qkv": "128 W=12 (before)"},
+    "down KS=2": {"down": "128 KS=2 NR=2 W=16"},
     "down 256 KS=2 NR=2 W=8": {"down": "256 KS=2 NR=2 W=8"},
     "O and down as before (256 CTAs of 8 warps)": {"o": "256 NR=1 W=8", "down": "256 NR=1 W=8 (before)"},
 }

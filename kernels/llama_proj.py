@@ -203,14 +203,15 @@ rms_qkv_rope = Kernel(
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, *, sms: int = H100_SMS, ctas: int | None = None,
              ch: int | None = None, warps: int | None = None, nb: int = 2) -> tuple[int, list]:
     """(q tile, generics) of rms_qkv_rope: the CTA count (a divisor of both the q
-    size and the pair count) nearest 1 per SM (or ``ctas``), a warp per pair (or
+    size and the pair count) nearest 2 per SM (or ``ctas``), a warp per pair (or
     ``warps`` warps taking every warps-th pair), ``nb`` chunks in flight a warp.
-    H100, 1B shape, 16 launches with PDL: 128 CTAs 5.64 us, 256 5.85, 512 7.57."""
+    H100, 1B shape, 16 launches with PDL (two runs): 256 CTAs of 6 warps 5.48 /
+    5.47 us (this), 128 of 12 5.49 / 5.51, 256 of 3 6.33, 128 of 8 with NB=3 6.25."""
     pairs, nq = qkv_pairs(hq, hkv, hd), hq * hd
     common = math.gcd(pairs, nq)
     options = [c for c in range(1, common + 1) if common % c == 0 and pairs // c <= 32]
     _need(bool(options), f"rms_qkv_rope: no CTA count divides both {nq} (q) and {pairs} (pairs) with <= 32 pairs a CTA")
-    target = ctas if ctas is not None else sms
+    target = ctas if ctas is not None else 2 * sms
     grid = min(options, key=lambda c: (abs(c - target), -c))
     ch = ch if ch is not None else _chunk(d, 2)
     return nq // grid, [d, hd, hq, hkv, warps or pairs // grid, ch, nb]
@@ -258,13 +259,15 @@ def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | Non
                          nb: int = 2) -> tuple[int, list]:
     """(tile, generics) of matvec_residual: the CTA count dividing N nearest one a SM
     (or ``ctas``) of 16 warps (or fewer when the CTA has fewer row groups); rows of
-    K >= 4096 go in pairs (NR=2) with K cut in two slices (KS=2), shorter ones
-    alone.  H100, 1B shapes, 16 launches with PDL, us: O (K=2048) 128 CTAs NR=1
-    W=16 3.88 (this), 256 NR=1 W=8 4.03, 128 NR=2 W=8 4.04; down (K=8192) 128 KS=2
-    NR=2 W=16 11.89 (this), 256 KS=2 NR=2 W=8 12.02, 256 NR=1 W=8 12.51."""
+    K >= 4096 go in pairs (NR=2) with K cut in KS slices of >= 2048 (KS <= 4),
+    shorter ones alone.  H100, 1B shapes, 16 launches with PDL, us: O (K=2048) 128
+    CTAs NR=1 W=16 3.88 / 3.93 (this, two runs), 256 NR=1 W=8 4.03 / 4.04, 128 NR=2
+    W=8 4.04 / 4.06; down (K=8192) 128 KS=4 NR=2 W=16 11.78 (this), KS=2 11.89 /
+    11.88, 256 KS=2 NR=2 W=8 12.02 / 12.03, 256 NR=1 W=8 12.51 / 12.49."""
     long = k >= 4096
     nr = nr or (2 if long else 1)
-    ks = ks or (2 if long else 1)
+    if ks is None:
+        ks = next((s for s in (4, 2) if long and k % (256 * s) == 0 and k // s >= 2048), 1)
     _need(ks >= 1 and k % ks == 0, f"matvec_residual: KS={ks} must divide K={k}")
     grid = _grid(n, ctas if ctas is not None else sms, nr)
     rpc = n // grid

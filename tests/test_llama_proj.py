@@ -403,7 +403,7 @@ MATVEC_VARIANTS = {"o-256-w8": (2048, dict(ctas=256, nr=1, ks=1, warps=8)),
                    "o-128-w16-nb3": (2048, dict(ctas=128, nr=1, ks=1, warps=16, nb=3)),
                    "down-256-w8": (8192, dict(ctas=256, nr=1, ks=1, warps=8)),
                    "down-256-ks2-nr2-w8": (8192, dict(ctas=256, ks=2, nr=2, warps=8)),
-                   "down-128-ks4-nr2-w16": (8192, dict(ctas=128, ks=4, nr=2, warps=16)),
+                   "down-128-ks2-nr2-w16": (8192, dict(ctas=128, ks=2, nr=2, warps=16)),
                    "down-128-ks2-nr1-w16-nb3": (8192, dict(ctas=128, ks=2, nr=1, warps=16, nb=3)),
                    "down-128-ks2-nr2-w16-nb3": (8192, dict(ctas=128, ks=2, nr=2, warps=16, nb=3))}
 
@@ -423,7 +423,7 @@ def test_llama_1b_matvec_residual_variants(stream, rng, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("plan", [dict(ctas=256), dict(ctas=256, warps=3)], ids=["256", "256-w3"])
+@pytest.mark.parametrize("plan", [dict(ctas=128), dict(ctas=256, warps=3)], ids=["128", "256-w3"])
 def test_llama_1b_qkv_rope_variants(stream, rng, plan):
     s = LLAMA_1B
     case = Qkv(rng, stream, d=s["d"], hq=s["hq"], hkv=s["hkv"], hd=s["hd"], cap=64, **plan)
