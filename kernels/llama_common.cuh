@@ -47,54 +47,91 @@ __device__ __forceinline__ float dot8(const uint4& w, const float4& lo, const fl
     return acc;
 }
 
-// The activation vector x [K] staged once per CTA in shared memory, split so that
-// a warp's 32 lanes read 32 consecutive float4 (no bank conflicts): for the 8
-// elements of 16-byte group q, lo[q] holds 0-3 and hi[q] 4-7.  With a norm weight
-// g, the stage holds x * g and returns sum(x^2) over the CTA (for the RMSNorm).
-// Reads x through L2 (ld.cg): the previous kernel wrote it while this one ran.
-template <int K, bool NORM>
-__device__ __forceinline__ float stage_x(float4* lo, float4* hi, float* scratch, const float* __restrict__ x,
-                                         const __nv_bfloat16* __restrict__ g) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    const uint4* g8 = reinterpret_cast<const uint4*>(g);
-    float ss = 0.f;
-    for (int q = threadIdx.x; q < K / 8; q += blockDim.x) {
-        float4 a = __ldcg(x4 + 2 * q), b = __ldcg(x4 + 2 * q + 1);
+// The activation vector x [K] staged once per CTA of T threads in shared memory,
+// split so that a warp's 32 lanes read 32 consecutive float4 (no bank
+// conflicts): for the 8 elements of 16-byte group q, lo[q] holds 0-3 and hi[q]
+// 4-7.  With a norm weight g, the stage holds x * g and commit() returns
+// sum(x^2) over the CTA (for the RMSNorm).  In three steps, because everything
+// after griddepcontrol.wait is on the critical path between two kernels:
+// load_g() before the wait (g is a weight); issue() right after it, every load
+// of x issued before any is used (one L2 round trip, not one per loop trip; the
+// caller issues its other post-wait loads beside them); commit() stores,
+// synchronises the CTA and reduces.  x is read through L2 (ld.cg): the previous
+// kernel wrote it while this one ran.
+template <int K, int T, bool NORM>
+struct StageX {
+    static constexpr int Q = K / 8, PER = (Q + T - 1) / T;
+    uint4 g[NORM ? PER : 1];
+    float4 a[PER], b[PER];
+
+    __device__ __forceinline__ static bool mine(int i) { return Q % T == 0 || (int)threadIdx.x + i * T < Q; }
+
+    __device__ __forceinline__ void load_g(const __nv_bfloat16* __restrict__ gw) {
         if (NORM) {
-            const uint4 gv = __ldg(g8 + q);
-            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
-            a = make_float4(a.x * bf16_lo(gv.x), a.y * bf16_hi(gv.x), a.z * bf16_lo(gv.y), a.w * bf16_hi(gv.y));
-            b = make_float4(b.x * bf16_lo(gv.z), b.y * bf16_hi(gv.z), b.z * bf16_lo(gv.w), b.w * bf16_hi(gv.w));
+            #pragma unroll
+            for (int i = 0; i < PER; ++i)
+                if (mine(i)) g[i] = __ldg(reinterpret_cast<const uint4*>(gw) + threadIdx.x + i * T);
         }
-        lo[q] = a;
-        hi[q] = b;
     }
-    if (NORM) {
-        ss = warp_sum(ss);
-        if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+
+    __device__ __forceinline__ void issue(const float* __restrict__ x) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            if (mine(i)) {
+                const int q = threadIdx.x + i * T;
+                a[i] = __ldcg(x4 + 2 * q);
+                b[i] = __ldcg(x4 + 2 * q + 1);
+            }
+        }
     }
-    __syncthreads();
-    float total = 0.f;
-    if (NORM) {
-        for (int i = 0; i < (int)(blockDim.x >> 5); ++i) total += scratch[i];
+
+    __device__ __forceinline__ float commit(float4* lo, float4* hi, float* scratch) {
+        float ss = 0.f;
+        #pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            if (!mine(i)) continue;
+            float4 u = a[i], v = b[i];
+            if (NORM) {
+                const uint4 gv = g[i];
+                ss += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                u = make_float4(u.x * bf16_lo(gv.x), u.y * bf16_hi(gv.x), u.z * bf16_lo(gv.y), u.w * bf16_hi(gv.y));
+                v = make_float4(v.x * bf16_lo(gv.z), v.y * bf16_hi(gv.z), v.z * bf16_lo(gv.w), v.w * bf16_hi(gv.w));
+            }
+            const int q = threadIdx.x + i * T;
+            lo[q] = u;
+            hi[q] = v;
+        }
+        if (NORM) {
+            ss = warp_sum(ss);
+            if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
+        }
+        __syncthreads();
+        float total = 0.f;
+        if (NORM) {
+            #pragma unroll
+            for (int i = 0; i < T / 32; ++i) total += scratch[i];
+        }
+        return total;
     }
-    return total;
-}
+};
 
 // A warp streams the rows of its groups (NR rows each, dotted with x together)
 // chunk by chunk: CH 16-byte loads per lane per row per chunk, C = K / (256 CH)
-// chunks per row.  Two register buffers (a, b) alternate: the loads of item t+2
-// are issued as soon as item t is consumed, so 1-2 items are always in flight.
-// prefetch() issues the first two items; a kernel calls it before
-// griddepcontrol.wait (weights never depend on the previous kernel) and run()
-// after staging x.  RowPtr(k, r): the first 16-byte vector of row r of the
-// warp's k-th group; Finish(k, acc): the warp-reduced dot products of group k
-// (every lane holds them).
-template <int NR, int CH, int K>
+// chunks per row (K: the length of the row segment a warp streams).  NB register
+// buffers rotate: the loads of item t+NB are issued as soon as item t is
+// consumed, so NB-1 to NB items are always in flight.  prefetch() issues the
+// first NB items; a kernel calls it before griddepcontrol.wait (weights never
+// depend on the previous kernel) and run() after staging x.  RowPtr(k, r): the
+// first 16-byte vector of row r of the warp's k-th group; Finish(k, acc): the
+// warp-reduced dot products of group k (every lane holds them).  lo/hi: the
+// staged x at the segment's first element.
+template <int NR, int CH, int K, int NB = 2>
 struct RowStream {
     static_assert(K % (256 * CH) == 0, "K must be a multiple of 256 * CH");
+    static_assert(NB >= 1 && NB <= 8, "NB must be in [1, 8]");
     static constexpr int C = K / (256 * CH);
-    uint4 a[NR][CH], b[NR][CH];
+    uint4 buf[NB][NR][CH];
 
     template <class RowPtr>
     __device__ __forceinline__ static void load(uint4 (&t)[NR][CH], const RowPtr& rp, int item, int lane) {
@@ -109,8 +146,9 @@ struct RowStream {
 
     template <class RowPtr>
     __device__ __forceinline__ void prefetch(const RowPtr& rp, int items, int lane) {
-        if (items > 0) load(a, rp, 0, lane);
-        if (items > 1) load(b, rp, 1, lane);
+        #pragma unroll
+        for (int i = 0; i < NB; ++i)
+            if (items > i) load(buf[i], rp, i, lane);
     }
 
     template <class RowPtr, class Finish>
@@ -125,7 +163,7 @@ struct RowStream {
             #pragma unroll
             for (int r = 0; r < NR; ++r) acc[r] = dot8(t[r][j], xl, xh, acc[r]);
         }
-        if (item + 2 < items) load(t, rp, item + 2, lane);
+        if (item + NB < items) load(t, rp, item + NB, lane);
         if (c == C - 1) {
             #pragma unroll
             for (int r = 0; r < NR; ++r) acc[r] = warp_sum(acc[r]);
@@ -142,9 +180,10 @@ struct RowStream {
         #pragma unroll
         for (int r = 0; r < NR; ++r) acc[r] = 0.f;
         #pragma unroll 1
-        for (int t = 0; t < items; t += 2) {
-            step(a, t, items, rp, fin, lo, hi, lane, acc);
-            if (t + 1 < items) step(b, t + 1, items, rp, fin, lo, hi, lane, acc);
+        for (int t = 0; t < items; t += NB) {
+            #pragma unroll
+            for (int i = 0; i < NB; ++i)
+                if (t + i < items) step(buf[i], t + i, items, rp, fin, lo, hi, lane, acc);
         }
     }
 };

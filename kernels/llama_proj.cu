@@ -25,11 +25,31 @@
 // PDL the wait is a no-op.
 //
 // Measured (H100, bench/llama_kernels_proj.py, graphs of 16 launches with PDL
-// over distinct weights, copy rate 3.00 TB/s): LM head 172.9 us (1.01x the copy
-// rate), gate/up 22.5 us (1.00x), down 13.3 us (0.84x), qkv 5.7 us (0.74x), O
-// 3.8-4.0 us (0.71-0.73x); embed + 16 layers + LM head without attention 900.9
-// us = 1.09x its floor (967 us without PDL).  The small matrices lose ~1-2 us a
-// launch to the post-wait critical path, not to the stream.
+// over distinct weights, copy rate 3.01 TB/s; "was" = the previous version of
+// this file in the same run): LM head 173.0 us (1.01x the copy rate), gate/up
+// 22.4 (1.00x), down 11.78 (0.95x; was 13.33), qkv 5.47 (0.77x; was 5.64), O 3.93
+// (0.71x; was 3.97); a 1 MB matvec launch (latency probe) 1.43 us (was 1.62).
+// embed + 16 layers + LM head without attention, these plans: 869.9 us = 1.059x
+// its floor (the previous version's: 901.2 = 1.097x; 970.8 without PDL).
+//   - what paid: every post-wait load in one L2 round trip (StageX; the staging
+//     loop was one round trip a trip, and the residual one more before it: down's
+//     K=8192 paid five, now one): down 13.33 -> 12.51 us, the probe 1.59 -> 1.41;
+//     then down's K split over the warps of a row pair at one CTA of 16 warps a SM
+//     (more loads in flight a row, x staged once a SM): 12.51 -> 11.89 (KS=2),
+//     11.78 (KS=4); qkv at 256 CTAs of 6 warps: 5.49-5.51 -> 5.47-5.48.
+//   - did not pay: down with 4 buffers (NB=4) at 256 CTAs 12.11, KS=2 NR=1 NB=4
+//     12.01, 128 CTAs of 8 warps NR=2 12.83 (KS=2 12.59), 16 warps NR=1 NB=4 12.24;
+//     O with 4 buffers 4.38, 128 CTAs of 8 warps NR=2 4.04, 256 of 4 warps NR=2
+//     4.19; qkv with 3 buffers at 8 warps 6.25, 128 CTAs of 6 warps 5.96, 4 warps
+//     NB=3 6.78, 256 CTAs of 3 warps 6.33; down KS=2 NR=1 NB=3 12.40, KS=2 NR=2 NB=3
+//     11.90; O with K split in two 4.46, NB=3 4.02.
+//   - co-residency (the next kernel's CTAs beside this one's, preloading): chains
+//     with every kernel at half the register file 905.4 us, the small kernels at a
+//     quarter 913.7, small at half and the big ones full 880.1, against 872.3 for
+//     the fastest plans then: fewer bytes in flight a kernel cost more than the overlap.
+//   - what is left: qkv and O cost their stream plus ~1.1-1.3 us, the latency
+//     probe's ~1.1 us over its stream: a dependent launch's ramp (the next
+//     kernel's CTAs, and so its first loads, start only as this one's exit).
 //
 // Device-side values (token, pos) are read after the wait and bound-checked;
 // an out-of-range value writes nothing it would index with and ORs a bit into
@@ -74,7 +94,7 @@ embed_gather(float* __restrict__ hidden, const __nv_bfloat16* __restrict__ embed
 // RoPE (Hugging Face rotate_half): angle = float(pos) * inv_freq[i] in fp32,
 // sincosf; q'[i] = q[i] cos - q[i+HD/2] sin, q'[i+HD/2] = q[i+HD/2] cos + q[i] sin.
 // pos outside [0, cap): q is still written, k and v are not, error |= ERR_POS.
-template <int K, int HD, int HQ, int HKV, int W, int CH>
+template <int K, int HD, int HQ, int HKV, int W, int CH, int NB>
 __global__ void __launch_bounds__(32 * W, llama::min_ctas(W))
 rms_qkv_rope(float* __restrict__ q, const float* __restrict__ hidden, const __nv_bfloat16* __restrict__ norm_w,
              const __nv_bfloat16* __restrict__ w_qkv, const float* __restrict__ inv_freq, const int* __restrict__ pos_p,
@@ -92,12 +112,15 @@ rms_qkv_rope(float* __restrict__ q, const float* __restrict__ hidden, const __nv
         const int p = first + k * W, h = p / HALF, i = p - h * HALF;
         return w + (size_t)(h * HD + i + r * HALF) * (K / 8);
     };
-    RowStream<2, CH, K> s;
+    RowStream<2, CH, K, NB> s;
+    llama::StageX<K, 32 * W, true> sx;
     llama::pdl_launch_dependents();
     s.prefetch(row_ptr, groups * s.C, lane);
+    sx.load_g(norm_w);
     llama::pdl_wait();
     const int pos = __ldcg(pos_p);
-    const float rs = rsqrtf(llama::stage_x<K, true>(xlo, xhi, scratch, hidden, norm_w) / K + eps);
+    sx.issue(hidden);
+    const float rs = rsqrtf(sx.commit(xlo, xhi, scratch) / K + eps);
     const bool pos_ok = pos >= 0 && pos < cap;
     if (!pos_ok && blockIdx.x == 0 && threadIdx.x == 0) atomicOr(error, llama::ERR_POS);
     auto finish = [&](int k, const float (&acc)[2]) {
@@ -127,37 +150,68 @@ rms_qkv_rope(float* __restrict__ q, const float* __restrict__ hidden, const __nv
 
 // -- matvec_residual --------------------------------------------------------------
 // out fp32 [N] (RPC rows a CTA), x fp32 [K], w bf16 [N, K], residual fp32 [N]:
-// out = residual + w @ x.  A warp takes groups of NR consecutive rows, every W-th
-// group of its CTA's rows; the residual slice is staged after the wait beside x.
-template <int K, int NR, int CH, int W, int RPC>
+// out = residual + w @ x.  The W warps are KS slices of W/KS row warps: row warp
+// v takes groups of NR consecutive rows, every (W/KS)-th group of its CTA's rows,
+// and slice s of it streams columns [s K/KS, (s+1) K/KS) of them (KS > 1 keeps
+// more bytes in flight a warp when a CTA has few long rows); the slices' partial
+// sums meet in shared memory and are added in slice order after the stream.  The
+// residual slice is loaded after the wait beside x, in the same round trip.
+template <int K, int NR, int CH, int W, int RPC, int KS, int NB>
 __global__ void __launch_bounds__(32 * W, llama::min_ctas(W))
 matvec_residual(float* __restrict__ out, const float* __restrict__ x, const __nv_bfloat16* __restrict__ w_,
                 const float* __restrict__ residual) {
     static_assert(RPC % NR == 0, "RPC must be a multiple of NR");
-    constexpr int G = RPC / NR;
+    static_assert(KS >= 1 && W % KS == 0 && K % KS == 0, "KS must divide W and K");
+    constexpr int G = RPC / NR, WR = W / KS, KP = K / KS, T = 32 * W, RP = (RPC + T - 1) / T;
     __shared__ float4 xlo[K / 8], xhi[K / 8];
     __shared__ float res[RPC];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int groups = warp < G ? (G - warp + W - 1) / W : 0;
+    __shared__ float part[KS > 1 ? KS * RPC : 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % KS, rw = warp / KS;
+    const int groups = rw < G ? (G - rw + WR - 1) / WR : 0;
     const size_t row0 = (size_t)blockIdx.x * RPC;
-    const uint4* w = reinterpret_cast<const uint4*>(w_);
-    auto row_ptr = [&](int k, int r) { return w + (row0 + (size_t)(warp + k * W) * NR + r) * (K / 8); };
-    RowStream<NR, CH, K> s;
+    const uint4* w = reinterpret_cast<const uint4*>(w_) + slice * (KP / 8);
+    auto row_ptr = [&](int k, int r) { return w + (row0 + (size_t)(rw + k * WR) * NR + r) * (K / 8); };
+    RowStream<NR, CH, KP, NB> s;
+    llama::StageX<K, T, false> sx;
     llama::pdl_launch_dependents();
     s.prefetch(row_ptr, groups * s.C, lane);
     llama::pdl_wait();
-    for (int i = threadIdx.x; i < RPC; i += blockDim.x) res[i] = __ldcg(residual + row0 + i);
-    llama::stage_x<K, false>(xlo, xhi, nullptr, x, nullptr);
+    float rv[RP];
+    #pragma unroll
+    for (int i = 0; i < RP; ++i) {
+        const int at = threadIdx.x + i * T;
+        if (RPC % T == 0 || at < RPC) rv[i] = __ldcg(residual + row0 + at);
+    }
+    sx.issue(x);
+    #pragma unroll
+    for (int i = 0; i < RP; ++i) {
+        const int at = threadIdx.x + i * T;
+        if (RPC % T == 0 || at < RPC) res[at] = rv[i];
+    }
+    sx.commit(xlo, xhi, nullptr);
     auto finish = [&](int k, const float (&acc)[NR]) {
         if (lane < NR) {
-            const int local = (warp + k * W) * NR + lane;
+            const int local = (rw + k * WR) * NR + lane;
             float v = acc[0];
             #pragma unroll
             for (int r = 1; r < NR; ++r) v = lane == r ? acc[r] : v;
-            out[row0 + local] = res[local] + v;
+            if (KS == 1) {
+                out[row0 + local] = res[local] + v;
+            } else {
+                part[slice * RPC + local] = v;
+            }
         }
     };
-    s.run(row_ptr, finish, groups * s.C, xlo, xhi, lane);
+    s.run(row_ptr, finish, groups * s.C, xlo + slice * (KP / 8), xhi + slice * (KP / 8), lane);
+    if (KS > 1) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < RPC; i += T) {
+            float v = res[i];
+            #pragma unroll
+            for (int j = 0; j < KS; ++j) v += part[j * RPC + i];
+            out[row0 + i] = v;
+        }
+    }
 }
 
 // -- rms_gate_up_silu ----------------------------------------------------------------
@@ -177,10 +231,13 @@ rms_gate_up_silu(float* __restrict__ act, const float* __restrict__ hidden, cons
     const uint4* w = reinterpret_cast<const uint4*>(w_gate_up);
     auto row_ptr = [&](int k, int r) { return w + (j0 + (size_t)k * W + r * inter) * (K / 8); };
     RowStream<2, CH, K> s;
+    llama::StageX<K, 32 * W, true> sx;
     llama::pdl_launch_dependents();
     s.prefetch(row_ptr, groups * s.C, lane);
+    sx.load_g(norm_w);
     llama::pdl_wait();
-    const float rs = rsqrtf(llama::stage_x<K, true>(xlo, xhi, scratch, hidden, norm_w) / K + eps);
+    sx.issue(hidden);
+    const float rs = rsqrtf(sx.commit(xlo, xhi, scratch) / K + eps);
     auto finish = [&](int k, const float (&acc)[2]) {
         if (lane == 0) {
             const float g = acc[0] * rs, u = acc[1] * rs;
@@ -219,10 +276,13 @@ rms_lm_head_argmax(float* __restrict__ logits, const float* __restrict__ hidden,
         return w + (size_t)row * (K / 8);
     };
     RowStream<NR, CH, K> s;
+    llama::StageX<K, 32 * W, true> sx;
     llama::pdl_launch_dependents();
     s.prefetch(row_ptr, groups * s.C, lane);
+    sx.load_g(norm_w);
     llama::pdl_wait();
-    const float rs = rsqrtf(llama::stage_x<K, true>(xlo, xhi, scratch, hidden, norm_w) / K + eps);
+    sx.issue(hidden);
+    const float rs = rsqrtf(sx.commit(xlo, xhi, scratch) / K + eps);
     unsigned long long mine = 0ull;
     auto finish = [&](int k, const float (&acc)[NR]) {
         if (lane < NR) {

@@ -4,18 +4,20 @@ Batch 1, bf16 weights in Hugging Face layout ``[out_features, in_features]``,
 fp32 activations and accumulation; every kernel is PDL-ready (``.pdl()``).
 
 * ``embed_gather<B>(hidden [D] tile [B], embed bf16 [V, D], token int32 [1], error int32 [1], vocab)``
-* ``rms_qkv_rope<K, HD, HQ, HKV, W, CH>(q [HQ*HD] tile [T], hidden [K], norm_w bf16 [K],
+* ``rms_qkv_rope<K, HD, HQ, HKV, W, CH, NB>(q [HQ*HD] tile [T], hidden [K], norm_w bf16 [K],
   w_qkv bf16 [(HQ+2*HKV)*HD, K], inv_freq [HD/2], pos int32 [1], k_cache bf16 [HKV, cap, HD],
   v_cache bf16 [HKV, cap, HD], error int32 [1], eps, cap)``: also writes k_cache, v_cache (row pos), error
-* ``matvec_residual<K, NR, CH, W, RPC>(out [N] tile [RPC], x [K], w bf16 [N, K], residual [N])``
+* ``matvec_residual<K, NR, CH, W, RPC, KS, NB>(out [N] tile [RPC], x [K], w bf16 [N, K], residual [N])``
 * ``rms_gate_up_silu<K, CH, W, PPC>(act [I] tile [PPC], hidden [K], norm_w bf16 [K], w_gate_up bf16 [2I, K], eps)``
 * ``rms_lm_head_argmax<K, NR, CH, W, RPC>(logits [Vp] tile [RPC], hidden [K], norm_w bf16 [K], w bf16 [V, K],
   token int32 [1], work uint64 [2], eps, vocab)``: also writes token; ``work`` zeroed once by the caller
 
 Generics: K the input width, CH the 16-byte loads per lane per row per chunk
 (K a multiple of 256*CH), W warps a CTA, NR rows a warp streams together, RPC /
-PPC rows / pairs a CTA (= the output tile).  The ``*_plan`` functions give the
-tile and generics for a shape.
+PPC rows / pairs a CTA (= the output tile), NB the chunks a warp keeps in flight
+(register buffers; the first NB are loaded before griddepcontrol.wait), KS the
+slices of K that the warps of a row group split (partial sums added in shared
+memory).  The ``*_plan`` functions give the tile and generics for a shape.
 
 Errors the device reports: ``error`` is a sticky int32 word (zero it once);
 ``embed_gather`` ORs ``ERR_TOKEN`` (1) into it when the token is outside
@@ -37,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_proj.cu"
 ERR_TOKEN, ERR_POS = 1, 2     # llama::ERR_* in llama_common.cuh
 SHARED_LIMIT = 48 * 1024      # static shared memory a CTA may declare
-MAX_LOADS = 16                # NR * CH: 16-byte loads a lane holds per buffer (two buffers)
+MAX_LOADS = 32                # NB * NR * CH: 16-byte loads a lane holds in flight (4 registers each)
 H100_SMS = 132
 
 
@@ -61,11 +63,14 @@ def _one(name: str, **tensors) -> None:
         _need(t.shape == (1,), f"{name}: {label} must be a [1] device scalar, got shape {t.shape}")
 
 
-def _stream_checks(name: str, k: int, ch: int, nr: int, w: int, extra_shared: int) -> None:
-    _need(ch >= 1 and k % (256 * ch) == 0, f"{name}: K={k} must be a multiple of 256*CH={256 * ch} "
-                                          f"(CH 16-byte loads of 8 bf16 per lane per chunk)")
-    _need(1 <= nr * ch <= MAX_LOADS, f"{name}: NR*CH={nr * ch} loads a lane must be in [1, {MAX_LOADS}] "
-                                     "(registers: two buffers of them)")
+def _stream_checks(name: str, k: int, ch: int, nr: int, w: int, extra_shared: int, nb: int = 2, ks: int = 1) -> None:
+    _need(ch >= 1 and ks >= 1 and k % (256 * ch * ks) == 0,
+          f"{name}: K={k} must be a multiple of 256*CH*KS={256 * ch * ks} "
+          f"(CH 16-byte loads of 8 bf16 per lane per chunk, K cut in KS slices)")
+    _need(1 <= nb <= 8, f"{name}: NB={nb} buffers must be in [1, 8]")
+    _need(1 <= nb * nr * ch <= MAX_LOADS, f"{name}: NB*NR*CH={nb * nr * ch} loads a lane holds must be in "
+                                          f"[1, {MAX_LOADS}] (4 registers each)")
+    _need(w % ks == 0, f"{name}: KS={ks} slices must divide the W={w} warps")
     _need(1 <= w <= 32, f"{name}: W={w} warps a CTA must be in [1, 32]")
     _need(4 * k + extra_shared <= SHARED_LIMIT,
           f"{name}: K={k} does not fit the CTA's {SHARED_LIMIT // 1024} KB shared-memory copy of x "
@@ -156,7 +161,7 @@ def qkv_pairs(hq: int, hkv: int, hd: int) -> int:
 
 
 def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
-    K, HD, HQ, HKV, W, CH = (g[n] for n in ("K", "HD", "HQ", "HKV", "W", "CH"))
+    K, HD, HQ, HKV, W, CH, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "W", "CH", "NB"))
     name = "rms_qkv_rope"
     t = q.tensor
     _need(HD % 2 == 0 and HD >= 2 and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be even, HQ={HQ} and HKV={HKV} "
@@ -174,7 +179,7 @@ def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_c
     _need(cap == k_cache.shape[1], f"{name}: cap={cap} but the cache holds {k_cache.shape[1]} rows; pass "
                                    "k_cache.shape[1]")
     _one(name, pos=pos, error=error)
-    _stream_checks(name, K, CH, 2, W, 4 * W)
+    _stream_checks(name, K, CH, 2, W, 4 * W, NB)
     pairs, grid = qkv_pairs(HQ, HKV, HD), q.num_tiles
     _need(pairs % grid == 0, f"{name}: q's partition makes {grid} CTAs, which must divide the {pairs} RoPE pairs; "
                              f"use qkv_plan(...) for the tile")
@@ -191,23 +196,25 @@ rms_qkv_rope = Kernel(
      In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("pos", "int32", rank=1),
      In("k_cache", "bfloat16", rank=3), In("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
      Scalar("eps", "float32"), Scalar("cap", "int32")],
-    generics=["K", "HD", "HQ", "HKV", "W", "CH"], block=lambda g: 32 * g["W"], reference=_rms_qkv_rope_ref,
+    generics=["K", "HD", "HQ", "HKV", "W", "CH", "NB"], block=lambda g: 32 * g["W"], reference=_rms_qkv_rope_ref,
     validate=_rms_qkv_rope_check)
 
 
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, *, sms: int = H100_SMS, ctas: int | None = None,
-             ch: int | None = None) -> tuple[int, list]:
+             ch: int | None = None, warps: int | None = None, nb: int = 2) -> tuple[int, list]:
     """(q tile, generics) of rms_qkv_rope: the CTA count (a divisor of both the q
-    size and the pair count) nearest 1 per SM (or ``ctas``), a warp per pair.
-    H100, 1B shape, 16 launches with PDL: 128 CTAs 5.64 us, 256 5.85, 512 7.57."""
+    size and the pair count) nearest 2 per SM (or ``ctas``), a warp per pair (or
+    ``warps`` warps taking every warps-th pair), ``nb`` chunks in flight a warp.
+    H100, 1B shape, 16 launches with PDL (two runs): 256 CTAs of 6 warps 5.48 /
+    5.47 us (this), 128 of 12 5.49 / 5.51, 256 of 3 6.33, 128 of 8 with NB=3 6.25."""
     pairs, nq = qkv_pairs(hq, hkv, hd), hq * hd
     common = math.gcd(pairs, nq)
     options = [c for c in range(1, common + 1) if common % c == 0 and pairs // c <= 32]
     _need(bool(options), f"rms_qkv_rope: no CTA count divides both {nq} (q) and {pairs} (pairs) with <= 32 pairs a CTA")
-    target = ctas if ctas is not None else sms
+    target = ctas if ctas is not None else 2 * sms
     grid = min(options, key=lambda c: (abs(c - target), -c))
     ch = ch if ch is not None else _chunk(d, 2)
-    return nq // grid, [d, hd, hq, hkv, pairs // grid, ch]
+    return nq // grid, [d, hd, hq, hkv, warps or pairs // grid, ch, nb]
 
 
 def _chunk(k: int, nr: int) -> int:
@@ -225,7 +232,7 @@ def _matvec_residual_ref(g, out, x, w, residual):
 
 
 def _matvec_residual_check(g, out, x, w, residual):
-    K, NR, CH, W, RPC = (g[n] for n in ("K", "NR", "CH", "W", "RPC"))
+    K, NR, CH, W, RPC, KS, NB = (g[n] for n in ("K", "NR", "CH", "W", "RPC", "KS", "NB"))
     name = "matvec_residual"
     t = out.tensor
     n = t.shape[0]
@@ -234,7 +241,7 @@ def _matvec_residual_check(g, out, x, w, residual):
                                                  f"[{n}, {K}]")
     _need(residual.shape == (n,), f"{name}: residual {residual.shape} must match out {t.shape}")
     _need(1 <= NR <= 32 and RPC % NR == 0, f"{name}: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
-    _stream_checks(name, K, CH, NR, W, 4 * RPC)
+    _stream_checks(name, K, CH, NR, W, 4 * RPC * (1 + (KS if KS > 1 else 0)), NB, KS)
     _contiguous(name, out=t, x=x, w=w, residual=residual)
     _aligned(name, x, w)
 
@@ -243,20 +250,29 @@ matvec_residual = Kernel(
     "matvec_residual", SOURCE,
     [Out("out", "float32", rank=1), In("x", "float32", rank=1), In("w", "bfloat16", rank=2),
      In("residual", "float32", rank=1)],
-    generics=["K", "NR", "CH", "W", "RPC"], block=lambda g: 32 * g["W"], reference=_matvec_residual_ref,
+    generics=["K", "NR", "CH", "W", "RPC", "KS", "NB"], block=lambda g: 32 * g["W"], reference=_matvec_residual_ref,
     validate=_matvec_residual_check)
 
 
-def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int = 1,
-                         ch: int | None = None, warps: int | None = None) -> tuple[int, list]:
-    """(tile, generics) of matvec_residual: the CTA count dividing N nearest 2 per SM
-    (or ``ctas``), 8 warps (or fewer when the CTA has fewer row groups).  H100, 1B
-    shapes, 16 launches with PDL (O / down, us): 256 CTAs NR=1 3.95 / 13.33 (these),
-    128 NR=2 3.88 / 13.57, 128 NR=1 4.17 / 13.47, 512 NR=1 4.85 / 15.81."""
-    grid = _grid(n, ctas if ctas is not None else 2 * sms, nr)
+def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int | None = None,
+                         ch: int | None = None, warps: int | None = None, ks: int | None = None,
+                         nb: int = 2) -> tuple[int, list]:
+    """(tile, generics) of matvec_residual: the CTA count dividing N nearest one a SM
+    (or ``ctas``) of 16 warps (or fewer when the CTA has fewer row groups); rows of
+    K >= 4096 go in pairs (NR=2) with K cut in KS slices of >= 2048 (KS <= 4),
+    shorter ones alone.  H100, 1B shapes, 16 launches with PDL, us: O (K=2048) 128
+    CTAs NR=1 W=16 3.88 / 3.93 (this, two runs), 256 NR=1 W=8 4.03 / 4.04, 128 NR=2
+    W=8 4.04 / 4.06; down (K=8192) 128 KS=4 NR=2 W=16 11.78 (this), KS=2 11.89 /
+    11.88, 256 KS=2 NR=2 W=8 12.02 / 12.03, 256 NR=1 W=8 12.51 / 12.49."""
+    long = k >= 4096
+    nr = nr or (2 if long else 1)
+    if ks is None:
+        ks = next((s for s in (4, 2) if long and k % (256 * s) == 0 and k // s >= 2048), 1)
+    _need(ks >= 1 and k % ks == 0, f"matvec_residual: KS={ks} must divide K={k}")
+    grid = _grid(n, ctas if ctas is not None else sms, nr)
     rpc = n // grid
-    w = warps or min(8, rpc // nr)
-    return rpc, [k, nr, ch or _chunk(k, nr), w, rpc]
+    w = warps or ks * max(1, min(16 // ks, rpc // nr))
+    return rpc, [k, nr, ch or _chunk(k // ks, nr), w, rpc, ks, nb]
 
 
 def _grid(n: int, target: int, unit: int) -> int:

@@ -132,7 +132,7 @@ def test_embed_gather_copies_the_row_and_flags_a_bad_token(stream, rng):
 class Qkv:
     """Random inputs of rms_qkv_rope with a poisoned cache; ``run`` launches it, ``expect`` is float64 math."""
 
-    def __init__(self, rng, stream, d=256, hq=4, hkv=2, hd=32, cap=8, ctas=None):
+    def __init__(self, rng, stream, d=256, hq=4, hkv=2, hd=32, cap=8, ctas=None, **plan):
         self.d, self.hq, self.hkv, self.hd, self.cap, self.stream = d, hq, hkv, hd, cap, stream
         self.hidden = rng.standard_normal(d, dtype=np.float32)
         self.norm_w = (1 + 0.1 * rng.standard_normal(d)).astype(BF16)
@@ -140,7 +140,7 @@ class Qkv:
         self.inv_freq = llama3_inv_freq(hd).astype(np.float32)
         self.k0 = bf16(rng, hkv, cap, hd, scale=1.0)   # what was in the cache before
         self.v0 = bf16(rng, hkv, cap, hd, scale=1.0)
-        self.tile, self.gen = lp.qkv_plan(d, hq, hkv, hd, ctas=ctas)
+        self.tile, self.gen = lp.qkv_plan(d, hq, hkv, hd, ctas=ctas, **plan)
 
     def run(self, pos, layers=2, layer=1):
         s = self.stream
@@ -165,9 +165,10 @@ def assert_bf16_close(got, ref):
     assert np.all(np.abs(got - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-4 * np.max(np.abs(ref)))
 
 
-@pytest.mark.parametrize("ctas", [None, 8])
-def test_qkv_rope_appends_k_and_v_at_pos_and_only_there(stream, rng, ctas):
-    case = Qkv(rng, stream, ctas=ctas)
+@pytest.mark.parametrize("ctas,plan", [(None, {}), (8, {}), (4, dict(warps=3, nb=3))],
+                         ids=["plan", "8-ctas", "warps-take-several-pairs"])
+def test_qkv_rope_appends_k_and_v_at_pos_and_only_there(stream, rng, ctas, plan):
+    case = Qkv(rng, stream, ctas=ctas, **plan)
     pos = int(rng.integers(1, case.cap - 1))
     q, kc, vc, error = case.run(pos)
     q_ref, k_ref, v_ref = case.expect(pos)
@@ -219,13 +220,18 @@ def test_qkv_rope_refuses_bad_shapes_and_dtypes(stream, rng):
 
 # -- matvec_residual ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n,k,gen", [(64, 512, None), (96, 1024, [1024, 2, 1, 5, 48]), (32, 2048, [2048, 1, 4, 3, 16])])
+@pytest.mark.parametrize("n,k,gen", [(64, 512, None), (96, 1024, [1024, 2, 1, 5, 48, 1, 2]),
+                                     (32, 2048, [2048, 1, 4, 3, 16, 1, 2]),
+                                     (48, 2048, [2048, 2, 2, 6, 24, 2, 3]),   # K in 2 slices, 3 buffers
+                                     (32, 4096, [4096, 1, 4, 8, 16, 4, 1]),   # 4 slices, 1 buffer
+                                     (40, 1024, [1024, 1, 1, 4, 8, 1, 8])],   # 8 buffers: rows pass the buffers
+                         ids=["plan", "nr2-w5", "w3", "ks2-nb3", "ks4-nb1", "nb8"])
 def test_matvec_residual_vs_float64(stream, rng, n, k, gen):
     w, x = bf16(rng, n, k), rng.standard_normal(k, dtype=np.float32)
     res = rng.standard_normal(n, dtype=np.float32)
     tile, plan = lp.matvec_residual_plan(n, k, ctas=4)
     gen = gen or plan
-    tile = gen[-1]
+    tile = gen[4]   # RPC
     out = dop.empty([n], stream=stream)
     lp.matvec_residual(out.partition([tile]), t(x, stream), t(w, stream), t(res, stream)).generics(gen).pdl() \
         .sync_on(stream)
@@ -237,18 +243,24 @@ def test_matvec_residual_refuses_what_it_cannot_do(stream, rng):
     n, k = 64, 512
     out, x, w = dop.empty([n], stream=stream), dop.empty([k], stream=stream), t(bf16(rng, n, k), stream)
     res = dop.empty([n], stream=stream)
-    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH=1024"):
-        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 4, 4, 8]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH\\*KS=1024"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 4, 4, 8, 1, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="partition out with \\[16\\]"):
-        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 2, 4, 16]).sync_on(stream)
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 2, 4, 16, 1, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH\\*KS=1024"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 1, 2, 4, 8, 2, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="KS=2 slices must divide the W=3 warps"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 1, 1, 3, 8, 2, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="NB\\*NR\\*CH=64"):
+        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 4, 2, 4, 8, 1, 8]).sync_on(stream)
     with pytest.raises(dop.DTypeError, match="bfloat16"):
         lp.matvec_residual(out.partition([8]), x, dop.empty([n, k], stream=stream), res)
     with pytest.raises(dop.AliasingError):
-        lp.matvec_residual(out.partition([8]), x, w, out).generics([k, 2, 2, 4, 8]).sync_on(stream)
+        lp.matvec_residual(out.partition([8]), x, w, out).generics([k, 2, 2, 4, 8, 1, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="shared-memory"):
         big = dop.empty([16384], stream=stream)
         lp.matvec_residual(out.partition([8]), big, t(bf16(rng, n, 16384), stream), res) \
-            .generics([16384, 2, 4, 4, 8]).sync_on(stream)
+            .generics([16384, 2, 4, 4, 8, 1, 2]).sync_on(stream)
 
 
 # -- rms_gate_up_silu --------------------------------------------------------------------------------
@@ -257,7 +269,7 @@ def test_matvec_residual_refuses_what_it_cannot_do(stream, rng):
 def test_gate_up_silu_vs_float64(stream, rng, inter, d, ctas):
     x, g = rng.standard_normal(d, dtype=np.float32), (1 + 0.1 * rng.standard_normal(d)).astype(BF16)
     w = bf16(rng, 2 * inter, d)
-    tile, gen = lp.gate_up_plan(d, inter, ctas=ctas)
+    tile, gen = lp.gate_up_plan(d, inter)
     act = dop.empty([inter], stream=stream)
     lp.rms_gate_up_silu(act.partition([tile]), t(x, stream), t(g, stream), t(w, stream), EPS).generics(gen).pdl() \
         .sync_on(stream)
@@ -382,6 +394,45 @@ def test_llama_1b_matvec_residual(stream, rng, k):
         .sync_on(stream)
     ref = res.astype(np.float64) + w.astype(np.float64) @ x.astype(np.float64)
     assert rel(out.numpy(stream=stream), ref) < (1e-4 if k == 2048 else 2e-4)
+
+
+# The grid, buffer and K-split variants bench/llama_kernels_proj.py times, at the 1B shapes.
+MATVEC_VARIANTS = {"o-256-w8": (2048, dict(ctas=256, nr=1, ks=1, warps=8)),
+                   "o-128-nr2-w8": (2048, dict(ctas=128, nr=2, ks=1, warps=8)),
+                   "o-128-ks2-w16": (2048, dict(ctas=128, nr=1, ks=2, warps=16)),
+                   "o-128-w16-nb3": (2048, dict(ctas=128, nr=1, ks=1, warps=16, nb=3)),
+                   "down-256-w8": (8192, dict(ctas=256, nr=1, ks=1, warps=8)),
+                   "down-256-ks2-nr2-w8": (8192, dict(ctas=256, ks=2, nr=2, warps=8)),
+                   "down-128-ks2-nr2-w16": (8192, dict(ctas=128, ks=2, nr=2, warps=16)),
+                   "down-128-ks2-nr1-w16-nb3": (8192, dict(ctas=128, ks=2, nr=1, warps=16, nb=3)),
+                   "down-128-ks2-nr2-w16-nb3": (8192, dict(ctas=128, ks=2, nr=2, warps=16, nb=3))}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(MATVEC_VARIANTS))
+def test_llama_1b_matvec_residual_variants(stream, rng, variant):
+    k, plan = MATVEC_VARIANTS[variant]
+    n = LLAMA_1B["d"]
+    w, x, res = bf16(rng, n, k), rng.standard_normal(k, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+    tile, gen = lp.matvec_residual_plan(n, k, **plan)
+    out = dop.empty([n], stream=stream)
+    lp.matvec_residual(out.partition([tile]), t(x, stream), t(w, stream), t(res, stream)).generics(gen).pdl() \
+        .sync_on(stream)
+    ref = res.astype(np.float64) + w.astype(np.float64) @ x.astype(np.float64)
+    assert rel(out.numpy(stream=stream), ref) < (1e-4 if k == 2048 else 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", [dict(ctas=128), dict(ctas=256, warps=3)], ids=["128", "256-w3"])
+def test_llama_1b_qkv_rope_variants(stream, rng, plan):
+    s = LLAMA_1B
+    case = Qkv(rng, stream, d=s["d"], hq=s["hq"], hkv=s["hkv"], hd=s["hd"], cap=64, **plan)
+    pos = int(rng.integers(0, 64))
+    q, kc, vc, error = case.run(pos, layers=1, layer=0)
+    q_ref, k_ref, v_ref = case.expect(pos)
+    assert rel(q, q_ref) < 1e-4 and error == 0
+    assert_bf16_close(kc[0][:, pos], k_ref)
+    assert_bf16_close(vc[0][:, pos], v_ref)
 
 
 @pytest.mark.gpu
