@@ -64,9 +64,10 @@ def variants():
         old = Kernel("attn_decode", Path(base), attn_decode.params, generics=["HD", "G", "S", "MINL"], block=128,
                      reference=attn_decode.reference)
         out.append(("before S=16 MINL=64", old, [HD, G, 16, 64], 16))
-    for splits, minl, pf in ((16, 64, 0), (16, 64, 1), (16, 128, 1), (16, 256, 1), (32, 64, 1)):
-        gen = attn_plan(CAP, HD, G, splits=splits, min_chunk=minl, prefetch=pf)[1]
-        out.append((f"S={splits} MINL={minl} LMAX={gen[4]} PF={pf}", attn_decode, gen, gen[2]))
+    for splits, minl, pf, warps in ((16, 64, 0, 16), (16, 64, 1, 16), (16, 64, 1, 8), (16, 256, 1, 16),
+                                    (16, 256, 1, 8), (32, 64, 1, 16), (32, 64, 1, 8)):
+        gen = attn_plan(CAP, HD, G, splits=splits, min_chunk=minl, prefetch=pf, warps=warps)[1]
+        out.append((f"S={splits} MINL={minl} PF={pf} warps={G * gen[6]}", attn_decode, gen, gen[2]))
     return out
 
 

@@ -1,7 +1,7 @@
 // Decode attention with grouped query heads over a bf16 KV cache, split over the
 // sequence (flash-decoding), the length read from device memory.
 //
-// attn_decode<HD, G, S, MINL, LMAX, PREFETCH>(out, q, k, v, pos, ws, counters, cap)
+// attn_decode<HD, G, S, MINL, LMAX, PREFETCH, RG>(out, q, k, v, pos, ws, counters, cap)
 //   out       fp32 [Hq*HD]          written; partitioned in tiles of G*HD/S, so the grid is Hkv*S
 //                                   CTAs: CTA (h, s) = blockIdx (h*S + s) handles chunk s of KV head h
 //   q         fp32 [Hq*HD]          RoPE'd queries, head j at j*HD; query head j uses KV head j / G
@@ -28,8 +28,10 @@
 // CTA writes the output itself; otherwise it writes its partial (m, l, acc) to ws and the last CTA of
 // the head to finish (an atomic counter per head) combines the nch partials and resets the counter.
 //
-// Lane layout: LP = HD/8 lanes share a cache row (16 bytes = 8 bf16 each), so a warp covers 32/LP rows
-// per step and a CTA of 4 warps 128/LP rows; ITER such steps (64 rows at HD=64) form a tile.
+// Lane layout: a CTA has G*RG warps (block 32*G*RG); warp w computes query head w % G over row group
+// w / G.  LP = HD/8 lanes share a cache row (16 bytes = 8 bf16 each), so a warp covers 32/LP rows per
+// step and the CTA RG*32/LP rows (each seen by the G warps of its group, from shared memory); 4 such
+// steps form a tile (64 rows at HD=64, RG=4).
 //
 // PDL and the PREFETCH contract.  q and cache entry pos come from the immediately preceding kernel (the
 // QKV projection), so they are read after griddepcontrol.wait, always.  Without PREFETCH everything is
@@ -112,10 +114,10 @@ __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
 
 }  // namespace llama_attn
 
-// 128 threads and at most 168 registers (G <= 4): a CTA fits on an SM beside the QKV kernel's CTA,
-// so the prefetch runs while the QKV projection streams its weights.
-template <int HD, int G, int S, int MINL, int LMAX, int PREFETCH>
-__global__ void __launch_bounds__(128, G <= 4 ? 3 : 2)
+// G*RG warps: warp w serves query head w % G over row group w / G, so a warp's state is one head's
+// (8 dims of q and acc a lane) and the CTA has many warps to hide the dependent-latency of a row.
+template <int HD, int G, int S, int MINL, int LMAX, int PREFETCH, int RG>
+__global__ void __launch_bounds__(32 * G * RG)
 attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfloat16* __restrict__ kc,
             const __nv_bfloat16* __restrict__ vc, const int* __restrict__ pos_p, float* __restrict__ ws,
             int* __restrict__ counters, int cap) {
@@ -124,18 +126,18 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
     static_assert(G >= 1 && G <= 8, "1 to 8 query heads per KV head");
     static_assert(MINL % 16 == 0 && MINL >= 16, "MINL: a multiple of 16");
     static_assert(LMAX % 16 == 0 && LMAX >= MINL, "LMAX: a multiple of 16, at least MINL");
-    constexpr int NT = 128;              // threads
-    constexpr int NW = NT / 32;          // warps
+    static_assert(RG >= 1 && G * RG <= 32, "G*RG warps: at most 32");
+    constexpr int NT = 32 * G * RG;      // threads
     constexpr int LP = HD / 8;           // lanes per cache row
     constexpr int PPW = 32 / LP;         // rows per warp step
-    constexpr int STEP = NW * PPW;       // rows per CTA step
-    constexpr int ITER = G <= 4 ? 4 : 2; // steps per tile (registers: G=8 holds 64 accumulators)
+    constexpr int STEP = RG * PPW;       // rows per CTA step (each row seen by the G warps of its group)
+    constexpr int ITER = 4;              // steps per tile
     constexpr int TILE = STEP * ITER;
     constexpr float LOG2E = 1.4426950408889634f;
 
     extern __shared__ uint4 s_kv[];      // K rows [LMAX][LP], then V rows [LMAX][LP]
-    __shared__ float s_acc[NW][G][HD];
-    __shared__ float s_m[NW][G], s_l[NW][G];
+    __shared__ float s_acc[RG][G][HD];
+    __shared__ float s_m[RG][G], s_l[RG][G];
     __shared__ float s_cm[S * G], s_cl[S * G], s_cw[S * G];
     __shared__ int s_last;
     uint4* const s_k = s_kv;
@@ -143,6 +145,7 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
 
     const int h = blockIdx.x / S, s = blockIdx.x % S;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int hg = warp % G, rg = warp / G;  // this warp's query head in the group, its row group
     const int dl = lane % LP, pg = lane / LP;
     float* const out_h = out + (size_t)h * G * HD;
 
@@ -189,26 +192,19 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
     }
     cp_async_commit();
 
-    // this lane's 8 dims of each of the G query heads, pre-scaled so that scores are in log2 units
-    float qr[G][8];
+    // this lane's 8 dims of the warp's query head, pre-scaled so that scores are in log2 units
+    float qr[8];
     const float qs = rsqrtf((float)HD) * LOG2E;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const float4* q4 = reinterpret_cast<const float4*>(q + ((size_t)h * G + g) * HD + dl * 8);
+    {
+        const float4* q4 = reinterpret_cast<const float4*>(q + ((size_t)h * G + hg) * HD + dl * 8);
         const float4 a = __ldcg(q4), b = __ldcg(q4 + 1);
-        qr[g][0] = a.x * qs; qr[g][1] = a.y * qs; qr[g][2] = a.z * qs; qr[g][3] = a.w * qs;
-        qr[g][4] = b.x * qs; qr[g][5] = b.y * qs; qr[g][6] = b.z * qs; qr[g][7] = b.w * qs;
+        qr[0] = a.x * qs; qr[1] = a.y * qs; qr[2] = a.z * qs; qr[3] = a.w * qs;
+        qr[4] = b.x * qs; qr[5] = b.y * qs; qr[6] = b.z * qs; qr[7] = b.w * qs;
     }
 
-    const int row0 = warp * PPW + pg;  // this lane's row within a step
-    float m[G], l[G], acc[G][8];
+    float m = -INFINITY, l = 0.f, acc[8];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = -INFINITY;
-        l[g] = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-    }
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
 
     for (int t = 0; t < ntiles; ++t) {
         // tile t's group has landed (the later tiles' and entry pos's may still be in flight; entry
@@ -216,77 +212,65 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
         cp_async_wait(t + 1 < ntiles ? ntiles - t : 0);
         __syncthreads();
         const int t0 = c0 + t * TILE;
-        float sc[ITER][G];
-        uint4 vr[ITER];
+        float sc[ITER];
+        uint4 kr[ITER], vr[ITER];
 #pragma unroll
         for (int it = 0; it < ITER; ++it) {
-            const int p = t0 + it * STEP + row0;
+            const int p = t0 + (it * RG + rg) * PPW + pg;
             const bool in = p < c1;
-            const uint4 kr = in ? s_k[(p - c0) * LP + dl] : make_uint4(0, 0, 0, 0);
+            kr[it] = in ? s_k[(p - c0) * LP + dl] : make_uint4(0, 0, 0, 0);
             vr[it] = in ? s_v[(p - c0) * LP + dl] : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int it = 0; it < ITER; ++it) {
             float kf[8];
-            unpack8(kr, kf);
+            unpack8(kr[it], kf);
+            float d = 0.f;
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float d = 0.f;
+            for (int e = 0; e < 8; ++e) d = fmaf(qr[e], kf[e], d);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) d = fmaf(qr[g][e], kf[e], d);
-#pragma unroll
-                for (int o = LP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-                sc[it][g] = in ? d : -INFINITY;
-            }
+            for (int o = LP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+            sc[it] = t0 + (it * RG + rg) * PPW + pg < c1 ? d : -INFINITY;
         }
+        float mx = m;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            float mx = m[g];
+        for (int it = 0; it < ITER; ++it) mx = fmaxf(mx, sc[it]);
+        if (mx == -INFINITY) continue;  // no row of this lane so far
+        const float a = rescale(m, mx);
+        l *= a;
 #pragma unroll
-            for (int it = 0; it < ITER; ++it) mx = fmaxf(mx, sc[it][g]);
-            if (mx == -INFINITY) continue;  // no row of this lane so far
-            const float a = rescale(m[g], mx);
-            l[g] *= a;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[g][e] *= a;
-            m[g] = mx;
-        }
+        for (int e = 0; e < 8; ++e) acc[e] *= a;
+        m = mx;
 #pragma unroll
         for (int it = 0; it < ITER; ++it) {
             float vf[8];
             unpack8(vr[it], vf);
+            const float p = exp2f(sc[it] - m);  // sc = -inf (no row): 0
+            l += p;
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-                const float p = m[g] == -INFINITY ? 0.f : exp2f(sc[it][g] - m[g]);
-                l[g] += p;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p, vf[e], acc[g][e]);
-            }
+            for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, vf[e], acc[e]);
         }
     }
 
-    // merge the warp's row groups (lanes LP apart), then the warps through shared memory
+    // merge the lanes that share dims (LP apart), then the RG warps of each head through shared memory
 #pragma unroll
     for (int o = LP; o < 32; o <<= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float l2 = __shfl_xor_sync(0xffffffffu, l, o);
+        const float mn = fmaxf(m, m2);
+        const float a = rescale(m, mn), b = rescale(m2, mn);
+        l = l * a + l2 * b;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mn = fmaxf(m[g], m2);
-            const float a = rescale(m[g], mn), b = rescale(m2, mn);
-            l[g] = l[g] * a + l2 * b;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const float x2 = __shfl_xor_sync(0xffffffffu, acc[g][e], o);
-                acc[g][e] = acc[g][e] * a + x2 * b;
-            }
-            m[g] = mn;
+        for (int e = 0; e < 8; ++e) {
+            const float x2 = __shfl_xor_sync(0xffffffffu, acc[e], o);
+            acc[e] = acc[e] * a + x2 * b;
         }
+        m = mn;
     }
     if (pg == 0) {
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) s_acc[warp][g][dl * 8 + e] = acc[g][e];
-            if (dl == 0) { s_m[warp][g] = m[g]; s_l[warp][g] = l[g]; }
-        }
+        for (int e = 0; e < 8; ++e) s_acc[rg][hg][dl * 8 + e] = acc[e];
+        if (dl == 0) { s_m[rg][hg] = m; s_l[rg][hg] = l; }
     }
     __syncthreads();
 
@@ -298,10 +282,10 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
         const int g = i / HD, d = i % HD;
         float mn = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) mn = fmaxf(mn, s_m[w][g]);
+        for (int w = 0; w < RG; ++w) mn = fmaxf(mn, s_m[w][g]);
         float lsum = 0.f, a = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) {
+        for (int w = 0; w < RG; ++w) {
             const float f = rescale(s_m[w][g], mn);
             lsum += s_l[w][g] * f;
             a += s_acc[w][g][d] * f;
@@ -331,7 +315,7 @@ attn_decode(float* __restrict__ out, const float* __restrict__ q, const __nv_bfl
     // every chunk's partial of this thread's outputs is loaded before any is used, together with the
     // maxima and sums: one L2 round trip (a loop of dependent loads cost ~0.5 us a chunk)
     constexpr int ITEMS = (G * HD + NT - 1) / NT;
-    constexpr int IU = ITEMS * S <= 128 ? ITEMS : 1;  // outputs in flight at once (registers: IU * S)
+    constexpr int IU = ITEMS * S <= 64 ? ITEMS : 1;  // outputs in flight at once (registers: IU * S)
     float x[IU][S];
     auto load_x = [&](int i0) {
 #pragma unroll

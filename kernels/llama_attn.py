@@ -1,6 +1,6 @@
 """Llama decode attention and sampling kernels: declarations and NumPy references.
 
-* ``attn_decode<HD, G, S, MINL, LMAX, PREFETCH>(out [Hq*HD] tile [G*HD/S], q [Hq*HD], k [Hkv, cap, HD],
+* ``attn_decode<HD, G, S, MINL, LMAX, PREFETCH, RG>(out [Hq*HD] tile [G*HD/S], q [Hq*HD], k [Hkv, cap, HD],
   v [Hkv, cap, HD], pos int32 [1], ws, counters, cap)``: grouped-query decode attention over cache entries
   0..pos, split over the sequence (flash-decoding), the length read on the device (kernels/llama_attn.cu).
   :func:`attn_plan` picks the generics for a capacity; ``PREFETCH=1`` is the caller's promise that pos
@@ -48,17 +48,19 @@ def attn_chunks(n: int, splits: int, min_chunk: int) -> tuple[int, int]:
 
 
 def attn_plan(cap: int, head_dim: int, group: int, *, splits: int = 16, min_chunk: int = 64,
-              prefetch: bool = False, max_smem: int = 64 * 1024) -> tuple[int, list]:
+              prefetch: bool = False, warps: int = 16, max_smem: int = 64 * 1024) -> tuple[int, list]:
     """(out tile, generics) of attn_decode for a KV capacity: ``splits`` chunks a KV head (doubled,
     up to 64, while a chunk of the capacity needs more than ``max_smem`` bytes of K and V), LMAX the
-    rows of the longest chunk.  ``prefetch``: the caller keeps the PREFETCH contract."""
+    rows of the longest chunk, about ``warps`` warps a CTA (RG = warps // group row groups).
+    ``prefetch``: the caller keeps the PREFETCH contract."""
     _need(cap >= 1, f"attn_plan: capacity {cap} must be at least 1")
     s = splits
     lmax = max(min_chunk, _round16(-(-cap // s)))
     while _smem(lmax, head_dim) > max_smem and s < 64 and (group * head_dim) % (2 * s) == 0:
         s *= 2
         lmax = max(min_chunk, _round16(-(-cap // s)))
-    return group * head_dim // s, [head_dim, group, s, min_chunk, lmax, int(bool(prefetch))]
+    rg = max(1, min(warps, 32) // group)
+    return group * head_dim // s, [head_dim, group, s, min_chunk, lmax, int(bool(prefetch)), rg]
 
 
 def _round16(x: int) -> int:
@@ -70,8 +72,8 @@ def _smem(lmax: int, head_dim: int) -> int:
     return 4 * lmax * head_dim
 
 
-def _static_smem(head_dim: int, group: int, splits: int) -> int:
-    return 4 * (4 * group * head_dim + 8 * group + 3 * splits * group + 1)
+def _static_smem(head_dim: int, group: int, splits: int, rg: int) -> int:
+    return 4 * (rg * group * head_dim + 2 * rg * group + 3 * splits * group + 1)
 
 
 SMEM_LIMIT = 227 * 1024  # shared memory a CTA may opt into on sm_90
@@ -118,8 +120,8 @@ def _attn_ref(g, out, q, k, v, pos, ws, counters, cap):
 
 
 def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
-    HD, G, S, MINL, LMAX, PF = g["HD"], g["G"], g["S"], g["MINL"], g["LMAX"], g["PREFETCH"]
-    name = f"attn_decode<HD={HD}, G={G}, S={S}, MINL={MINL}, LMAX={LMAX}, PREFETCH={PF}>"
+    HD, G, S, MINL, LMAX, PF, RG = g["HD"], g["G"], g["S"], g["MINL"], g["LMAX"], g["PREFETCH"], g["RG"]
+    name = f"attn_decode<HD={HD}, G={G}, S={S}, MINL={MINL}, LMAX={LMAX}, PREFETCH={PF}, RG={RG}>"
     _need(HD in (64, 128), f"{name}: head dim {HD} is not supported; HD must be 64 or 128")
     _need(1 <= G <= 8, f"{name}: G={G} query heads per KV head is not supported; G must be in [1, 8]")
     _need(1 <= S <= 64 and (G * HD) % S == 0,
@@ -128,7 +130,8 @@ def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
     _need(LMAX >= MINL and LMAX % 16 == 0, f"{name}: LMAX={LMAX} must be a multiple of 16, at least MINL={MINL}")
     _need(PF in (0, 1), f"{name}: PREFETCH={PF} must be 0 or 1 (1: the caller keeps the contract of "
                         "kernels/llama_attn.cu's header)")
-    need_smem = _smem(LMAX, HD) + _static_smem(HD, G, S)
+    _need(RG >= 1 and G * RG <= 32, f"{name}: G*RG = {G * RG} warps a CTA; RG must be at least 1 and G*RG at most 32")
+    need_smem = _smem(LMAX, HD) + _static_smem(HD, G, S, RG)
     _need(need_smem <= SMEM_LIMIT, f"{name}: a chunk of LMAX={LMAX} rows needs {need_smem} bytes of shared "
                                    f"memory, more than the {SMEM_LIMIT} a CTA may have; use more splits "
                                    f"(attn_plan picks them)")
@@ -167,7 +170,8 @@ attn_decode = Kernel(
     [Out("out", "float32", rank=1), In("q", "float32", rank=1), In("k", "bfloat16", rank=3),
      In("v", "bfloat16", rank=3), In("pos", "int32", rank=1), In("ws", "float32", rank=1),
      In("counters", "int32", rank=1), Scalar("cap", "int32")],
-    generics=["HD", "G", "S", "MINL", "LMAX", "PREFETCH"], block=128, shared_mem=lambda g: _smem(g["LMAX"], g["HD"]),
+    generics=["HD", "G", "S", "MINL", "LMAX", "PREFETCH", "RG"], block=lambda g: 32 * g["G"] * g["RG"],
+    shared_mem=lambda g: _smem(g["LMAX"], g["HD"]),
     reference=_attn_ref, validate=_attn_check)
 
 

@@ -27,13 +27,13 @@ SHAPES = {"llama-1b": (8, 4, 64, 32), "tinyllama": (4, 8, 64, 32), "smollm2": (3
 MINL = 64
 
 
-def attn_case(stream, rng, hkv, g, hd, cap, s=32, min_chunk=MINL, prefetch=False):
+def attn_case(stream, rng, hkv, g, hd, cap, s=32, min_chunk=MINL, prefetch=False, warps=16):
     """Fresh random q and a cache; returns host arrays and device tensors."""
     q = rng.standard_normal(hkv * g * hd).astype(np.float32)
     k = rng.standard_normal((hkv, cap, hd)).astype(BF16)
     v = rng.standard_normal((hkv, cap, hd)).astype(BF16)
     t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
-    tile, gen = attn_plan(cap, hd, g, splits=s, min_chunk=min_chunk, prefetch=prefetch)
+    tile, gen = attn_plan(cap, hd, g, splits=s, min_chunk=min_chunk, prefetch=prefetch, warps=warps)
     ws, counters = attn_buffers(hkv, hd, g, gen[2], stream=stream)
     return (q, k, v), dict(q=t(q), k=t(k), v=t(v), pos=t(np.zeros(1, np.int32)), ws=ws, counters=counters,
                            out=dop.empty([hkv * g * hd], stream=stream), gen=gen, tile=tile, cap=cap)
@@ -58,7 +58,7 @@ def max_err(got, ref, v):
 # what attn_plan gives each shape at a capacity of 4096, with and without the prefetch, and the 1B
 # variants the benchmark measures
 SHIPPED = [attn_plan(4096, hd, g, splits=s, prefetch=pf)[1] for (_, g, hd, s) in SHAPES.values() for pf in (0, 1)] \
-    + [attn_plan(4096, 64, 4, splits=16, min_chunk=m, prefetch=True)[1] for m in (128, 256)] \
+    + [attn_plan(4096, 64, 4, splits=16, min_chunk=m, prefetch=True, warps=w)[1] for m in (64, 256) for w in (8, 16)] \
     + [attn_plan(8192, 64, 4, splits=16, prefetch=True)[1]]
 
 
@@ -85,10 +85,10 @@ def test_chunks_adapt_to_the_length():
 
 def test_plan_stages_a_chunk_of_the_capacity_in_shared_memory():
     # 1B at 4096: 16 chunks of at most 256 rows (64 KB of K and V); head dim 128 doubles the splits
-    assert attn_plan(4096, 64, 4) == (16, [64, 4, 16, 64, 256, 0])
-    assert attn_plan(4096, 64, 4, prefetch=True, min_chunk=128) == (16, [64, 4, 16, 128, 256, 1])
-    assert attn_plan(4096, 128, 3) == (12, [128, 3, 32, 64, 128, 0])
-    assert attn_plan(64, 64, 4) == (16, [64, 4, 16, 64, 64, 0])         # a small cache: LMAX = MINL
+    assert attn_plan(4096, 64, 4) == (16, [64, 4, 16, 64, 256, 0, 4])
+    assert attn_plan(4096, 64, 4, prefetch=True, min_chunk=128, warps=8) == (16, [64, 4, 16, 128, 256, 1, 2])
+    assert attn_plan(4096, 128, 3) == (12, [128, 3, 32, 64, 128, 0, 5])
+    assert attn_plan(64, 64, 4) == (16, [64, 4, 16, 64, 64, 0, 4])      # a small cache: LMAX = MINL
     assert attn_plan(32768, 64, 4)[1][2:5] == [64, 64, 512]                # the splits stop at 64
 
 
@@ -143,7 +143,7 @@ def _attn_args(stream, **over):
     a = dict(out=dop.empty([hkv * g * hd], stream=stream), q=dop.empty([hkv * g * hd], stream=stream),
              k=dop.empty([hkv, cap, hd], "bfloat16", stream=stream),
              v=dop.empty([hkv, cap, hd], "bfloat16", stream=stream),
-             pos=dop.empty([1], "int32", stream=stream), cap=cap, gen=[hd, g, 32, 64, 64, 0], tile=g * hd // 32)
+             pos=dop.empty([1], "int32", stream=stream), cap=cap, gen=[hd, g, 32, 64, 64, 0, 2], tile=g * hd // 32)
     a["ws"], a["counters"] = attn_buffers(hkv, hd, g, 32, stream=stream)
     a.update(over)
     return a
@@ -156,13 +156,14 @@ def _attn_try(stream, **over):
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(gen=[96, 4, 32, 64, 64, 0]), "head dim 96 is not supported"),
-    (dict(gen=[64, 16, 32, 64, 64, 0], tile=64 * 16 // 32), "G=16"),
-    (dict(gen=[64, 4, 48, 64, 64, 0]), "S=48"),
-    (dict(gen=[64, 4, 32, 64, 48, 0]), "LMAX=48 must be a multiple of 16, at least MINL=64"),
-    (dict(gen=[64, 4, 32, 64, 64, 2]), "PREFETCH=2 must be 0 or 1"),
-    (dict(gen=[64, 4, 32, 64, 1024, 0]), "LMAX=1024 rows needs \\d+ bytes of shared memory, more than the 232448"),
-    (dict(gen=[64, 4, 2, 16, 16, 0], tile=64 * 4 // 2), "S\\*LMAX = 32 rows cannot cover a capacity of 64"),
+    (dict(gen=[96, 4, 32, 64, 64, 0, 2]), "head dim 96 is not supported"),
+    (dict(gen=[64, 16, 32, 64, 64, 0, 2], tile=64 * 16 // 32), "G=16"),
+    (dict(gen=[64, 4, 48, 64, 64, 0, 2]), "S=48"),
+    (dict(gen=[64, 4, 32, 64, 48, 0, 2]), "LMAX=48 must be a multiple of 16, at least MINL=64"),
+    (dict(gen=[64, 4, 32, 64, 64, 2, 2]), "PREFETCH=2 must be 0 or 1"),
+    (dict(gen=[64, 4, 32, 64, 64, 0, 9]), "G\\*RG = 36 warps"),
+    (dict(gen=[64, 4, 32, 64, 1024, 0, 2]), "LMAX=1024 rows needs \\d+ bytes of shared memory, more than the 232448"),
+    (dict(gen=[64, 4, 2, 16, 16, 0, 2], tile=64 * 4 // 2), "S\\*LMAX = 32 rows cannot cover a capacity of 64"),
     (dict(tile=16), "partition out with \\[8\\]"),
     (dict(cap=128), "cap=128"),
     (dict(ws=dop.empty([100])), "ws \\(100,\\) must hold"),
@@ -288,12 +289,13 @@ def test_gpu_attn_matches_float64_at_every_position(stream, rng, name, prefetch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,min_chunk,prefetch", [(32, 16, False), (32, 64, False), (32, 256, False),
-                                                       (16, 64, True), (16, 256, True), (32, 64, True)])
-def test_gpu_attn_graph_replayed_at_increasing_positions(stream, rng, splits, min_chunk, prefetch):
+@pytest.mark.parametrize("splits,min_chunk,prefetch,warps", [
+    (32, 16, False, 16), (32, 64, False, 16), (32, 256, False, 16), (16, 64, True, 16), (16, 256, True, 16),
+    (32, 64, True, 16), (16, 64, True, 8), (16, 256, True, 8), (32, 64, True, 8)])
+def test_gpu_attn_graph_replayed_at_increasing_positions(stream, rng, splits, min_chunk, prefetch, warps):
     # one capture (PDL), replayed as the position grows: chunk counts change, counters reset each time
     hkv, g, hd, _ = SHAPES["llama-1b"]
-    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, 4096, splits, min_chunk, prefetch)
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, 4096, splits, min_chunk, prefetch, warps)
     graph = attn_launch(d, pdl=True).graph_on(stream)
     for p in list(range(0, 70)) + [127, 128, 255, 1000, 2047, 4094, 4095]:
         set_pos(stream, d, p)
@@ -359,12 +361,12 @@ attn_test_append = dop.Kernel("attn_test_append", APPEND_SRC, [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gpu_attn_reads_q_and_entry_pos_after_the_wait(stream, rng, prefetch):
+@pytest.mark.parametrize("prefetch,warps", [(False, 16), (True, 16), (True, 8)])
+def test_gpu_attn_reads_q_and_entry_pos_after_the_wait(stream, rng, prefetch, warps):
     # the decode chain's order (QKV appends entry pos and writes q, then attention, PDL): replayed at
     # positions that put entry pos at a chunk's start, inside one, and alone in the last chunk
     hkv, g, hd, cap = 8, 4, 64, 4096
-    (q_old, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, 16, 64, prefetch)
+    (q_old, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, 16, 64, prefetch, warps)
     q_new = rng.standard_normal(hkv * g * hd).astype(np.float32)
     k_row = rng.standard_normal((hkv, hd)).astype(BF16)
     v_row = rng.standard_normal((hkv, hd)).astype(BF16)
