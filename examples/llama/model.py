@@ -33,7 +33,8 @@ from .config import LlamaConfig
 from .weights import BF16, check_weights, layer_names
 
 
-# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers).
+# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers); attention's
+# CTAs have attn_plan's 16 warps.
 ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
 # The decode loop keeps attn_decode's PREFETCH contract: the position is written only by the control
 # step that ends an iteration, and each step's QKV kernel appends entry pos alone, so attention loads
