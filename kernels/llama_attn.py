@@ -1,8 +1,10 @@
 """Llama decode attention and sampling kernels: declarations and NumPy references.
 
-* ``attn_decode<HD, G, S, MINL>(out [Hq*HD] tile [G*HD/S], q [Hq*HD], k [Hkv, cap, HD], v [Hkv, cap, HD],
-  pos int32 [1], ws, counters, cap)``: grouped-query decode attention over cache entries 0..pos,
-  split over the sequence (flash-decoding), the length read on the device (kernels/llama_attn.cu).
+* ``attn_decode<HD, G, S, MINL, LMAX, PREFETCH, RG>(out [Hq*HD] tile [G*HD/S], q [Hq*HD], k [Hkv, cap, HD],
+  v [Hkv, cap, HD], pos int32 [1], ws, counters, cap)``: grouped-query decode attention over cache entries
+  0..pos, split over the sequence (flash-decoding), the length read on the device (kernels/llama_attn.cu).
+  :func:`attn_plan` picks the generics for a capacity; ``PREFETCH=1`` is the caller's promise that pos
+  and entries < pos are stable before the launch's PDL chain (see the kernel's header).
 * ``sample<C>(part [B, 2C+4] tile [1, 2C+4], logits [V], token int32 [1], state int32 [1], step int32 [1],
   vocab, temperature, top_k, top_p, seed)``: greedy / temperature / top-k / top-p sampling with a
   Philox-4x32-10 Gumbel-max draw (kernels/llama_sample.cu).
@@ -43,6 +45,38 @@ def attn_chunks(n: int, splits: int, min_chunk: int) -> tuple[int, int]:
     """(chunk length, active chunks) the kernel uses for a length of ``n`` = pos + 1 entries."""
     length = max(min_chunk, (-(-n // splits) + 15) // 16 * 16)
     return length, -(-n // length)
+
+
+def attn_plan(cap: int, head_dim: int, group: int, *, splits: int = 16, min_chunk: int = 64,
+              prefetch: bool = False, warps: int = 16, max_smem: int = 64 * 1024) -> tuple[int, list]:
+    """(out tile, generics) of attn_decode for a KV capacity: ``splits`` chunks a KV head (doubled,
+    up to 64, while a chunk of the capacity needs more than ``max_smem`` bytes of K and V), LMAX the
+    rows of the longest chunk, about ``warps`` warps a CTA (RG = warps // group row groups).
+    ``prefetch``: the caller keeps the PREFETCH contract."""
+    _need(cap >= 1, f"attn_plan: capacity {cap} must be at least 1")
+    s = splits
+    lmax = max(min_chunk, _round16(-(-cap // s)))
+    while _smem(lmax, head_dim) > max_smem and s < 64 and (group * head_dim) % (2 * s) == 0:
+        s *= 2
+        lmax = max(min_chunk, _round16(-(-cap // s)))
+    rg = max(1, min(warps, 32) // group)
+    return group * head_dim // s, [head_dim, group, s, min_chunk, lmax, int(bool(prefetch)), rg]
+
+
+def _round16(x: int) -> int:
+    return (x + 15) // 16 * 16
+
+
+def _smem(lmax: int, head_dim: int) -> int:
+    """Dynamic shared memory of attn_decode: a chunk's K and V rows (bf16)."""
+    return 4 * lmax * head_dim
+
+
+def _static_smem(head_dim: int, group: int, splits: int, rg: int) -> int:
+    return 4 * (rg * group * head_dim + 2 * rg * group + 3 * splits * group + 1)
+
+
+SMEM_LIMIT = 227 * 1024  # shared memory a CTA may opt into on sm_90
 
 
 def attn_ws_size(kv_heads: int, head_dim: int, group: int, splits: int) -> int:
@@ -86,18 +120,28 @@ def _attn_ref(g, out, q, k, v, pos, ws, counters, cap):
 
 
 def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
-    HD, G, S, MINL = g["HD"], g["G"], g["S"], g["MINL"]
-    name = f"attn_decode<HD={HD}, G={G}, S={S}, MINL={MINL}>"
+    HD, G, S, MINL, LMAX, PF, RG = g["HD"], g["G"], g["S"], g["MINL"], g["LMAX"], g["PREFETCH"], g["RG"]
+    name = f"attn_decode<HD={HD}, G={G}, S={S}, MINL={MINL}, LMAX={LMAX}, PREFETCH={PF}, RG={RG}>"
     _need(HD in (64, 128), f"{name}: head dim {HD} is not supported; HD must be 64 or 128")
     _need(1 <= G <= 8, f"{name}: G={G} query heads per KV head is not supported; G must be in [1, 8]")
     _need(1 <= S <= 64 and (G * HD) % S == 0,
           f"{name}: S={S} splits must be in [1, 64] and divide G*HD={G * HD}")
     _need(MINL >= 16 and MINL % 16 == 0, f"{name}: MINL={MINL} must be a multiple of 16, at least 16")
+    _need(LMAX >= MINL and LMAX % 16 == 0, f"{name}: LMAX={LMAX} must be a multiple of 16, at least MINL={MINL}")
+    _need(PF in (0, 1), f"{name}: PREFETCH={PF} must be 0 or 1 (1: the caller keeps the contract of "
+                        "kernels/llama_attn.cu's header)")
+    _need(RG >= 1 and G * RG <= 32, f"{name}: G*RG = {G * RG} warps a CTA; RG must be at least 1 and G*RG at most 32")
+    need_smem = _smem(LMAX, HD) + _static_smem(HD, G, S, RG)
+    _need(need_smem <= SMEM_LIMIT, f"{name}: a chunk of LMAX={LMAX} rows needs {need_smem} bytes of shared "
+                                   f"memory, more than the {SMEM_LIMIT} a CTA may have; use more splits "
+                                   f"(attn_plan picks them)")
     _need(k.ndim == 3 and k.shape[2] == HD,
           f"{name}: k {k.shape} must be [kv_heads, cap, {HD}] (the layer's cache slice)")
     _need(v.shape == k.shape, f"{name}: v {v.shape} must match k {k.shape}")
     hkv, kcap = k.shape[0], k.shape[1]
     _need(cap == kcap, f"{name}: cap={cap} but the cache slices hold {kcap} entries; pass k.shape[1]")
+    _need(S * LMAX >= cap, f"{name}: S*LMAX = {S * LMAX} rows cannot cover a capacity of {cap}; LMAX must be "
+                           f"at least {_round16(-(-cap // S))} (attn_plan(cap, ...) picks it)")
     t = out.tensor
     _need(q.shape == (hkv * G * HD,) and t.shape == q.shape,
           f"{name}: q {q.shape} and out {t.shape} must be [{hkv * G * HD}] = kv_heads {hkv} * G {G} * HD {HD}")
@@ -126,7 +170,9 @@ attn_decode = Kernel(
     [Out("out", "float32", rank=1), In("q", "float32", rank=1), In("k", "bfloat16", rank=3),
      In("v", "bfloat16", rank=3), In("pos", "int32", rank=1), In("ws", "float32", rank=1),
      In("counters", "int32", rank=1), Scalar("cap", "int32")],
-    generics=["HD", "G", "S", "MINL"], block=128, reference=_attn_ref, validate=_attn_check)
+    generics=["HD", "G", "S", "MINL", "LMAX", "PREFETCH", "RG"], block=lambda g: 32 * g["G"] * g["RG"],
+    shared_mem=lambda g: _smem(g["LMAX"], g["HD"]),
+    reference=_attn_ref, validate=_attn_check)
 
 
 def attn_reference(q, k, v, pos: int) -> np.ndarray:
@@ -266,6 +312,6 @@ sample = Kernel(
      Scalar("seed", "uint64")],
     generics=["C"], block=1024, reference=_sample_ref, validate=_sample_check)
 
-__all__ = ["attn_decode", "attn_buffers", "attn_ws_size", "attn_chunks", "attn_reference",
+__all__ = ["attn_decode", "attn_plan", "attn_buffers", "attn_ws_size", "attn_chunks", "attn_reference",
            "sample", "sample_buffers", "sample_rows", "sample_reference", "sample_distribution",
            "philox4x32_10", "gumbel_noise"]

@@ -16,7 +16,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
-from kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_reference, gumbel_noise,
+from kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference, gumbel_noise,
                                 philox4x32_10, sample, sample_buffers, sample_distribution, sample_reference)
 
 BF16 = ml_dtypes.bfloat16
@@ -27,20 +27,20 @@ SHAPES = {"llama-1b": (8, 4, 64, 32), "tinyllama": (4, 8, 64, 32), "smollm2": (3
 MINL = 64
 
 
-def attn_case(stream, rng, hkv, g, hd, cap, s=32, min_chunk=MINL):
+def attn_case(stream, rng, hkv, g, hd, cap, s=32, min_chunk=MINL, prefetch=False, warps=16):
     """Fresh random q and a cache; returns host arrays and device tensors."""
     q = rng.standard_normal(hkv * g * hd).astype(np.float32)
     k = rng.standard_normal((hkv, cap, hd)).astype(BF16)
     v = rng.standard_normal((hkv, cap, hd)).astype(BF16)
     t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
-    ws, counters = attn_buffers(hkv, hd, g, s, stream=stream)
+    tile, gen = attn_plan(cap, hd, g, splits=s, min_chunk=min_chunk, prefetch=prefetch, warps=warps)
+    ws, counters = attn_buffers(hkv, hd, g, gen[2], stream=stream)
     return (q, k, v), dict(q=t(q), k=t(k), v=t(v), pos=t(np.zeros(1, np.int32)), ws=ws, counters=counters,
-                           out=dop.empty([hkv * g * hd], stream=stream), gen=[hd, g, s, min_chunk], cap=cap)
+                           out=dop.empty([hkv * g * hd], stream=stream), gen=gen, tile=tile, cap=cap)
 
 
 def attn_launch(d, pdl=False):
-    hd, g, s, _ = d["gen"]
-    launch = attn_decode(d["out"].partition([g * hd // s]), d["q"], d["k"], d["v"], d["pos"], d["ws"],
+    launch = attn_decode(d["out"].partition([d["tile"]]), d["q"], d["k"], d["v"], d["pos"], d["ws"],
                          d["counters"], d["cap"]).generics(d["gen"])
     return launch.pdl() if pdl else launch
 
@@ -55,8 +55,11 @@ def max_err(got, ref, v):
 
 # -- CPU: compiles, references, refusals --------------------------------------------------------------
 
-SHIPPED = [[hd, g, s, MINL] for (_, g, hd, s) in SHAPES.values()] + [[64, 4, 16, 64], [64, 4, 32, 16],
-                                                                      [64, 4, 32, 256]]
+# what attn_plan gives each shape at a capacity of 4096, with and without the prefetch, and the 1B
+# variants the benchmark measures
+SHIPPED = [attn_plan(4096, hd, g, splits=s, prefetch=pf)[1] for (_, g, hd, s) in SHAPES.values() for pf in (0, 1)] \
+    + [attn_plan(4096, 64, 4, splits=16, min_chunk=m, prefetch=True, warps=w)[1] for m in (64, 256) for w in (8, 16)] \
+    + [attn_plan(8192, 64, 4, splits=16, prefetch=True)[1]]
 
 
 @pytest.mark.parametrize("generics", SHIPPED, ids=[str(g) for g in SHIPPED])
@@ -78,6 +81,15 @@ def test_chunks_adapt_to_the_length():
     assert attn_chunks(4096, 32, 64) == (128, 32)        # every split busy at the capacity
     assert attn_chunks(4096, 32, 16) == (128, 32)
     assert attn_chunks(1000, 32, 16) == (32, 32)
+
+
+def test_plan_stages_a_chunk_of_the_capacity_in_shared_memory():
+    # 1B at 4096: 16 chunks of at most 256 rows (64 KB of K and V); head dim 128 doubles the splits
+    assert attn_plan(4096, 64, 4) == (16, [64, 4, 16, 64, 256, 0, 4])
+    assert attn_plan(4096, 64, 4, prefetch=True, min_chunk=128, warps=8) == (16, [64, 4, 16, 128, 256, 1, 2])
+    assert attn_plan(4096, 128, 3) == (12, [128, 3, 32, 64, 128, 0, 5])
+    assert attn_plan(64, 64, 4) == (16, [64, 4, 16, 64, 64, 0, 4])      # a small cache: LMAX = MINL
+    assert attn_plan(32768, 64, 4)[1][2:5] == [64, 64, 512]                # the splits stop at 64
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -131,7 +143,7 @@ def _attn_args(stream, **over):
     a = dict(out=dop.empty([hkv * g * hd], stream=stream), q=dop.empty([hkv * g * hd], stream=stream),
              k=dop.empty([hkv, cap, hd], "bfloat16", stream=stream),
              v=dop.empty([hkv, cap, hd], "bfloat16", stream=stream),
-             pos=dop.empty([1], "int32", stream=stream), cap=cap, gen=[hd, g, 32, 64], tile=g * hd // 32)
+             pos=dop.empty([1], "int32", stream=stream), cap=cap, gen=[hd, g, 32, 64, 64, 0, 2], tile=g * hd // 32)
     a["ws"], a["counters"] = attn_buffers(hkv, hd, g, 32, stream=stream)
     a.update(over)
     return a
@@ -144,9 +156,14 @@ def _attn_try(stream, **over):
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(gen=[96, 4, 32, 64]), "head dim 96 is not supported"),
-    (dict(gen=[64, 16, 32, 64], tile=64 * 16 // 32), "G=16"),
-    (dict(gen=[64, 4, 48, 64]), "S=48"),
+    (dict(gen=[96, 4, 32, 64, 64, 0, 2]), "head dim 96 is not supported"),
+    (dict(gen=[64, 16, 32, 64, 64, 0, 2], tile=64 * 16 // 32), "G=16"),
+    (dict(gen=[64, 4, 48, 64, 64, 0, 2]), "S=48"),
+    (dict(gen=[64, 4, 32, 64, 48, 0, 2]), "LMAX=48 must be a multiple of 16, at least MINL=64"),
+    (dict(gen=[64, 4, 32, 64, 64, 2, 2]), "PREFETCH=2 must be 0 or 1"),
+    (dict(gen=[64, 4, 32, 64, 64, 0, 9]), "G\\*RG = 36 warps"),
+    (dict(gen=[64, 4, 32, 64, 1024, 0, 2]), "LMAX=1024 rows needs \\d+ bytes of shared memory, more than the 232448"),
+    (dict(gen=[64, 4, 2, 16, 16, 0, 2], tile=64 * 4 // 2), "S\\*LMAX = 32 rows cannot cover a capacity of 64"),
     (dict(tile=16), "partition out with \\[8\\]"),
     (dict(cap=128), "cap=128"),
     (dict(ws=dop.empty([100])), "ws \\(100,\\) must hold"),
@@ -257,11 +274,12 @@ def test_sample_refuses_bad_shapes_and_parameters(stream):
 # -- GPU: the kernels against float64 -----------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("name", ["llama-1b", "llama-3b", "tinyllama", "smollm2", "mha"])
-def test_gpu_attn_matches_float64_at_every_position(stream, rng, name):
+def test_gpu_attn_matches_float64_at_every_position(stream, rng, name, prefetch):
     hkv, g, hd, s = SHAPES[name]
     cap = 4096
-    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, s)
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, s, prefetch=prefetch)
     for p in (0, 1, 31, 127, 1000, 4095):
         set_pos(stream, d, p)
         attn_launch(d).sync_on(stream)
@@ -271,11 +289,13 @@ def test_gpu_attn_matches_float64_at_every_position(stream, rng, name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("min_chunk", [16, 64, 256])
-def test_gpu_attn_graph_replayed_at_increasing_positions(stream, rng, min_chunk):
+@pytest.mark.parametrize("splits,min_chunk,prefetch,warps", [
+    (32, 16, False, 16), (32, 64, False, 16), (32, 256, False, 16), (16, 64, True, 16), (16, 256, True, 16),
+    (32, 64, True, 16), (16, 64, True, 8), (16, 256, True, 8), (32, 64, True, 8)])
+def test_gpu_attn_graph_replayed_at_increasing_positions(stream, rng, splits, min_chunk, prefetch, warps):
     # one capture (PDL), replayed as the position grows: chunk counts change, counters reset each time
-    hkv, g, hd, s = SHAPES["llama-1b"]
-    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, 4096, s, min_chunk)
+    hkv, g, hd, _ = SHAPES["llama-1b"]
+    (q, k, v), d = attn_case(stream, rng, hkv, g, hd, 4096, splits, min_chunk, prefetch, warps)
     graph = attn_launch(d, pdl=True).graph_on(stream)
     for p in list(range(0, 70)) + [127, 128, 255, 1000, 2047, 4094, 4095]:
         set_pos(stream, d, p)
@@ -288,7 +308,8 @@ def test_gpu_attn_graph_replayed_at_increasing_positions(stream, rng, min_chunk)
 
 
 @pytest.mark.gpu
-def test_gpu_attn_reads_nothing_past_the_capacity(stream, rng):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_attn_reads_nothing_past_the_capacity(stream, rng, prefetch):
     # layer 0 of a two-layer cache whose layer 1 is NaN: a read past cap would poison the output
     hkv, g, hd, cap = 8, 4, 64, 512
     kv = [rng.standard_normal((2, hkv, cap, hd)).astype(BF16) for _ in range(2)]
@@ -301,8 +322,64 @@ def test_gpu_attn_reads_nothing_past_the_capacity(stream, rng):
     pos = dop.from_numpy(np.array([cap - 1], np.int32), stream=stream)
     layer0 = [t.view([2 * hkv * cap * hd])[: hkv * cap * hd].view([hkv, cap, hd]) for t in (k2, v2)]
     attn_decode(out.partition([8]), dop.from_numpy(q, stream=stream), *layer0, pos, ws, counters, cap) \
-        .generics([hd, g, 32, 64]).sync_on(stream)
+        .generics(attn_plan(cap, hd, g, splits=32, prefetch=prefetch)[1]).pdl().sync_on(stream)
     assert max_err(out.numpy(), attn_reference(q, kv[0][0], kv[1][0], cap - 1), kv[1][0]) < 2e-5
+
+
+# appends entry pos and writes q like the QKV kernel, but only after a long spin: an attention launched
+# after it with PDL that read q or entry pos before its griddepcontrol.wait would read the stale values
+APPEND_SRC = r"""
+#include <cuda_bf16.h>
+extern "C" __global__ void attn_test_append(float* q, const float* q_src, __nv_bfloat16* k, __nv_bfloat16* v,
+                                            const __nv_bfloat16* k_row, const __nv_bfloat16* v_row,
+                                            const int* pos_p, int cap, int hkv, int hd, int spin) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const long long t0 = clock64();
+    while (clock64() - t0 < spin) {}
+    const int pos = *pos_p;
+    for (int i = threadIdx.x; i < hkv * hd * 4; i += blockDim.x) q[i] = q_src[i];
+    for (int i = threadIdx.x; i < hkv * hd; i += blockDim.x) {
+        const size_t at = ((size_t)(i / hd) * cap + pos) * hd + i % hd;
+        k[at] = k_row[i];
+        v[at] = v_row[i];
+    }
+}
+"""
+
+
+def _append_ref(g, q, q_src, k, v, k_row, v_row, pos, cap, hkv, hd, spin):
+    q[...] = q_src
+    k[:, pos[0]], v[:, pos[0]] = k_row, v_row
+
+
+attn_test_append = dop.Kernel("attn_test_append", APPEND_SRC, [
+    dop.Out("q", "float32", rank=1), dop.In("q_src", "float32", rank=1), dop.In("k", "bfloat16", rank=3),
+    dop.In("v", "bfloat16", rank=3), dop.In("k_row", "bfloat16", rank=2), dop.In("v_row", "bfloat16", rank=2),
+    dop.In("pos", "int32", rank=1), dop.Scalar("cap", "int32"), dop.Scalar("hkv", "int32"), dop.Scalar("hd", "int32"),
+    dop.Scalar("spin", "int32")], block=256, reference=_append_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch,warps", [(False, 16), (True, 16), (True, 8)])
+def test_gpu_attn_reads_q_and_entry_pos_after_the_wait(stream, rng, prefetch, warps):
+    # the decode chain's order (QKV appends entry pos and writes q, then attention, PDL): replayed at
+    # positions that put entry pos at a chunk's start, inside one, and alone in the last chunk
+    hkv, g, hd, cap = 8, 4, 64, 4096
+    (q_old, k, v), d = attn_case(stream, rng, hkv, g, hd, cap, 16, 64, prefetch, warps)
+    q_new = rng.standard_normal(hkv * g * hd).astype(np.float32)
+    k_row = rng.standard_normal((hkv, hd)).astype(BF16)
+    v_row = rng.standard_normal((hkv, hd)).astype(BF16)
+    t = lambda a: dop.from_numpy(a, stream=stream)  # noqa: E731
+    append = attn_test_append(d["q"].partition([hkv * g * hd]), t(q_new), d["k"], d["v"], t(k_row), t(v_row),
+                              d["pos"], cap, hkv, hd, 200_000).pdl()
+    graph = dop.zip_(append, attn_launch(d, pdl=True)).graph_on(stream)
+    for p in (0, 5, 64, 100, 1023, 1024, 3000, 4095):
+        set_pos(stream, d, p)
+        graph.launch().sync_on(stream)
+        k[:, p], v[:, p] = k_row, v_row
+        assert max_err(d["out"].numpy(), attn_reference(q_new, k, v, p), v) < 2e-5, p
+    assert not d["counters"].numpy().any()
 
 
 def _gpu_sampler(stream, x, C=32):

@@ -33,8 +33,13 @@ from .config import LlamaConfig
 from .weights import BF16, check_weights, layer_names
 
 
-# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers).
+# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers); attention's
+# CTAs have attn_plan's 16 warps.
 ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
+# The decode loop keeps attn_decode's PREFETCH contract: the position is written only by the control
+# step that ends an iteration, and each step's QKV kernel appends entry pos alone, so attention loads
+# the older entries before its griddepcontrol.wait.
+ATTN_PREFETCH = True
 SAMPLE_CANDIDATES = 32
 
 
@@ -134,8 +139,9 @@ class LlamaDecoder:
         self.logits = buf([rows])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
         # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-        self.attn_tile, self.attn_gen = cfg.group * hd // ATTN_SPLITS, [hd, cfg.group, ATTN_SPLITS, ATTN_MIN_CHUNK]
-        self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, ATTN_SPLITS, stream=stream)
+        self.attn_tile, self.attn_gen = attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS,
+                                                         min_chunk=ATTN_MIN_CHUNK, prefetch=ATTN_PREFETCH)
+        self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
         self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, SAMPLE_CANDIDATES,
                                                                        stream=stream)
 
