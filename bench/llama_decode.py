@@ -230,8 +230,9 @@ def compile_child(args) -> int:
         prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len)
         timer = TorchTimer(torch.device(device))
         t0 = time.perf_counter()
-        for k in (args.new, 1, args.new):  # compiles prefill and decode, then runs the graphs again
+        for i, k in enumerate((args.new, 1, args.new)):  # compiles prefill and decode, then replays them
             hf_generate(model, prompt, k)
+            say(stage=f"generate {i + 1} of 3 ({k} tokens) done at {time.perf_counter() - t0:.0f} s")
         say(ready=True, compile_s=time.perf_counter() - t0)
         if sys.stdin.readline().strip() != "go":
             return 0
@@ -278,16 +279,22 @@ class CompileRun:
         return msg
 
     def result(self) -> dict:
-        ready = self._next()
-        if ready is None or "error" in ready:
-            self.proc.kill()
-            return ready or {"error": f"not compiled within {self.limit:.0f} s (stopped)"}
+        stage = "compiling the first generate"
+        while True:
+            msg = self._next()
+            if msg is None or "error" in msg:
+                self.proc.kill()
+                self.proc.wait()
+                return {"stage": stage, **(msg or {"error": f"not ready within {self.limit:.0f} s (stopped)"})}
+            if "ready" in msg:
+                break
+            stage = msg["stage"]
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
         out = self._next()
         self.proc.kill()
         self.proc.wait()
-        return {**ready, **(out or {"error": f"not timed within {self.limit:.0f} s (stopped)"})}
+        return {**msg, **(out or {"error": f"not timed within {self.limit:.0f} s (stopped)"})}
 
 
 # -- the benchmark ----------------------------------------------------------------------------
@@ -400,7 +407,8 @@ def run(args) -> int:
         heads.append(headline("decode_vs_floor_ctx4096", ctx["us_per_token"] / ctx["floor_us"], 1.15, "lower"))
     per_prompt = [{k: v for k, v in row.items() if k not in ("prompt", "deviceop_tokens")}
                   for row in report["per_prompt"]]
-    extra = {"floor_us": round(floor_us, 1), "copy_rate_TBps": round(rate / 1e12, 3), "weights": how,
+    import transformers
+    extra = {"transformers": transformers.__version__, "floor_us": round(floor_us, 1), "copy_rate_TBps": round(rate / 1e12, 3), "weights": how,
              "setup_s": round(setup_s, 1), "device_loop_vs_step_launches": round(dl / pt, 4),
              "kl": {"prompts": args.prompts, "steps": N - 1, "mean": kl,
                     "excess_vs_hf_bf16": report["kl_excess_vs_hf_bf16"], "per_prompt": per_prompt},
