@@ -48,6 +48,37 @@ class Llama:
         self.cuda_stream.synchronize()
         return dec.read_generated(prompt.size)
 
+    def logits_along(self, tokens, positions=None):
+        """Teacher forcing: the decoder reads ``tokens`` one position at a time (the per-token
+        graph, whatever it would have chosen) and returns the float32 logits it computed at each
+        of ``positions`` (default: every position), ``[len(positions), vocab]``; row i predicts
+        the token after ``positions[i]``."""
+        import numpy as np
+        dec = self.decoder
+        tokens = dec.check_request(tokens, 1)
+        positions = list(range(tokens.size) if positions is None else positions)
+        bad = [p for p in positions if not 0 <= p < tokens.size]
+        if not positions or bad:
+            raise dop.ShapeError(f"positions must name tokens of the sequence [0, {tokens.size}); got "
+                                 f"{bad[0] if bad else 'none'}")
+        wanted = {p: i for i, p in enumerate(positions)}
+        out = np.empty((len(positions), self.cfg.vocab_size), np.float32)
+        logits = dec.logits[:self.cfg.vocab_size]
+        greedy = Sampling()
+        dec.load_prompt(tokens)
+        key = self._key(tokens.size, 1, greedy)
+        g = self._steps.get(key)
+        if g is None:
+            g = self._steps[key] = dec.step(greedy, tokens.size, 1).graph_on(self.cuda_stream)
+        dec.start().sync_on(self.cuda_stream)
+        for pos in range(max(positions) + 1):
+            g.replay()
+            if pos in wanted:
+                out[wanted[pos]] = logits.numpy(stream=self.cuda_stream)
+        self.cuda_stream.synchronize()
+        dec.read_generated(tokens.size)  # raises if the device flagged a token or a position
+        return out
+
     def stream(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None):
         """Yield each generated token as soon as its step is done (one graph launch per token)."""
         sampling = sampling or Sampling()
