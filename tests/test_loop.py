@@ -240,7 +240,7 @@ def test_the_body_lives_in_the_conditional_node_and_its_kernels_can_be_updated(s
 def test_the_loop_control_kernels_and_the_row_kernels_compile_for_sm_90():
     """No GPU needed: CI compiles what a captured loop launches (the control
     kernels call cudaGraphSetConditional, which the driver resolves at load)."""
-    from deviceop.loops import _CONTROL_SOURCE
+    from deviceop.graph.loops import _CONTROL_SOURCE
     prog = dop.compile_cubin(_CONTROL_SOURCE, arch="sm_90", filename="deviceop_loop.cu")
     assert prog.cubin[:4] == b"\x7fELF"
     for kernel in (load_row, store_row):
