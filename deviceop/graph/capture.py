@@ -36,10 +36,10 @@ class Capture:
         """Record a checked kernel launch on the capturing ``stream``: it becomes a
         kernel node of the graph, which keeps its arguments alive and can change
         them between replays (``graph.node(launch).set(...)``)."""
-        launcher, config, fn = plan
+        launcher, config, fn, gen = plan
         launcher(stream, config, *launch_args)
-        node = KernelNode(launch.kernel, head[1], launch.describe(), values, launch_args, launch._mutable, fn,
-                          config, stream.device.graphs.last_node(stream), head=head)
+        node = KernelNode(launch.kernel, gen, launch.kernel.name_expression(gen), values, launch_args,
+                          launch._mutable, fn, config, stream.device.graphs.last_node(stream), head=head)
         self.nodes.append(node)
         self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
 
@@ -69,6 +69,8 @@ def preload(op: DeviceOp, device) -> None:
         if id(o) in seen:
             continue
         seen.add(id(o))
-        if isinstance(o, KernelLaunch) and o._generics is not None:
-            o.kernel.function(device, o._generics)
+        if isinstance(o, KernelLaunch):
+            gen = o._generics if o._generics is not None else o.infer_generics()
+            if gen is not None:
+                o.kernel.function(device, gen)
         stack.extend(o.children())

@@ -30,7 +30,7 @@ from ..runtime.launch import LaunchConfig, check_param_layout, ptr
 from .fast import _fast_launch_type
 from .launch import KernelLaunch
 from .plan import _launch_key_function
-from .signature import _generic_text
+from .signature import _generic_text, inferable
 
 
 class Kernel:
@@ -50,6 +50,8 @@ class Kernel:
         if not self.params or self.params[0].role != "out" or any(p.role == "out" for p in self.params[1:]):
             raise LaunchError(f"kernel {name}: the first parameter, and only the first, must be Out(...)")
         self.generic_names = tuple(generics)
+        # may a launch omit .generics()?  (when the parameters' shapes name every generic)
+        self.infers_generics = bool(self.generic_names) and inferable(self.params, self.generic_names)
         self.block, self.reference, self.validate = block, reference, validate
         self.shared_mem, self.cluster = shared_mem, cluster
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)

@@ -6,10 +6,10 @@ capture, which decides what node it becomes); the plan module checks it.
 """
 from __future__ import annotations
 
-from ..errors import LaunchError
+from ..errors import DeviceOpError, LaunchError
 from ..op import DeviceOp, stats
-from .plan import _attribute, checked_launch
-from .signature import Param, _as_tensor_arg, check_arg
+from .plan import _attribute, check_launch, checked_launch
+from .signature import Param, check_arg
 
 
 class _Output(DeviceOp):
@@ -115,6 +115,17 @@ class KernelLaunch(DeviceOp):
     def _check_arg(self, p: Param, a):
         check_arg(self.kernel, p, a)
 
+    def infer_generics(self):
+        """The generics this launch's arguments determine, or None (not all known
+        yet: some are ops; or they do not fit, which the launch will say)."""
+        kernel = self.kernel
+        if not kernel.infers_generics or self._dynamic:
+            return None
+        try:
+            return check_launch(kernel, self.args, None, kernel.name)[1]
+        except DeviceOpError:
+            return None
+
     def _run(self, ctx):  # the consumption check inlined: this is the hot path
         if self._consumed:
             self._already_executed()
@@ -134,12 +145,7 @@ class KernelLaunch(DeviceOp):
         set.  Eager launches seen before take the kernel's generated ``_run``
         (``_fast_launch_type``) instead; ``key`` is the launch key when that
         path has built it already."""
-        gen = self._generics
-        if gen is None:
-            raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
-                              f"call .generics([...]) on the launch")
-        head = (ctx.device, gen, self._pdl, self._cooperative)
-        launch_args, plan = checked_launch(self.kernel, head, values, self.describe, key)
+        launch_args, plan, head = self._check(ctx, values, key)
         if ctx.capture is None:
             plan[0](ctx.stream, plan[1], *launch_args)
         else:  # the capture records it, and decides what node it becomes
@@ -147,21 +153,32 @@ class KernelLaunch(DeviceOp):
         stats["launches"] += 1
         return tuple(values)
 
+    def _check(self, ctx, values, key):
+        """``(launch arguments, plan, head)`` of this launch (plan.checked_launch);
+        the head's generics are the plan's, inferred ones included."""
+        gen = self._generics
+        if gen is None and not self.kernel.infers_generics:
+            raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
+                              f"call .generics([...]) on the launch (the shapes of its parameters do not "
+                              f"determine them all)")
+        launch_args, plan = checked_launch(self.kernel, (ctx.device, gen, self._pdl, self._cooperative), values,
+                                           self.describe, key)
+        return launch_args, plan, (ctx.device, plan[3], self._pdl, self._cooperative)
+
     def _launch_and_prepare(self, ctx, values, key):
-        """An eager launch not prepared yet: launched by the general path (which
-        checks it), then prepared for ``key``, so the next launch like it costs
-        one dict lookup and one driver call."""
-        out = self._launch(ctx, values, key)
-        kernel, gen, part = self.kernel, self._generics, values[0]
-        fn = kernel.function(ctx.device, gen)
+        """An eager launch not prepared yet: checked and launched by the general
+        path, then prepared for ``key``, so the next launch like it costs one dict
+        lookup and one driver call."""
+        launch_args, plan, _ = self._check(ctx, values, key)
+        launcher, config, fn, _ = plan
+        launcher(ctx.stream, config, *launch_args)
+        stats["launches"] += 1
         if fn.preparable:  # the reference device's functions are not: see ReferenceFunction
-            config = kernel.config(part.grid, gen)
-            args = [part.tensor] + [_as_tensor_arg(v) for v in values[1:]]
-            prepared = kernel._prepared
+            prepared = self.kernel._prepared
             if len(prepared) > 65536:
                 prepared.clear()
-            launch = fn.prepared(_attribute(fn, self._pdl, self._cooperative, config), config, *args)
+            launch = fn.prepared(_attribute(fn, self._pdl, self._cooperative, config), config, *launch_args)
             prepared[key] = (launch.call, launch.params, launch)  # a plain tuple: the cheapest to unpack
-        return out
+        return tuple(values)
 
     _execute = _run

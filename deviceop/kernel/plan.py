@@ -11,7 +11,7 @@ import math
 from ..errors import AliasingError, LaunchError
 from ..runtime.launch import LaunchConfig
 from ..tensor import SharedTensor
-from .signature import _as_tensor_arg, check_arg
+from .signature import _as_tensor_arg, bind, check_arg
 
 
 def _attribute(fn, pdl: bool, cooperative: bool, config: LaunchConfig) -> str | None:
@@ -70,13 +70,16 @@ def _launch_key_function(kernel):
     return scope["launch_key"]
 
 
-def check_launch(kernel, values, gen, label: str) -> list:
-    """Every check of a launch: roles, dtypes, ranks, layouts, aliasing, the kernel's own rules.
-    Returns the launch arguments (tensors for partitions and shared handles)."""
+def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
+    """Every check of a launch: roles, dtypes, shapes (against the generics, which
+    are inferred when ``gen`` is None), layouts, aliasing, the kernel's own rules.
+    Returns the launch arguments (tensors for partitions and shared handles) and
+    the generics."""
     params = kernel.params
     for p, v in zip(params, values):
         check_arg(kernel, p, v)
     launch_args = [values[0].tensor] + [_as_tensor_arg(v) for v in values[1:]]
+    gen = bind(kernel, values, launch_args, gen)
     out = launch_args[0]
     for p, t in zip(params[1:], launch_args[1:]):
         if p.role == "in" and t.overlaps(out):
@@ -84,7 +87,7 @@ def check_launch(kernel, values, gen, label: str) -> list:
                                 "overlapping memory; write into a separate buffer")
     if kernel.validate is not None:
         kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
-    return launch_args
+    return launch_args, gen
 
 
 def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[list, tuple]:
@@ -93,8 +96,10 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
     device, generics, pdl and cooperative) or, for a key not seen before (or
     arguments that have none), reached by running them all (``check_launch``,
     and the kernel's compile and load).  The plan is ``(launcher, LaunchConfig,
-    function)``: the function's launcher for the launch's attributes.  ``describe()`` names the launch in errors.  Used by every launch
-    not prepared already, and by ``KernelNode.set``: one verdict cache, one key."""
+    function, generics)``: the function's launcher for the launch's attributes,
+    and the generics (inferred when the head's are None).  ``describe()`` names
+    the launch in errors.  Used by every launch not prepared already, and by
+    ``KernelNode.set``: one verdict cache, one key."""
     verified = kernel._verified
     try:
         if key is None:
@@ -112,9 +117,9 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
                 launch_args[i] = t._tensor
         return launch_args, plan
     device, gen, pdl, cooperative = head
-    launch_args = check_launch(kernel, values, gen, describe())
+    launch_args, gen = check_launch(kernel, values, gen, describe())
     fn = kernel.function(device, gen)  # compiled, loaded and checked against the CUBIN once
-    plan = (*_launcher(fn, pdl, cooperative, kernel.config(values[0].grid, gen)), fn)
+    plan = (*_launcher(fn, pdl, cooperative, kernel.config(values[0].grid, gen)), fn, gen)
     if key is not None:
         if len(verified) > 65536:
             verified.clear()
