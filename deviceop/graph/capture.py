@@ -36,10 +36,10 @@ class Capture:
         """Record a checked kernel launch on the capturing ``stream``: it becomes a
         kernel node of the graph, which keeps its arguments alive and can change
         them between replays (``graph.node(launch).set(...)``)."""
-        launcher, config, fn, gen = plan
-        launcher(stream, config, *launch_args)
-        node = KernelNode(launch.kernel, gen, launch.kernel.name_expression(gen), values, launch_args,
-                          launch._mutable, fn, config, stream.device.graphs.last_node(stream), head=head)
+        plan.launcher(stream, plan.config, *launch_args)
+        node = KernelNode(launch.kernel, plan.generics, launch.kernel.name_expression(plan.generics), values,
+                          launch_args, launch._mutable, plan.function, plan.config,
+                          stream.device.graphs.last_node(stream), head=head)
         self.nodes.append(node)
         self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
 

@@ -59,7 +59,7 @@ class KernelNode:
             if prm.role == "scalar" and (prm.dtype.kind == "f" and prm.dtype.pack in "fd" or prm.dtype.kind in "iu"):
                 kind = float if prm.dtype.kind == "f" else int
                 lo, hi = prm.dtype.bounds if kind is int else (None, None)
-                fast[prm.name] = (i, fn.offsets[i], struct.Struct("@" + prm.dtype.pack).pack_into, kind, lo, hi)
+                fast[prm.name] = (i, fn.offsets[i], fn.scalar_packers[i], kind, lo, hi)
         self._fast = fast
 
     # -- inspection ------------------------------------------------------------------
@@ -123,8 +123,7 @@ class KernelNode:
             saved = self._buf.raw
             for i in changed:
                 try:
-                    struct.pack_into("@" + params[i].dtype.pack, self._buf, fn.offsets[i],
-                                     _coerce(params[i], new[i], self.label))
+                    fn.pack_scalar(self._buf, i, _coerce(params[i], new[i], self.label))
                 except (struct.error, OverflowError) as exc:
                     self._buf[:len(saved)] = saved
                     raise DTypeError(f"argument {params[i].name} of {self.label}: {new[i]!r} does not fit "
@@ -156,7 +155,7 @@ class KernelNode:
             try:
                 for name, v in changes.items():
                     new[fast[name][0]] = v
-                if kernel._launch_key(*self._head, *new) not in kernel._verified:
+                if kernel._launch_key(*self._head, *new) not in kernel._plans:
                     return False
             except (KeyError, AttributeError, TypeError, ValueError):
                 return False
@@ -189,7 +188,7 @@ class KernelNode:
         """Put the current values of these scalar arguments back into the parameter buffer."""
         for i in indices:
             prm = self.kernel.params[i]
-            struct.pack_into("@" + prm.dtype.pack, self._buf, self._function.offsets[i], prm.dtype.coerce(self.values[i]))
+            self._function.pack_scalar(self._buf, i, prm.dtype.coerce(self.values[i]))
 
     def _commit(self, graph, saved: bytes, launch_args) -> None:
         if self.handle is None:

@@ -59,8 +59,9 @@ class Kernel:
         self._functions: dict = {}
         self._compiled: set = set()  # (arch, generics) compiled and checked without a driver: see check_compiled
         self._configs: dict = {}
-        self._verified: dict = {}  # launch key -> plan (launcher, LaunchConfig) of a checked launch: checked_launch
-        self._prepared: dict = {}  # eager launch key -> prepared launch; see _fast_launch_type
+        # launch key -> LaunchPlan of a checked launch (plan.checked_launch); cleared, never
+        # replaced: the generated fast path holds this dict
+        self._plans: dict = {}
         # the tensor parameters after the output (a verdict hit unwraps their SharedTensors)
         self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}

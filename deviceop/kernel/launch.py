@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import DeviceOpError, LaunchError
 from ..op import DeviceOp, stats
-from .plan import _attribute, check_launch, checked_launch
+from .plan import check_launch, checked_launch
 from .signature import Param, check_arg
 
 
@@ -147,7 +147,7 @@ class KernelLaunch(DeviceOp):
         path has built it already."""
         launch_args, plan, head = self._check(ctx, values, key)
         if ctx.capture is None:
-            plan[0](ctx.stream, plan[1], *launch_args)
+            plan.launcher(ctx.stream, plan.config, *launch_args)
         else:  # the capture records it, and decides what node it becomes
             ctx.capture.record_launch(ctx.stream, self, head, values, launch_args, plan)
         stats["launches"] += 1
@@ -163,22 +163,16 @@ class KernelLaunch(DeviceOp):
                               f"determine them all)")
         launch_args, plan = checked_launch(self.kernel, (ctx.device, gen, self._pdl, self._cooperative), values,
                                            self.describe, key)
-        return launch_args, plan, (ctx.device, plan[3], self._pdl, self._cooperative)
+        return launch_args, plan, (ctx.device, plan.generics, self._pdl, self._cooperative)
 
     def _launch_and_prepare(self, ctx, values, key):
         """An eager launch not prepared yet: checked and launched by the general
-        path, then prepared for ``key``, so the next launch like it costs one dict
-        lookup and one driver call."""
+        path, then prepared, so the next launch with its key costs one lookup and
+        one driver call."""
         launch_args, plan, _ = self._check(ctx, values, key)
-        launcher, config, fn, _ = plan
-        launcher(ctx.stream, config, *launch_args)
+        plan.launcher(ctx.stream, plan.config, *launch_args)
         stats["launches"] += 1
-        if fn.preparable:  # the reference device's functions are not: see ReferenceFunction
-            prepared = self.kernel._prepared
-            if len(prepared) > 65536:
-                prepared.clear()
-            launch = fn.prepared(_attribute(fn, self._pdl, self._cooperative, config), config, *launch_args)
-            prepared[key] = (launch.call, launch.params, launch)  # a plain tuple: the cheapest to unpack
+        plan.prepare(launch_args)
         return tuple(values)
 
     _execute = _run

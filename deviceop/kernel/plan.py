@@ -1,14 +1,19 @@
 """The launch plan: the key of a launch's whole argument signature, every check
-of a launch, and the verdict cache from one to the other.
+of a launch, and one cache per kernel from the key to the plan.
 
-``checked_launch`` is the one way a launch not prepared yet is checked: eager
-launches, captured launches and node updates all come through it.
+``checked_launch`` is the one way a launch is checked: eager launches,
+captured launches, node updates and loop bodies all come through it.  A plan
+found by its key was checked; a key not seen runs every check (the safety
+rule: whatever can reject a launch runs whenever its inputs change, and the
+key holds every input).  An eager launch's plan is then *prepared* (packed
+once), so the next launch with that key is one lookup and one driver call.
 """
 from __future__ import annotations
 
 import math
 
 from ..errors import AliasingError, LaunchError
+from ..runtime import codegen
 from ..runtime.launch import LaunchConfig
 from ..tensor import SharedTensor
 from .signature import _as_tensor_arg, bind, check_arg
@@ -23,10 +28,31 @@ def _attribute(fn, pdl: bool, cooperative: bool, config: LaunchConfig) -> str | 
 
 
 def _launcher(fn, pdl: bool, cooperative: bool, config: LaunchConfig):
-    """The plan of a launch: the Function's launcher for its attributes, and its config."""
+    """The Function's launcher for a launch's attributes, and its config."""
     attribute = _attribute(fn, pdl, cooperative, config)
     return (fn.launch if attribute is None else getattr(fn, f"launch_{attribute}")), config
 
+
+class LaunchPlan:
+    """What every launch with one key does: the function (compiled for the
+    generics, inferred ones included), its launcher and config, and for eager
+    launches the prepared launch (``call(stream address, params, 0)``)."""
+
+    __slots__ = ("launcher", "config", "function", "generics", "attribute", "call", "params", "prepared")
+
+    def __init__(self, fn, pdl: bool, cooperative: bool, config: LaunchConfig, generics: tuple):
+        self.attribute = _attribute(fn, pdl, cooperative, config)
+        self.launcher, self.config = _launcher(fn, pdl, cooperative, config)
+        self.function, self.generics = fn, generics
+        self.call = self.params = self.prepared = None
+
+    def prepare(self, launch_args) -> None:
+        """Pack this launch once (Function.prepared); the reference device's
+        functions are not preparable (a prepared launch would keep its arrays)."""
+        fn = self.function
+        if fn.preparable and self.call is None:
+            prepared = fn.prepared(self.attribute, self.config, *launch_args)
+            self.prepared, self.params, self.call = prepared, prepared.params, prepared.call
 
 
 def _launch_key_code(kernel, head) -> tuple[list[str], str]:
@@ -61,13 +87,9 @@ def _launch_key_function(kernel):
     """``key(device, generics, pdl, cooperative, a0, ...)``: the launch key (see
     ``_launch_key_code``); raises AttributeError, TypeError or ValueError for
     arguments that have none (not a tensor, a released handle, an array)."""
-    args = [f"a{i}" for i in range(len(kernel.params))]
     unwrap, key = _launch_key_code(kernel, ("device", "gen", "pdl", "cooperative"))
-    body = [f"def launch_key(device, gen, pdl, cooperative, {', '.join(args)}):",
-            *[f"    {line}" for line in unwrap], f"    return {key}"]
-    scope = dict(_KEY_ENV)
-    exec(compile("\n".join(body), f"<deviceop launch key of {kernel.name}>", "exec"), scope)
-    return scope["launch_key"]
+    return codegen.generate(codegen.LAUNCH_KEY, "launch_key", _KEY_ENV, f"<deviceop launch key of {kernel.name}>",
+                            args=", ".join(f"a{i}" for i in range(len(kernel.params))), unwrap=unwrap, key=key)
 
 
 def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
@@ -90,21 +112,17 @@ def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
     return launch_args, gen
 
 
-def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[list, tuple]:
+def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[list, LaunchPlan]:
     """``(launch arguments, plan)`` of a launch whose arguments are ``values``:
-    the verdict of every check, looked up by the launch key (``head`` is its
-    device, generics, pdl and cooperative) or, for a key not seen before (or
-    arguments that have none), reached by running them all (``check_launch``,
-    and the kernel's compile and load).  The plan is ``(launcher, LaunchConfig,
-    function, generics)``: the function's launcher for the launch's attributes,
-    and the generics (inferred when the head's are None).  ``describe()`` names
-    the launch in errors.  Used by every launch not prepared already, and by
-    ``KernelNode.set``: one verdict cache, one key."""
-    verified = kernel._verified
+    the plan looked up by the launch key (``head`` is its device, generics, pdl
+    and cooperative) or, for a key not seen before (or arguments that have
+    none), reached by running every check (``check_launch``, and the kernel's
+    compile and load).  ``describe()`` names the launch in errors."""
+    plans = kernel._plans
     try:
         if key is None:
             key = kernel._launch_key(*head, *values)
-        plan = verified.get(key)
+        plan = plans.get(key)
     except (AttributeError, TypeError, ValueError):  # an argument of the wrong kind, unhashable: checked below
         key = plan = None
     if plan is not None:
@@ -119,9 +137,9 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
     device, gen, pdl, cooperative = head
     launch_args, gen = check_launch(kernel, values, gen, describe())
     fn = kernel.function(device, gen)  # compiled, loaded and checked against the CUBIN once
-    plan = (*_launcher(fn, pdl, cooperative, kernel.config(values[0].grid, gen)), fn, gen)
+    plan = LaunchPlan(fn, pdl, cooperative, kernel.config(values[0].grid, gen), gen)
     if key is not None:
-        if len(verified) > 65536:
-            verified.clear()
-        verified[key] = plan
+        if len(plans) > 65536:
+            plans.clear()
+        plans[key] = plan
     return launch_args, plan

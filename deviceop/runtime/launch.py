@@ -13,14 +13,11 @@ the declared scalar type, range- and kind-checked), packed with one
 ``struct.pack_into`` into a buffer whose parameter addresses were computed
 once, and handed to ``cuLaunchKernel``.  This is the whole hot path.
 
-Which ``cuLaunchKernel`` wrapper Python calls matters as much as anything
-deviceop does: on the H100's host, CuPy's (``launchKernel``: typed C ints in,
-one C call) took 4.45 us a launch, cuda.bindings' 5.4-5.7 and cuda.core's
-``launch`` 5.8, with the same prepacked parameters (2026-11-22;
-``bench/launch_overhead.py`` measures them side by side).  Launches without
-attributes use CuPy's (a dependency already);
-PDL, cooperative and cluster launches need ``cuLaunchKernelEx``'s attribute
-list and go through cuda.bindings.
+Which ``cuLaunchKernel`` wrapper is called matters as much as anything deviceop
+does (docs/architecture.md, "The eager hot path", has the H100 measurements):
+launches without attributes use CuPy's ``launchKernel`` (typed C ints in, one
+C call; CuPy is a dependency already); PDL, cooperative and cluster launches
+need ``cuLaunchKernelEx``'s attribute list and go through cuda.bindings.
 """
 from __future__ import annotations
 
@@ -31,6 +28,7 @@ from functools import partial
 from cuda.bindings import driver as cu
 
 from ..errors import CudaError, LaunchError, StateError
+from . import codegen
 from .driver import check, raise_error
 from .params import _MISSING, LaunchConfig, ParamLayout, _as_config, check_param_layout, ptr
 
@@ -63,24 +61,6 @@ def _cheapest_launch_kernel():
 # Module globals (tests put a recorder here): launch_kernel is read when a Function
 # builds its launchers and prepared launches, DriverError when a launch fails.
 launch_kernel, DriverError = _cheapest_launch_kernel()
-
-
-def _driver_call(attribute, indent: str) -> list:
-    """The generated lines that launch (``gx`` ... ``smem``, ``params`` and ``stream``
-    bound): cuLaunchKernelEx with the attribute's config, else ``launch_kernel``."""
-    if attribute:
-        lines = ["try:",
-                 "    ex_config = fn._ex_config(attribute, config, stream.ptr)",
-                 "except Exception as exc:",
-                 "    fn._launch_failed(exc, stream, label)",
-                 "code = cuLaunchKernelEx(ex_config, handle, params, 0)[0]",
-                 "if code: raise_error(code, label)"]
-    else:  # try costs nothing unless something is raised
-        lines = ["try:",
-                 "    launch_kernel(address, gx, gy, gz, bx, by, bz, smem, stream.ptr, params, 0)",
-                 "except Exception as exc:",
-                 "    fn._launch_failed(exc, stream, label)"]
-    return [indent + line for line in lines]
 
 
 class PreparedLaunch:
@@ -225,63 +205,42 @@ class Function(ParamLayout):
         return c
 
     def _build_launcher(self, attribute: str | None = None):
-        """Generate ``launch(stream, config, *args)`` for this signature.
+        """Generate ``launch(stream, config, *args)`` for this signature (codegen.LAUNCHER).
 
-        The generated code checks each argument with one ``type(...) is``
-        test on the common path (a Tensor of the declared dtype, a float for a
-        float parameter, an in-range int for an int parameter) and falls back
-        to the full conversion otherwise; no loop, no per-argument call.
-        Launching is the hot path: this is where the host microseconds go.
-        """
-        n = len(self.signature)
-        names = [f"a{i}" for i in range(n)]
-        env = {"Tensor": tensor_type, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
+        Each argument is checked with one ``type(...) is`` test on the common
+        path (a Tensor of the declared dtype, a float for a float parameter, an
+        in-range int for an int parameter), falling back to the full conversion
+        otherwise.  Arguments are parameters defaulting to a sentinel: a missing
+        one is the sentinel, extras land in ``*extra``; both cost one test."""
+        names = [f"a{i}" for i in range(len(self.signature))]
+        env = {"Tensor": tensor_type, "LaunchConfig": LaunchConfig, "as_config": _as_config,
+               "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
                "launch_kernel": launch_kernel, "address": self.address,
                "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
                "label": f"{'cuLaunchKernelEx' if attribute else 'cuLaunchKernel'}({self.name})", "fn": self,
                "MISSING": _MISSING, "attribute": attribute}
-        # Arguments are named parameters defaulting to a sentinel: a missing one
-        # is the sentinel, extras land in *extra; both cost one test each.
-        params = "".join(f"{a}=MISSING, " for a in names)
-        body = [f"def launch(stream, config, {params}*extra):"]
-        if n:
-            body.append(f"    if {names[-1]} is MISSING or extra: fn._arity_error_of(({', '.join(names)},) + extra)")
-        else:
-            body.append("    if extra: fn._arity_error_of(extra)")
-        for i, spec in enumerate(self.signature):
-            a = names[i]
+        convert = []
+        for i, (a, spec) in enumerate(zip(names, self.signature)):
             if isinstance(spec, ptr):
-                if spec.dtype is None:
-                    cond = f"type({a}) is Tensor"
-                else:
-                    env[f"D{i}"] = spec.dtype
-                    cond = f"type({a}) is Tensor and {a}.dtype is D{i}"
-                body.append(f"    {a} = {a}._ptr if {cond} else fn._slow_pointer({a}, {i})")
+                env[f"D{i}"] = spec.dtype
+                dtype_test = "" if spec.dtype is None else f" and {a}.dtype is D{i}"
+                convert.append(f"{a} = {a}._ptr if type({a}) is Tensor{dtype_test} else fn._slow_pointer({a}, {i})")
             elif spec.kind == "f" and spec.pack in "fde":
-                body.append(f"    if type({a}) is not float: {a} = fn._slow_scalar({a}, {i})")
+                convert.append(f"if type({a}) is not float: {a} = fn._slow_scalar({a}, {i})")
             elif spec.kind in "iu":
                 lo, hi = spec.bounds
-                body.append(f"    if type({a}) is not int or not ({lo} <= {a} <= {hi}): {a} = fn._slow_scalar({a}, {i})")
+                convert.append(f"if type({a}) is not int or not ({lo} <= {a} <= {hi}): "
+                               f"{a} = fn._slow_scalar({a}, {i})")
             else:  # bfloat16 (packed as its bits), bool
-                body.append(f"    {a} = fn._slow_scalar({a}, {i})")
-        body += [
-            "    if type(config) is not LaunchConfig: config = as_config(config)",
-            "    gx, gy, gz = config.grid",
-            "    bx, by, bz = config.block",
-            "    smem = config.shared_mem",
-            "    if smem > fn._smem_limit: fn.set_max_dynamic_shared_memory(smem)",
-            # one parameter buffer per Function, guarded while it is filled and the
-            # driver copies it (acquire/release: a third of the cost of `with lock`)
-            "    acquire()",
-            "    try:",
-            f"        pack_into(buf, 0{''.join(', ' + a for a in names)})",
-            *_driver_call(attribute, "        "),
-            "    finally:",
-            "        release()",
-        ]
-        exec(compile("\n".join(body), f"<deviceop launcher {self.name}>", "exec"), env)
-        launcher = env["launch"]
+                convert.append(f"{a} = fn._slow_scalar({a}, {i})")
+        arity = (f"if {names[-1]} is MISSING or extra: fn._arity_error_of(({', '.join(names)},) + extra)" if names
+                 else "if extra: fn._arity_error_of(extra)")
+        launcher = codegen.generate(
+            codegen.LAUNCHER, "launch", env, f"<deviceop launcher {self.name}>",
+            params="".join(f"{a}=MISSING, " for a in names), arity_check=arity, convert=convert,
+            args_tail="".join(f", {a}" for a in names),
+            driver_call=codegen.lines(codegen.EX_CALL if attribute else codegen.PLAIN_CALL))
         launcher.__name__ = f"launch_{attribute}" if attribute else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher

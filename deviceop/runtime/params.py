@@ -1,8 +1,8 @@
 """A kernel's parameters as the driver sees them: pointer and scalar specs, the
 byte layout of the parameter buffer, the launch shape (``LaunchConfig``), and
-``ParamLayout``, which packs arguments into that buffer.  Shared by CUDA
-Functions (runtime/launch.py), the reference device's functions and graph
-kernel nodes: the one place parameters are packed."""
+``ParamLayout``, which packs arguments into that buffer: the one place
+parameters are packed, whether by an eager launch (its generated launcher uses
+the layout's struct), a prepared launch, a captured node or a node update."""
 from __future__ import annotations
 
 import ctypes
@@ -157,6 +157,9 @@ class ParamLayout:
         fmt = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature)
         self.offsets = tuple(param_offsets(self.signature))  # byte offset of each parameter in the buffer
         self._struct = struct.Struct(fmt)
+        # each scalar's own packer, pack_into(buffer, offset, value): what a node update packs
+        self.scalar_packers = tuple(None if isinstance(s, ptr) else struct.Struct("@" + s.pack).pack_into
+                                    for s in self.signature)
 
     def param_buffer(self):
         """A fresh parameter buffer for this signature: ``(buffer, void** address)``
@@ -173,6 +176,11 @@ class ParamLayout:
         values = [self._slow_pointer(a, i) if isinstance(s, ptr) else self._slow_scalar(a, i)
                   for i, (a, s) in enumerate(zip(args, self.signature))]
         return self._struct.pack(*values)
+
+    def pack_scalar(self, buffer, index: int, value) -> None:
+        """Pack scalar argument ``index`` (already coerced to its type) into ``buffer``;
+        raises struct.error or OverflowError for a value the C type cannot hold."""
+        self.scalar_packers[index](buffer, self.offsets[index], value)
 
     def _slow_pointer(self, value, index: int) -> int:
         return pointer_of(value, self.signature[index], index, self.name)
