@@ -18,6 +18,7 @@ alignment, scalars that must agree with a shape.
 * ``rms_matvec<BN, BK, K>(out [N] tile [BN], x [1, K], g [K], w [N, K], eps)``: RMSNorm folded into a matvec
 * ``matvec_add<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K], residual [N])``: matvec + residual
   (both also ``_bf16``: bfloat16 weights, fp32 everything else; both PDL-ready: ``.pdl()``)
+* ``add_f16(out [N] tile [2048], a [N], b [N])``: fp16 out = a + b (kernels/gn_act.cu)
 * ``load_row<B>(out [D] tile [B], table [R, D], index int32 [1], rows)``: out = table[index]
 * ``store_row<B>(table [R, D] tile [R, B], x [D], index int32 [1], rows)``: table[index] = x
   (the row number is read on the device: a device loop's index, see ``dop.loop``; PDL-ready)
@@ -26,28 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-import deviceop as dop
 from deviceop.kernel import In, Kernel, Out, Scalar
 
+from ._checks import _aligned, _counts, _need
+
 HERE = Path(__file__).resolve().parent
-
-
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise dop.ShapeError(message)
-
-
-def _counts(kernel: str, g: dict, *names) -> None:
-    """Generics that are counts (tiles, steps): ints >= 1, checked before any arithmetic uses them."""
-    for n in names:
-        v = g[n]
-        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-              f"{kernel}: generic {n}={v!r} must be an int >= 1")
-
-
-def _aligned(*tensors) -> None:
-    for t in tensors:
-        _need(t.data_ptr % 16 == 0, "these kernels use 16-byte loads: tensors must start 16-byte aligned")
 
 
 # -- rms_norm ------------------------------------------------------------------
@@ -237,5 +221,19 @@ store_row = Kernel(
      In("index", "int32", rank=1), Scalar("rows", "int32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_store_row_ref, validate=_rows_check("store_row", False))
 
-__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine",
+
+# -- add_f16 (kernels/gn_act.cu) ------------------------------------------------------
+
+def _add_f16_ref(g, out, a, b):
+    out[...] = a.astype(np.float64) + b.astype(np.float64)
+
+
+# out = a + b in fp16 (the U-Net block's residual): 256 threads of 8 halves, 2048 elements a block
+add_f16 = Kernel(
+    "add_f16", HERE / "gn_act.cu",
+    [Out("out", "float16", shape=("N",), tile=(2048,)), In("a", "float16", shape=("N",)),
+     In("b", "float16", shape=("N",))],
+    block=256, reference=_add_f16_ref, validate=lambda g, out, a, b: _aligned(out.tensor, a, b, who="add_f16 uses"))
+
+__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine", "add_f16",
            "rms_matvec", "rms_matvec_bf16", "matvec_add", "matvec_add_bf16", "load_row", "store_row"]
