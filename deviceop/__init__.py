@@ -1,9 +1,12 @@
 """deviceop: compose GPU work lazily, replay it as CUDA graphs.
 
-This package's layers, bottom up: ``runtime`` (devices, streams, events,
-modules, the launch primitive), ``tensor`` (typed device memory, partitions),
-``compile`` (NVRTC → CUBIN with a cache).  ``kernels/`` and ``examples/`` use
-only what this module exports.
+This package's layers, bottom up, each importing only those below it
+(docs/architecture.md): ``runtime`` (devices, streams, events, modules, the
+launch primitive, the driver's graph work, and the reference device behind
+the same interface), ``tensor`` and ``compile``, the op algebra (``op``,
+``api``), ``kernel`` (declarations and the launch plan), ``graph`` (CudaGraph,
+Scope, nodes, loops, GraphCache, GraphModel).  ``kernels/`` and ``examples/``
+use only what this module exports.
 """
 from . import dtypes
 from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
@@ -16,12 +19,10 @@ from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchCon
                       ReferenceStream, Stream, load_module, ptr)
 from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
-from .kernel import In, Kernel, KernelLaunch, Out, Scalar
-from .nodes import KernelNode
 from . import api
-from .graph import CudaGraph, GraphLaunch, GraphModel, Module, Scope
-from .graph_cache import CacheStats, GraphCache, Workspace, default_sizes
-from .loops import loop, while_
+from .kernel import In, Kernel, KernelLaunch, Out, Scalar
+from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, Module, Scope, Workspace,
+                    default_sizes, loop, while_)
 
 __version__ = "0.1.0"
 

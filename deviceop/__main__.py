@@ -26,12 +26,7 @@ def info_lines() -> list[str]:
 
     lines = [f"deviceop        {dop.__version__}", f"python          {platform.python_version()} ({sys.executable})"]
     device = dop.Device(0)
-    if device.is_reference:
-        lines.append(f"device          reference device (NumPy) — {device.reason}")
-    else:
-        free, total = device.memory_info()
-        lines.append(f"device          {device.ordinal}: {device.name}, {device.arch}, {device.sm_count} SMs, "
-                     f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free)")
+    lines.append(f"device          {device.describe()}")
     lines.append(f"cuda driver     {driver.driver_version() or 'none'}")
     try:
         archs = comp.supported_archs()

@@ -13,12 +13,10 @@ so a seed gives the same numbers on the GPU and on the reference device.
 from __future__ import annotations
 
 import numpy as np
-from cuda.bindings import driver as cu
 
 from .dtypes import dtype as as_dtype
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
 from .op import DeviceOp, resolve, stats
-from .runtime.driver import check
 from .tensor import SharedTensor, Tensor, _shape_tuple
 
 
@@ -47,21 +45,13 @@ class AllocOp(DeviceOp):
 
 def _fill(value):
     def make(t, ctx):
-        if ctx.device.is_reference:
-            t._array.fill(value)
-        else:
-            with ctx.stream.cupy:
-                t._array.fill(value)
+        ctx.stream.fill(t._array, value)
     return make
 
 
 def _upload(host_fn):
     def make(t, ctx):
-        host = np.ascontiguousarray(host_fn(t), dtype=t.dtype.np)
-        if ctx.device.is_reference:
-            t._array[...] = host
-        else:
-            t._array.set(host, stream=ctx.stream.cupy)
+        ctx.stream.upload(t._array, np.ascontiguousarray(host_fn(t), dtype=t.dtype.np))
     return make
 
 
@@ -197,18 +187,7 @@ def _check_copy(dst: Tensor, src: Tensor) -> None:
 def _copy(dst: Tensor, src: Tensor, ctx) -> None:
     if dst.data_ptr == src.data_ptr or dst.size == 0:
         return
-    if ctx.device.is_reference:
-        d, s = dst._array, src._array.reshape(dst.shape)
-
-        def step():
-            d[...] = s
-        if ctx.capture is None:
-            step()
-        else:  # recorded, run at each replay
-            step.node = ("memcpy", "memcpy")
-            ctx.capture.tape.append(step)
-    else:
-        check(cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, dst.nbytes, ctx.stream.handle), "cuMemcpyAsync")
-        if ctx.capture is not None:
-            ctx.capture.keep.append((dst, src))
+    ctx.stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)  # a capturing stream records it
+    if ctx.capture is not None:
+        ctx.capture.keep.append((dst, src))  # the graph copies between these buffers at every replay
     stats["copies"] += 1

@@ -1,13 +1,10 @@
-"""Tensors: typed, strided views of device memory, and partitions of them.
+"""Tensors: typed, strided views of device memory, and shared handles to them.
 
-Memory.  A Tensor on a GPU is backed by a CuPy array allocated from CuPy's
-memory pool; on the reference device, by a NumPy array.  Why CuPy rather than
-raw ``cuda.core`` buffers: the pool makes allocation nearly free after
-warm-up and orders reuse by stream; CuPy already implements DLPack and
-``__cuda_array_interface__`` in both directions (bfloat16 included, through
-ml_dtypes), fills, random numbers and strided copies — all things we would
-otherwise write by hand.  deviceop adds what CuPy lacks: dtypes tied to CUDA
-C++ types, partitions, ownership and launch-ready pointers.
+Memory is the device's (``device.alloc``): CuPy arrays from CuPy's pool on a
+GPU — allocation nearly free after warm-up, reuse ordered by stream, DLPack,
+``__cuda_array_interface__`` and strided copies without writing them — NumPy
+arrays on the reference device.  deviceop adds dtypes tied to CUDA C++ types,
+partitions, ownership and launch-ready pointers.
 
 Tensors never copy behind your back: ``view``/``reshape`` refuse a layout
 they cannot express without a copy, ``numpy()``/``from_numpy`` are the
@@ -15,128 +12,17 @@ explicit transfers.
 """
 from __future__ import annotations
 
-import gc
-import itertools
 import math
-import operator
-import threading
-import weakref
 
 import numpy as np
 
-from .dtypes import DType, dtype as as_dtype, host_array_from_dlpack
-from .errors import DTypeError, OutOfMemoryError, OwnershipError, ShapeError, StateError
-
-
-def _shape_tuple(shape) -> tuple[int, ...]:
-    try:
-        return tuple(map(operator.index, shape))  # C loops: a shape is made per launch built
-    except TypeError:
-        if isinstance(shape, (int, np.integer)):
-            return (int(shape),)
-        raise ShapeError(f"a shape is a sequence of ints, got {shape!r}") from None
-
-
-def _resolve_shape(shape, size: int, what: str) -> tuple[int, ...]:
-    """``shape`` with at most one ``-1`` filled in so that it holds ``size`` elements."""
-    dims = _shape_tuple(shape)
-    if sum(d == -1 for d in dims) > 1 or any(d < -1 for d in dims):
-        raise ShapeError(f"{what}: shape {dims} may hold one -1 and otherwise non-negative sizes")
-    if -1 in dims:
-        known = math.prod(d for d in dims if d != -1)
-        if known == 0 or size % known:
-            raise ShapeError(f"{what}: cannot infer the -1 in {dims} for {size} elements")
-        dims = tuple(size // known if d == -1 else d for d in dims)
-    if math.prod(dims) != size:
-        raise ShapeError(f"{what}: shape {dims} holds {math.prod(dims)} elements but the tensor has {size}")
-    return dims
-
-
-# Launch checks are cached by the layouts of the tensors involved (see
-# KernelLaunch._run).  Hashing every tensor's (pointer, shape, strides, dtype)
-# tuple at every launch was most of that lookup's cost; so each distinct
-# layout gets a small int, once, when a tensor or view is made, and the cache
-# keys on those.  Equal ids mean equal layouts (ids come from a counter and are
-# never reused); a layout made again after the table was cleared gets a new
-# id, which costs that launch one more check, never a wrong verdict.
-_sig_ids: dict = {}
-_next_sig_id = itertools.count(1).__next__
-
-
-def _sig_id(sig: tuple) -> int:
-    i = _sig_ids.get(sig)
-    if i is None:
-        if len(_sig_ids) >= 1 << 14:  # bounded: dead tensors' layouts are forgotten
-            _sig_ids.clear()
-        i = _sig_ids.setdefault(sig, _next_sig_id())  # setdefault: two threads agree on one id
-    return i
-
-
-class _Allocation:
-    """One allocation, shared by every view of it: its extent (for overlap
-    checks) and who can reach it (ownership, see SharedTensor): the number of
-    live SharedTensor handles, the live *borrows* (views made through a handle,
-    imports of its memory through DLPack), and whether another framework owns
-    the memory (``external``: imported, its other references are invisible)."""
-
-    __slots__ = ("lo", "hi", "handles", "lock", "borrows", "external", "__weakref__")
-
-    def __init__(self, lo: int, hi: int, external: bool = False):
-        self.lo, self.hi, self.handles = lo, hi, 0
-        self.lock = threading.Lock()
-        self.borrows = []  # what each live borrow is (one entry per _Borrow alive)
-        self.external = external
-
-
-class _Borrow:
-    """A borrow of an allocation: carried by the view (or import) that made it
-    and by every view made from that one, so it lives as long as any of them.
-    Counted in ``alloc.borrows`` from its making to its collection (list append
-    and remove are single operations under the GIL: no lock on this path)."""
-
-    __slots__ = ("alloc", "what")
-
-    def __init__(self, alloc: _Allocation, what: str):
-        self.alloc, self.what = alloc, what
-        alloc.borrows.append(what)
-
-    def __del__(self):
-        try:
-            self.alloc.borrows.remove(self.what)
-        except ValueError:  # pragma: no cover - every borrow added its entry
-            pass
-
-
-# The allocations deviceop made, while they live: an import (from_dlpack) of
-# memory inside one of them is a borrow of it.
-_owned: "weakref.WeakSet[_Allocation]" = weakref.WeakSet()
-_owned_lock = threading.Lock()
-
-
-def _owner_of(lo: int, hi: int) -> "_Allocation | None":
-    """The live deviceop allocation that holds ``[lo, hi)``, if any (imports are rare: a scan)."""
-    if lo >= hi:  # an empty import touches no byte of anyone's
-        return None
-    with _owned_lock:
-        for a in list(_owned):
-            if a.lo <= lo and hi <= a.hi and a.lo < a.hi:
-                return a
-    return None
-
-
-class _HostMemory:
-    """Exposes a raw host view to NumPy while keeping its base array alive."""
-
-    def __init__(self, base, interface):
-        self.base, self.__array_interface__ = base, interface
-
-
-def _host_view(base, ptr: int, shape, byte_strides, dtype) -> np.ndarray:
-    """A NumPy array of exactly ``shape``/``byte_strides`` at ``ptr`` inside ``base``."""
-    raw = np.dtype(f"V{dtype.itemsize}")  # any dtype (bfloat16 too) through raw bytes
-    iface = {"version": 3, "shape": tuple(shape), "typestr": raw.str, "data": (ptr, False),
-             "strides": tuple(byte_strides)}
-    return np.asarray(_HostMemory(base, iface)).view(dtype)
+from .dtypes import DType, dtype as as_dtype
+from .errors import DTypeError, ShapeError, StateError
+from .memory import (Partition, _Allocation, _Borrow, _owned, _owned_lock, _owner_of, _resolve_shape, _shape_tuple,
+                     _sig_id, _sig_ids, claim)  # noqa: F401 (_sig_ids: tests read the layout-id table here)
+from .runtime import launch as _launch
+from .runtime.device import Device
+from .runtime.stream import sync_in_capture
 
 
 class Tensor:
@@ -166,15 +52,10 @@ class Tensor:
         t._shape = tuple(array.shape)
         t._strides = tuple(st // item for st in array.strides)
         t._contig = bool(array.flags.c_contiguous)
-        if device.is_reference:
-            t._ptr = int(array.__array_interface__["data"][0])
-        else:
-            t._ptr = int(array.data.ptr)
-        # the allocation's extent: views of one allocation share this tuple, so
-        # "can these two alias?" is usually one identity test
-        mem = getattr(getattr(array, "data", None), "mem", None) if not device.is_reference else None
-        t._alloc = _Allocation(*((int(mem.ptr), int(mem.ptr) + int(mem.size)) if mem is not None and mem.size
-                                 else t._range()), external)
+        t._ptr = device.address(array)
+        # the allocation's extent: views of one allocation share it, so "can these
+        # two alias?" is usually one identity test
+        t._alloc = _Allocation(*(device.extent(array) or t._range()), external)
         t._borrow = None
         if external:
             owner = _owner_of(*t._range())
@@ -215,12 +96,7 @@ class Tensor:
         if arr is None:
             base, item = self._base, self.dtype.itemsize
             byte_strides = tuple(s * item for s in self._strides)
-            if self.device.is_reference:
-                arr = _host_view(base, self._ptr, self._shape, byte_strides, self.dtype.np)
-            else:
-                import cupy
-                arr = cupy.ndarray(self._shape, self.dtype.np, base.data + (self._ptr - base.data.ptr), byte_strides)
-            self._arr = arr
+            arr = self._arr = self.device.view_array(base, self._ptr, self._shape, byte_strides, self.dtype.np)
         return arr
 
     # -- creation ------------------------------------------------------------
@@ -228,45 +104,21 @@ class Tensor:
     def empty(cls, shape, dtype="float32", *, device=None, stream=None) -> "Tensor":
         """An uninitialised tensor.  Allocation is ordered on ``stream``
         (default: the device's default stream)."""
-        from .runtime.device import Device
         device = device if device is not None else Device(0)
         dt = as_dtype(dtype)
         dims = _shape_tuple(shape)
         if any(d < 0 for d in dims):
             raise ShapeError(f"negative size in shape {dims}")
-        if device.is_reference:
-            try:
-                return cls._wrap(np.empty(dims, dtype=dt.np), device, dt)
-            except (MemoryError, ValueError) as exc:
-                raise OutOfMemoryError(f"allocating a {dt.name} tensor of shape {dims} on the reference device",
-                                       2, "CUDA_ERROR_OUT_OF_MEMORY", str(exc), "allocate less") from None
-        stream = stream if stream is not None else device.default_stream()
-        import cupy
-        nbytes = math.prod(dims) * dt.itemsize
-        try:
-            with cupy.cuda.Device(device.ordinal), stream.cupy:
-                array = cupy.empty(dims, dtype=dt.np)
-        except cupy.cuda.memory.OutOfMemoryError as exc:
-            free, total = device.memory_info()
-            raise OutOfMemoryError(f"allocating {nbytes} bytes for a {dt.name} tensor of shape {dims}", 2,
-                                   "CUDA_ERROR_OUT_OF_MEMORY",
-                                   f"{free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB free ({exc})",
-                                   "Free tensors or graphs you no longer need, or allocate less") from None
-        return cls._wrap(array, device, dt, stream)
+        return cls._wrap(device.alloc(dims, dt, stream), device, dt, stream)
 
     @classmethod
     def from_numpy(cls, array, *, device=None, stream=None, dtype=None) -> "Tensor":
         """A new tensor holding a copy of the host ``array``."""
-        from .runtime.device import Device
         device = device if device is not None else Device(0)
         host = np.asarray(array)
         dt = as_dtype(dtype if dtype is not None else host.dtype)
         host = np.ascontiguousarray(host, dtype=dt.np)
-        if device.is_reference:
-            return cls._wrap(host.copy(), device, dt)
-        t = cls.empty(host.shape, dt, device=device, stream=stream)
-        t._array.set(host, stream=(stream or device.default_stream()).cupy)
-        return t
+        return cls._wrap(device.from_host(host, dt, stream), device, dt, stream)
 
     @classmethod
     def from_dlpack(cls, obj, *, device=None) -> "Tensor":
@@ -275,32 +127,16 @@ class Tensor:
         The memory stays the other framework's: ``try_partition`` on a handle to
         it is refused (deviceop cannot see who else holds it); ``api.dup`` makes
         a copy deviceop owns."""
-        from .runtime.device import Device
         device = device if device is not None else Device(0)
         if isinstance(obj, Tensor):
             return obj
-        if device.is_reference:
-            return cls._wrap(host_array_from_dlpack(obj), device, external=True)  # (NumPy alone refuses bfloat16)
-        import cupy
-        kind = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
-        if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
-            raise StateError(f"{type(obj).__name__} lives in host memory (DLPack device type {int(kind)}); "
-                             "zero-copy import needs device memory: copy it with dop.from_numpy(...)")
-        with cupy.cuda.Device(device.ordinal):
-            array = cupy.from_dlpack(obj)
-        return cls._wrap(array, device, external=True)
+        return cls._wrap(device.import_dlpack(obj), device, external=True)
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
-        from .runtime.device import Device
         device = device if device is not None else Device(0)
-        if device.is_reference:
-            raise StateError("__cuda_array_interface__ describes GPU memory; the reference device has none")
-        import cupy
-        with cupy.cuda.Device(device.ordinal):
-            array = cupy.asarray(obj)  # CuPy wraps CAI memory without copying
-        return cls._wrap(array, device, external=True)
+        return cls._wrap(device.import_cuda_array(obj), device, external=True)
 
     # -- metadata ------------------------------------------------------------
     @property
@@ -403,7 +239,7 @@ class Tensor:
                 raise ShapeError(f"only basic indexing (ints, slices, ...) makes views; got {type(k).__name__}")
         arr = self._array[key]
         item = self.dtype.itemsize
-        ptr = int(arr.__array_interface__["data"][0]) if self.device.is_reference else int(arr.data.ptr)
+        ptr = self.device.address(arr)
         t = self._view(ptr, tuple(arr.shape), tuple(st // item for st in arr.strides), bool(arr.flags.c_contiguous))
         t._arr = arr
         return t
@@ -413,12 +249,8 @@ class Tensor:
         memory (on the GPU, ordered on ``stream``, default: the tensor's home stream)."""
         if self._contig:
             return self
-        if self.device.is_reference:
-            return Tensor._wrap(np.ascontiguousarray(self._array), self.device, self.dtype)
-        import cupy
         stream = stream or self._home_stream or self.device.default_stream()
-        with cupy.cuda.Device(self.device.ordinal), stream.cupy:
-            return Tensor._wrap(cupy.ascontiguousarray(self._array), self.device, self.dtype, stream)
+        return Tensor._wrap(self.device.contiguous(self._array, stream), self.device, self.dtype, stream)
 
     def partition(self, tile_shape) -> "Partition":
         """Borrow this tensor mutably as the output of one launch, cut into tiles."""
@@ -433,24 +265,15 @@ class Tensor:
         """A host copy.  With ``stream`` the copy is ordered after that stream's
         work; without, the whole device is synchronized first."""
         if stream is not None and stream.is_capturing():  # a copy to the host is a host sync: not in a capture
-            from .runtime.stream import sync_in_capture
             raise sync_in_capture("tensor.numpy(stream=...)", "cuStreamSynchronize")
-        if self.device.is_reference:
-            if stream is None:
-                self.device.synchronize()  # refused while a capture is open, as on a GPU
-            return self._array.copy()
         if stream is None:
-            self.device.synchronize()
+            self.device.synchronize()  # refused while a capture is open
             stream = self._home_stream or self.device.default_stream()
-        out = self._array.get(stream=stream.cupy)
-        stream.synchronize()
-        return out
+        return self.device.to_host(self._array, stream)
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        if self.device.is_reference:
-            raise AttributeError("a reference-device tensor lives in host memory; use .numpy()")
-        return self._array.__cuda_array_interface__
+        return self.device.cuda_array_interface(self._array)
 
     def __dlpack__(self, *args, **kwargs):
         return self._array.__dlpack__(*args, **kwargs)
@@ -460,50 +283,10 @@ class Tensor:
 
     def to_cupy(self):
         """The CuPy array over the same memory (GPU only)."""
-        if self.device.is_reference:
-            raise StateError("the reference device has no CuPy arrays; use .numpy()")
-        return self._array
+        return self.device.cupy_array(self._array)
 
     def __repr__(self) -> str:
-        where = "reference" if self.device.is_reference else f"cuda:{self.device.ordinal}"
-        return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={where})"
-
-
-class Partition:
-    """A tensor cut into equal tiles; the launch grid is the number of tiles per axis.
-
-    A tile shape that does not divide the tensor is an error: a kernel that
-    writes whole tiles would otherwise skip the ragged edge silently.
-    """
-
-    __slots__ = ("tensor", "tile_shape", "grid", "_sig_id")
-
-    def __init__(self, tensor: Tensor, tile_shape):
-        tile, shape = _shape_tuple(tile_shape), tensor._shape
-        if len(tile) != len(shape):
-            raise ShapeError(f"tile shape {tile} has rank {len(tile)} but the tensor {shape} "
-                             f"has rank {len(shape)}; give one tile size per axis")
-        if tile and min(tile) <= 0:
-            raise ShapeError(f"tile sizes must be positive, got {tile}")
-        grid = tuple(map(operator.floordiv, shape, tile))  # C loops: a partition is built per launch
-        if tuple(map(operator.mul, grid, tile)) != shape:
-            i = next(i for i, (n, t) in enumerate(zip(shape, tile)) if n % t)
-            raise ShapeError(f"tile {tile} does not divide tensor shape {shape}: axis {i} has "
-                             f"{shape[i]} elements, not a multiple of {tile[i]}; pick a tile size that divides it")
-        self.tensor = tensor
-        self.tile_shape = tile
-        self.grid = grid
-        self._sig_id = _sig_id(("tiles", tensor._sig_id, tile))  # the tensor's layout and the tiles, as one id
-
-    @property
-    def num_tiles(self) -> int:
-        return math.prod(self.grid)
-
-    def unpartition(self) -> Tensor:
-        return self.tensor
-
-    def __repr__(self) -> str:
-        return f"Partition({self.tensor!r}, tile={self.tile_shape}, grid={self.grid})"
+        return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
 
 
 # -- module-level constructors (eager; the lazy ops live in deviceop.api) --------
@@ -601,46 +384,17 @@ class SharedTensor:
         except Exception:
             pass
 
-    def _why_not_exclusive(self, tensor: Tensor) -> str | None:
-        """What else can reach the buffer (None: nothing deviceop can see).  Call with the allocation's lock."""
-        alloc = tensor._alloc
-        if alloc.external:
-            return ("is memory imported from another framework (from_dlpack / as_tensor), which may still hold and "
-                    "use it: deviceop cannot count its references. Copy it into a buffer deviceop owns "
-                    "(api.dup(x), then .into_shared()) and claim that, or, if nothing else uses it, borrow it "
-                    "explicitly with handle.tensor.partition(tile)")
-        others = alloc.handles - 1
-        borrows = list(alloc.borrows)
-        own = tensor._borrow  # a handle made from a borrowed view: that borrow is the claimer's own
-        if own is not None and own.alloc is alloc and own.what in borrows:
-            borrows.remove(own.what)
-        if not others and not borrows:
-            return None
-        reach = []
-        if others:
-            reach.append(f"{others} other live SharedTensor handle(s)")
-        if borrows:
-            reach.append(f"{len(borrows)} live borrow(s): {'; '.join(sorted(set(borrows)))}")
-        return (f"is still reachable from {' and '.join(reach)}; release() the other handles and drop the "
-                "borrowing views or imports (del them) first, or write into a buffer you own")
-
     def _exclusive(self, what: str, consume: bool) -> Tensor:
         """The tensor, if this is the only way deviceop can see to reach the buffer
-        (the handle ended with the same lock held when ``consume``); else OwnershipError."""
+        (the handle ended with the lock held when ``consume``); else OwnershipError."""
         tensor = self.tensor
         alloc = tensor._alloc
-        for attempt in (0, 1):
-            with alloc.lock:
-                why = self._why_not_exclusive(tensor)
-                if why is None:
-                    if consume:
-                        alloc.handles -= 1
-                        self._live = False
-                    return tensor
-            if attempt or not alloc.borrows:
-                break
-            gc.collect()  # a view in an unreachable reference cycle is no borrow: the verdict must not hinge on it
-        raise OwnershipError(f"{what}: the {tensor.dtype.name} buffer {tensor.shape} {why}")
+
+        def end():
+            alloc.handles -= 1
+            self._live = False
+        claim(alloc, tensor._borrow, what, f"{tensor.dtype.name} buffer {tensor.shape}", end if consume else None)
+        return tensor
 
     def try_partition(self, tile_shape) -> Partition:
         """Claim the buffer for writing: succeeds only if nothing else deviceop can
@@ -692,3 +446,5 @@ class SharedTensor:
         state = f"{self.live_handles} live handle(s)" if self._live else "released"
         return f"SharedTensor({self._tensor!r}, {state})"
 
+
+_launch.tensor_type = Tensor  # the launchers' fast path reads a Tensor's pointer without a call

@@ -1,7 +1,7 @@
 """Tools for testing code that uses deviceop: count graph handles, inject driver faults.
 
-:class:`DriverSpy` stands in for ``cuda.bindings.driver`` inside deviceop's graph
-and stream modules (every other call passes through untouched).  It counts
+:class:`DriverSpy` stands in for ``cuda.bindings.driver`` inside deviceop's driver
+graph and stream modules (every other call passes through untouched).  It counts
 the CUDA graphs and executable graphs they create and destroy — a leak is a
 count that does not return to zero — and can make one named driver call fail
 with a chosen CUDA error, the way a real driver fails (an out-of-memory
@@ -26,9 +26,11 @@ from collections import Counter
 
 from cuda.bindings import driver as _cu
 
+from .runtime import device as _device, graphs as _graphs, stream as _stream
+
 
 class DriverSpy:
-    """``cuda.bindings.driver`` as deviceop.graph, deviceop.loops and deviceop.runtime.stream see it,
+    """``cuda.bindings.driver`` as deviceop.runtime.graphs and deviceop.runtime.stream see it,
     counting graph handles and failing the calls it is told to fail."""
 
     def __init__(self):
@@ -120,9 +122,7 @@ class DriverSpy:
 
     # -- installing ----------------------------------------------------------------
     def install(self) -> "DriverSpy":
-        from . import graph, loops
-        from .runtime import stream
-        self._saved = [(m, m.cu) for m in (graph, loops, stream)]
+        self._saved = [(m, m.cu) for m in (_graphs, _stream)]
         for m, _ in self._saved:
             m.cu = self
         return self
@@ -150,13 +150,10 @@ def host_rss_bytes() -> int:
 
 def device_used_bytes(device) -> int:
     """Device memory in use (total - free, all processes); 0 on the reference device."""
-    if device.is_reference:
-        return 0
-    free, total = device.memory_info()
+    free, total = device.memory_info()  # (0, 0) on the reference device
     return total - free
 
 
 def loaded_modules() -> int:
     """CUBIN modules deviceop has loaded in this process."""
-    from .runtime import module
-    return len(module._loaded)
+    return len(_device._loaded)

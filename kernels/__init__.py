@@ -3,7 +3,12 @@
 Built on deviceop's public API only.  Each kernel's NumPy reference is what
 the reference device runs and what the tests hold the GPU to.  Every tensor
 parameter is dense (the declaration's default layout): deviceop refuses a
-strided view before any of these kernels sees it.
+strided view before any of these kernels sees it.  Shapes are declared in
+terms of the generics (deviceop/kernel/signature.py), which deviceop checks
+and, where they name every generic (``add``, ``affine``, ``load_row``,
+``store_row``), infers: such a launch needs no ``.generics()``.  The
+``_check`` functions say only what shapes cannot: divisibility, ranges,
+alignment, scalars that must agree with a shape.
 
 * ``rms_norm<D, BS>(out [R, D] tile [1, D], x [R, D], w [D], eps)``
 * ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``: one warp per output row
@@ -13,6 +18,7 @@ strided view before any of these kernels sees it.
 * ``rms_matvec<BN, BK, K>(out [N] tile [BN], x [1, K], g [K], w [N, K], eps)``: RMSNorm folded into a matvec
 * ``matvec_add<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K], residual [N])``: matvec + residual
   (both also ``_bf16``: bfloat16 weights, fp32 everything else; both PDL-ready: ``.pdl()``)
+* ``add_f16(out [N] tile [2048], a [N], b [N])``: fp16 out = a + b (kernels/gn_act.cu)
 * ``load_row<B>(out [D] tile [B], table [R, D], index int32 [1], rows)``: out = table[index]
 * ``store_row<B>(table [R, D] tile [R, B], x [D], index int32 [1], rows)``: table[index] = x
   (the row number is read on the device: a device loop's index, see ``dop.loop``; PDL-ready)
@@ -21,28 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-import deviceop as dop
 from deviceop.kernel import In, Kernel, Out, Scalar
 
+from ._checks import _aligned, _counts, _need
+
 HERE = Path(__file__).resolve().parent
-
-
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise dop.ShapeError(message)
-
-
-def _counts(kernel: str, g: dict, *names) -> None:
-    """Generics that are counts (tiles, steps): ints >= 1, checked before any arithmetic uses them."""
-    for n in names:
-        v = g[n]
-        _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-              f"{kernel}: generic {n}={v!r} must be an int >= 1")
-
-
-def _aligned(*tensors) -> None:
-    for t in tensors:
-        _need(t.data_ptr % 16 == 0, "these kernels use 16-byte loads: tensors must start 16-byte aligned")
 
 
 # -- rms_norm ------------------------------------------------------------------
@@ -54,19 +43,15 @@ def _rms_norm_ref(g, out, x, w, eps):
 
 def _rms_norm_check(g, out, x, w, eps):
     D, BS = g["D"], g["BS"]
-    t = out.tensor
-    _need(t.shape[1] == D and x.shape[1] == D and w.shape == (D,),
-          f"rms_norm<D={D}>: out {t.shape}, x {x.shape} and w {w.shape} must all have D={D} columns")
-    _need(out.tile_shape == (1, D), f"rms_norm<D={D}> writes one row per block: partition out with [1, {D}]")
-    _need(x.shape[0] == t.shape[0], f"rms_norm: x has {x.shape[0]} rows but out has {t.shape[0]}")
     _need(BS % 32 == 0 and 32 <= BS <= 1024, f"rms_norm: BS={BS} must be a multiple of 32 in [32, 1024]")
     _need(D % (4 * BS) == 0, f"rms_norm: D={D} must be a multiple of 4*BS={4 * BS}")
-    _aligned(t, x, w)
+    _aligned(out.tensor, x, w)
 
 
-rms_norm = Kernel(
+rms_norm = Kernel(  # one row per block
     "rms_norm", HERE / "rms_norm.cu",
-    [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "float32", rank=1), Scalar("eps", "float32")],
+    [Out("out", "float32", shape=("R", "D"), tile=(1, "D")), In("x", "float32", shape=("R", "D")),
+     In("w", "float32", shape=("D",)), Scalar("eps", "float32")],
     generics=["D", "BS"], block=lambda g: g["BS"], reference=_rms_norm_ref, validate=_rms_norm_check)
 
 
@@ -79,18 +64,15 @@ def _matvec_ref(g, out, x, w):
 def _matvec_check(g, out, x, w):
     _counts("matvec", g, "BN", "BK", "K")
     BN, BK, K = g["BN"], g["BK"], g["K"]
-    t = out.tensor
-    _need(out.tile_shape == (BN,), f"matvec<BN={BN}>: partition out with [{BN}], not {list(out.tile_shape)}")
-    _need(x.shape[-1] == K and w.shape[1] == K, f"matvec<K={K}>: x {x.shape} and w {w.shape} need K={K} columns")
-    _need(w.shape[0] == t.shape[0], f"matvec: w has {w.shape[0]} rows but out has {t.shape[0]}")
     _need(K % (128 * BK) == 0, f"matvec: K={K} must be a multiple of 128*BK={128 * BK}")
     _need(1 <= BN <= 32, f"matvec: BN={BN} must be in [1, 32] (one warp per output row)")
-    _aligned(t, x, w)
+    _aligned(out.tensor, x, w)
 
 
 matvec = Kernel(
     "matvec", HERE / "matvec.cu",
-    [Out("out", "float32", rank=1), In("x", "float32", rank=2), In("w", "float32", rank=2)],
+    [Out("out", "float32", shape=("N",), tile=("BN",)), In("x", "float32", shape=(-1, "K")),
+     In("w", "float32", shape=("N", "K"))],
     generics=["BN", "BK", "K"], block=lambda g: 32 * g["BN"], reference=_matvec_ref, validate=_matvec_check)
 
 
@@ -102,16 +84,14 @@ def _add_ref(g, out, a, b):
 
 def _add_check(g, out, a, b):
     B = g["B"]
-    t = out.tensor
-    _need(out.tile_shape == (B,), f"add<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
-    _need(a.shape == t.shape and b.shape == t.shape, f"add: a {a.shape} and b {b.shape} must match out {t.shape}")
     _need(B % 128 == 0, f"add: B={B} must be a multiple of 128")
-    _aligned(t, a, b)
+    _aligned(out.tensor, a, b)
 
 
-add = Kernel(
+add = Kernel(  # B is the output's tile: add(...) needs no .generics(), as in seed 001
     "add", HERE / "add.cu",
-    [Out("out", "float32", rank=1), In("a", "float32", rank=1), In("b", "float32", rank=1)],
+    [Out("out", "float32", shape=("N",), tile=("B",)), In("a", "float32", shape=("N",)),
+     In("b", "float32", shape=("N",))],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_add_ref, validate=_add_check)
 
 
@@ -124,20 +104,15 @@ def _matvec_batched_ref(g, out, x, w):
 def _matvec_batched_check(g, out, x, w):
     _counts("matvec_batched", g, "BN", "BK", "K", "MB")
     BN, BK, K, MB = g["BN"], g["BK"], g["K"], g["MB"]
-    t = out.tensor
-    _need(out.tile_shape == (MB, BN), f"matvec_batched<BN={BN}, MB={MB}>: partition out with [{MB}, {BN}], "
-                                      f"not {list(out.tile_shape)}")
-    _need(x.shape[1] == K and w.shape[1] == K, f"matvec_batched<K={K}>: x {x.shape} and w {w.shape} need K={K} columns")
-    _need(x.shape[0] == t.shape[0], f"matvec_batched: x has {x.shape[0]} rows but out has {t.shape[0]}")
-    _need(w.shape[0] == t.shape[1], f"matvec_batched: w has {w.shape[0]} rows but out has {t.shape[1]} columns")
     _need(K % (128 * BK) == 0, f"matvec_batched: K={K} must be a multiple of 128*BK={128 * BK}")
     _need(1 <= BN <= 32 and 1 <= MB <= 16, f"matvec_batched: BN={BN} must be in [1, 32] and MB={MB} in [1, 16]")
-    _aligned(t, x, w)
+    _aligned(out.tensor, x, w)
 
 
-matvec_batched = Kernel(
+matvec_batched = Kernel(  # rows = batch
     "matvec_batched", HERE / "matvec_batched.cu",
-    [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "float32", rank=2)],
+    [Out("out", "float32", shape=("B", "N"), tile=("MB", "BN")), In("x", "float32", shape=("B", "K")),
+     In("w", "float32", shape=("N", "K"))],
     generics=["BN", "BK", "K", "MB"], block=lambda g: 32 * g["BN"], reference=_matvec_batched_ref,
     validate=_matvec_batched_check)
 
@@ -155,16 +130,14 @@ def _affine_ref(g, out, x, alpha, beta):
 
 def _affine_check(g, out, x, alpha, beta):
     B = g["B"]
-    t = out.tensor
-    _need(out.tile_shape == (B,), f"affine<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
-    _need(x.shape == t.shape, f"affine: x {x.shape} must match out {t.shape}")
     _need(B % 128 == 0, f"affine: B={B} must be a multiple of 128")
-    _aligned(t, x)
+    _aligned(out.tensor, x)
 
 
 affine = Kernel(
     "affine", HERE / "affine.cu",
-    [Out("out", "float32", rank=1), In("x", "float32", rank=1), Scalar("alpha", "float32"), Scalar("beta", "float32")],
+    [Out("out", "float32", shape=("N",), tile=("B",)), In("x", "float32", shape=("N",)),
+     Scalar("alpha", "float32"), Scalar("beta", "float32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_affine_ref, validate=_affine_check)
 
 
@@ -183,29 +156,18 @@ def _fused_check(name, per_load):
     def check(g, out, x, *rest):
         _counts(name, g, "BN", "BK", "K")
         BN, BK, K = g["BN"], g["BK"], g["K"]
-        t = out.tensor
-        w = rest[1] if name.startswith("rms") else rest[0]
-        _need(out.tile_shape == (BN,), f"{name}<BN={BN}>: partition out with [{BN}], not {list(out.tile_shape)}")
-        _need(x.shape == (1, K) and w.shape == (t.shape[0], K),
-              f"{name}<K={K}>: x {x.shape} must be [1, {K}] and w {w.shape} [{t.shape[0]}, {K}]")
         _need(K % (32 * BK * per_load) == 0, f"{name}: K={K} must be a multiple of 32*BK*{per_load}="
                                              f"{32 * BK * per_load}")
         _need(1 <= BN <= 32, f"{name}: BN={BN} must be in [1, 32] (one warp per output row)")
         _need(4 * (K + BN) <= 48 * 1024, f"{name}: K={K} does not fit the 48 KB shared-memory copy of x")
-        others = [r for r in rest if hasattr(r, "shape")]
-        if name.startswith("rms"):
-            _need(rest[0].shape == (K,), f"{name}: g {rest[0].shape} must be [{K}]")
-        else:
-            _need(rest[1].shape == t.shape, f"{name}: residual {rest[1].shape} must match out {t.shape}")
-            _need(not rest[1].overlaps(t), f"{name}: residual and out overlap; write into a separate buffer")
-        _aligned(t, x, *others)
+        _aligned(out.tensor, x, *[r for r in rest if hasattr(r, "shape")])
     return check
 
 
 def _fused(name, entry, wdtype, per_load, norm):
-    params = [Out("out", "float32", rank=1), In("x", "float32", rank=2)]
-    params += [In("g", "float32", rank=1), In("w", wdtype, rank=2), Scalar("eps", "float32")] if norm else \
-        [In("w", wdtype, rank=2), In("residual", "float32", rank=1)]
+    params = [Out("out", "float32", shape=("N",), tile=("BN",)), In("x", "float32", shape=(1, "K"))]
+    params += [In("g", "float32", shape=("K",)), In("w", wdtype, shape=("N", "K")), Scalar("eps", "float32")] if norm \
+        else [In("w", wdtype, shape=("N", "K")), In("residual", "float32", shape=("N",))]
     return Kernel(name, HERE / "fused.cu", params, entry=entry, generics=["BN", "BK", "K"],
                   block=lambda g: 32 * g["BN"], reference=_rms_matvec_ref if norm else _matvec_add_ref,
                   validate=_fused_check(name, per_load))
@@ -239,15 +201,9 @@ def _store_row_ref(g, table, x, index, rows):
 def _rows_check(name, load):
     def check(g, out, a, index, rows):
         B = g["B"]
-        t = out.tensor
-        table, vec = (a, t) if load else (t, a)
-        d = vec.shape[0]
-        _need(table.ndim == 2 and table.shape[1] == d,
-              f"{name}: the table {table.shape} must be [rows, {d}] to match the vector {vec.shape}")
+        table, vec = (a, out.tensor) if load else (out.tensor, a)
         _need(rows == table.shape[0], f"{name}: rows={rows} but the table has {table.shape[0]} rows; pass "
                                       f"table.shape[0]")
-        tile = (B,) if load else (table.shape[0], B)
-        _need(out.tile_shape == tile, f"{name}<B={B}>: partition out with {list(tile)}, not {list(out.tile_shape)}")
         _need(B % 128 == 0 and B <= 4096, f"{name}: B={B} must be a multiple of 128, at most 4096")
         _aligned(table, vec)
     return check
@@ -255,15 +211,29 @@ def _rows_check(name, load):
 
 load_row = Kernel(
     "load_row", HERE / "rows.cu",
-    [Out("out", "float32", rank=1), In("table", "float32", rank=2), In("index", "int32", rank=1),
-     Scalar("rows", "int32")],
+    [Out("out", "float32", shape=("D",), tile=("B",)), In("table", "float32", shape=("R", "D")),
+     In("index", "int32", rank=1), Scalar("rows", "int32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_load_row_ref, validate=_rows_check("load_row", True))
 
 store_row = Kernel(
     "store_row", HERE / "rows.cu",
-    [Out("table", "float32", rank=2), In("x", "float32", rank=1), In("index", "int32", rank=1),
-     Scalar("rows", "int32")],
+    [Out("table", "float32", shape=("R", "D"), tile=("R", "B")), In("x", "float32", shape=("D",)),
+     In("index", "int32", rank=1), Scalar("rows", "int32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_store_row_ref, validate=_rows_check("store_row", False))
 
-__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine",
+
+# -- add_f16 (kernels/gn_act.cu) ------------------------------------------------------
+
+def _add_f16_ref(g, out, a, b):
+    out[...] = a.astype(np.float64) + b.astype(np.float64)
+
+
+# out = a + b in fp16 (the U-Net block's residual): 256 threads of 8 halves, 2048 elements a block
+add_f16 = Kernel(
+    "add_f16", HERE / "gn_act.cu",
+    [Out("out", "float16", shape=("N",), tile=(2048,)), In("a", "float16", shape=("N",)),
+     In("b", "float16", shape=("N",))],
+    block=256, reference=_add_f16_ref, validate=lambda g, out, a, b: _aligned(out.tensor, a, b, who="add_f16 uses"))
+
+__all__ = ["rms_norm", "matvec", "add", "matvec_batched", "batch_tile", "affine", "add_f16",
            "rms_matvec", "rms_matvec_bf16", "matvec_add", "matvec_add_bf16", "load_row", "store_row"]

@@ -522,6 +522,6 @@ def test_against_torch_fp32(stream, rng):
 
 def test_without_a_gpu_the_cost_model_assumes_ideal_cluster_packing():
     """The reference device has no GPCs to ask about: clusters of s CTAs pack SMs // s."""
-    from deviceop.runtime.device import ReferenceDevice
+    from deviceop.runtime import ReferenceDevice
     caps = conv.cluster_capacity(ReferenceDevice())
     assert caps == conv.ideal_cluster_capacity(132) and caps[4] == 33 and caps[8] == 16

@@ -84,7 +84,7 @@ def fake_gpu(monkeypatch, kernels):
         fn = DriverlessFunction(None, len(driver.functions), kernel.name, kernel.signature)
         driver.functions.append(fn)
         monkeypatch.setitem(kernel._functions, (device.ordinal, gen), fn)
-        monkeypatch.setattr(kernel, "_verified", {})
+        kernel._plans.clear()  # (the generated fast path holds this dict: cleared, never replaced)
         monkeypatch.setattr(kernel, "validate", lambda *a, _v=kernel.validate, _k=kernel.name: (checks.append(_k), _v(*a)))
     return device, FakeStream(device), driver, checks
 

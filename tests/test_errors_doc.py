@@ -13,7 +13,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import CudaGraph, api, zip_
-from kernels import add, affine, matvec
+from kernels import add, affine, matvec, rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = re.compile(r"^\| `(\w+)` \|(.+?)\|(.+?)\| `(tests/\w+\.py)::(test_\w+)` \|$", re.M)
@@ -81,10 +81,12 @@ def test_dtype_errors_name_the_argument_and_the_type(stream):
 
 def test_launch_errors_show_the_signature(stream):
     a, out = dop.empty(256, stream=stream), dop.empty(256, stream=stream)
-    with pytest.raises(dop.LaunchError, match=r"add takes 3 arguments \(out: out float32, rank 1, a: float32"):
+    with pytest.raises(dop.LaunchError, match=r"add takes 3 arguments \(out: out float32 \[N\] tile \[B\], "
+                                              r"a: float32 \[N\]"):
         add(out.partition([128]), a)
-    with pytest.raises(dop.LaunchError, match=r"needs generics <B>: call \.generics\(\[\.\.\.\]\)"):
-        add(out.partition([128]), a, a).sync_on(stream)
+    x, w = dop.empty([1, 256], stream=stream), dop.empty([256], stream=stream)  # BS is in no shape: say it
+    with pytest.raises(dop.LaunchError, match=r"needs generics <D, BS>: call \.generics\(\[\.\.\.\]\)"):
+        rms_norm(dop.empty([1, 256], stream=stream).partition([1, 256]), x, w, 1e-5).sync_on(stream)
     with pytest.raises(dop.LaunchError, match="must be a Partition .* pass tensor.partition"):
         add(out, a, a)
     with pytest.raises(dop.LaunchError, match="at most 1024"):

@@ -162,10 +162,8 @@ def test_a_failed_graph_cache_capture_adds_no_entry(stream, spy, rng):
 
 # -- a failure in each stage of the capture machinery -------------------------------------
 
-def _destroy(graph):
-    if graph is not None:
-        from deviceop import graph as graph_module
-        graph_module.cu.cuGraphDestroy(graph)  # through the DriverSpy, which counts it
+def _destroy(stream, graph):
+    stream.device.graphs.destroy(graph)  # on a GPU through the DriverSpy, which counts it
 
 
 def _stage_faults():
@@ -185,13 +183,13 @@ def _stage_faults():
 
     def end_fails(orig):
         def end(stream, cap):
-            _destroy(orig(stream, cap))
+            _destroy(stream, orig(stream, cap))
             raise dop.CaptureError("injected: the capture was invalidated")
         return staticmethod(end)
 
     def instantiate_out_of_memory(orig):
         def instantiate(stream, graph, label):
-            _destroy(graph)
+            _destroy(stream, graph)
             raise dop.OutOfMemoryError(f"cuGraphInstantiate({label})", 2, "CUDA_ERROR_OUT_OF_MEMORY", "injected")
         return staticmethod(instantiate)
 

@@ -240,7 +240,7 @@ def test_the_body_lives_in_the_conditional_node_and_its_kernels_can_be_updated(s
 def test_the_loop_control_kernels_and_the_row_kernels_compile_for_sm_90():
     """No GPU needed: CI compiles what a captured loop launches (the control
     kernels call cudaGraphSetConditional, which the driver resolves at load)."""
-    from deviceop.loops import _CONTROL_SOURCE
+    from deviceop.graph.loops import _CONTROL_SOURCE
     prog = dop.compile_cubin(_CONTROL_SOURCE, arch="sm_90", filename="deviceop_loop.cu")
     assert prog.cubin[:4] == b"\x7fELF"
     for kernel in (load_row, store_row):
@@ -253,9 +253,10 @@ def test_row_kernels_refuse_a_table_that_does_not_fit(stream):
     i = int32_cell(0, stream)
     with pytest.raises(dop.ShapeError, match="rows=3"):
         load_row(x.partition([128]), table, i, 3).generics([128]).sync_on(stream)
-    with pytest.raises(dop.ShapeError, match=r"must be \[rows, 128\]"):
+    with pytest.raises(dop.ShapeError, match=r"argument table has shape \[4, 256\], but its axis 1 is D: 128 "
+                                             r"from out's shape, 256 here; pass a table of shape \[4, 128\]"):
         load_row(out.partition([128]), table, i, 4).generics([128]).sync_on(stream)
-    with pytest.raises(dop.ShapeError, match=r"partition out with \[4, 128\]"):
+    with pytest.raises(dop.ShapeError, match=r"store_row<R=4>: partition table with \[4, 128\], not \[1, 128\]"):
         store_row(table.partition([1, 128]), x, i, 4).generics([128]).sync_on(stream)
     with pytest.raises(dop.DTypeError):
         store_row(table.partition([4, 128]), x, dop.empty([1], "float32", stream=stream), 4)

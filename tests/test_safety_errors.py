@@ -17,7 +17,7 @@ import pytest
 import deviceop as dop
 from deviceop import CudaGraph, DeviceOpVec, api, zip_
 from deviceop import compile as comp
-from deviceop.graph_cache import GraphCache
+from deviceop.graph import GraphCache
 from deviceop.kernel import In, Kernel, Out
 from kernels import add, affine, matvec
 

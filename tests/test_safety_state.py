@@ -165,9 +165,7 @@ def test_a_capture_whose_graph_cannot_be_made_resets_its_shared_ops(stream, rng,
     s = scaled(out, x)
 
     def refuse(stream, graph, label):  # as the real one does on failure: the graph is destroyed
-        if graph is not None:
-            from cuda.bindings import driver as cu
-            cu.cuGraphDestroy(graph)
+        stream.device.graphs.destroy(graph)
         raise dop.OutOfMemoryError("cuGraphInstantiate", 2, "CUDA_ERROR_OUT_OF_MEMORY", "injected", "free memory")
     monkeypatch.setattr(CudaGraph, "_instantiate", staticmethod(refuse))
     with pytest.raises(dop.OutOfMemoryError):

@@ -8,35 +8,37 @@ but nothing measured on it says anything about a GPU.
 """
 from __future__ import annotations
 
+import math
 import operator
-import os
-import sys
 import threading
-import weakref
 
 from cuda.bindings import driver as cu
 
-from ..errors import NoDeviceError
-from . import driver
+from ..errors import NoDeviceError, OutOfMemoryError, StateError
+from . import driver, graphs
 from .driver import check
+from .module import CudaModule
+from .stream import CudaEvent, CudaStream, sync_failed
 
 _instances: dict[tuple[type, int], "Device"] = {}
+_loaded: dict[tuple[int, str], CudaModule] = {}  # (ordinal, program key) -> the module loaded once
 _instances_lock = threading.Lock()
-_CTX_SYNC = "device.synchronize() (which Tensor.numpy() without stream= calls)"
+CTX_SYNC = "device.synchronize() (which Tensor.numpy() without stream= calls)"
 
 
 class Device:
-    """Base of :class:`CudaDevice` and :class:`ReferenceDevice`.
+    """Base of :class:`CudaDevice` and the reference device (runtime/reference.py).
 
     Calling ``Device(ordinal)`` picks the right one."""
 
     is_reference: bool = False
     ordinal: int
     name: str
+    _fallback: type  # the device class where the driver sees no GPU (set by runtime/reference.py)
 
     def __new__(cls, ordinal: int = 0):
         if cls is Device:
-            cls = CudaDevice if driver.driver_available() else ReferenceDevice
+            cls = CudaDevice if driver.driver_available() else Device._fallback
         try:
             ordinal = operator.index(ordinal)
         except TypeError:
@@ -86,6 +88,7 @@ class CudaDevice(Device):
     PyTorch and cuda.core, so their arrays and ours live in one context)."""
 
     is_reference = False
+    graphs = graphs  # the driver's graph work (the reference device has its own)
 
     def _setup(self, ordinal: int) -> None:
         count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
@@ -124,9 +127,28 @@ class CudaDevice(Device):
         check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self._tls.bound = True
 
+    @property
+    def label(self) -> str:
+        return f"cuda:{self.ordinal}"
+
+    def describe(self) -> str:
+        free, total = self.memory_info()
+        return (f"{self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs, "
+                f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free)")
+
+    def require_gpu(self, what: str) -> None:
+        """Nothing: this is one (the reference device raises NoDeviceError naming ``what``)."""
+
     def new_stream(self, priority: int = 0):
-        from .stream import CudaStream
         return CudaStream(self, priority=priority)
+
+    def load_function(self, program, expr: str, signature, reference, generics: dict):
+        """The kernel ``expr`` of ``program`` loaded here (its layout checked by the driver).
+        (``reference`` and ``generics`` are what the reference device runs instead.)"""
+        return load_module(program, self).get_function(expr, signature, label=expr)
+
+    def new_event(self, timing: bool = True):
+        return CudaEvent(self, timing=timing)
 
     def conditional_nodes(self) -> tuple[bool, str]:
         """``(supported, why not)``: can graphs captured here hold conditional
@@ -137,81 +159,102 @@ class CudaDevice(Device):
         self.bind()
         code = cu.cuCtxSynchronize()[0]
         if code:  # refused while any stream captures: a CaptureSyncError (a CudaError too)
-            from .stream import sync_failed
-            sync_failed(code, "cuCtxSynchronize", _CTX_SYNC, whose="a stream of this device is")
+            sync_failed(code, "cuCtxSynchronize", CTX_SYNC, whose="a stream of this device is")
 
     def memory_info(self) -> tuple[int, int]:
         """``(free, total)`` device memory in bytes."""
         self.bind()
         return check(cu.cuMemGetInfo(), "cuMemGetInfo")
 
+    # -- memory: CuPy arrays from CuPy's pool (tensor.py says why CuPy) ----------
+    def alloc(self, dims, dt, stream):
+        import cupy
+        stream = stream if stream is not None else self.default_stream()
+        try:
+            with cupy.cuda.Device(self.ordinal), stream.cupy:
+                return cupy.empty(dims, dtype=dt.np)
+        except cupy.cuda.memory.OutOfMemoryError as exc:
+            free, total = self.memory_info()
+            raise OutOfMemoryError(f"allocating {math.prod(dims) * dt.itemsize} bytes for a {dt.name} tensor of "
+                                   f"shape {dims}", 2, "CUDA_ERROR_OUT_OF_MEMORY",
+                                   f"{free / 2**20:.0f} MiB of {total / 2**20:.0f} MiB free ({exc})",
+                                   "Free tensors or graphs you no longer need, or allocate less") from None
+
+    @staticmethod
+    def address(array) -> int:
+        return int(array.data.ptr)
+
+    @staticmethod
+    def extent(array):
+        """``(lo, hi)`` of the pool allocation behind ``array``, or None when unknown."""
+        mem = getattr(getattr(array, "data", None), "mem", None)
+        return (int(mem.ptr), int(mem.ptr) + int(mem.size)) if mem is not None and mem.size else None
+
+    @staticmethod
+    def view_array(base, ptr: int, shape, byte_strides, dtype):
+        import cupy
+        return cupy.ndarray(shape, dtype, base.data + (ptr - base.data.ptr), byte_strides)
+
+    def from_host(self, host, dt, stream):
+        array = self.alloc(host.shape, dt, stream)
+        array.set(host, stream=(stream or self.default_stream()).cupy)
+        return array
+
+    def import_dlpack(self, obj):
+        import cupy
+        kind = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
+        if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            raise StateError(f"{type(obj).__name__} lives in host memory (DLPack device type {int(kind)}); "
+                             "zero-copy import needs device memory: copy it with dop.from_numpy(...)")
+        with cupy.cuda.Device(self.ordinal):
+            return cupy.from_dlpack(obj)
+
+    def import_cuda_array(self, obj):
+        import cupy
+        with cupy.cuda.Device(self.ordinal):
+            return cupy.asarray(obj)  # CuPy wraps CAI memory without copying
+
+    def contiguous(self, array, stream):
+        import cupy
+        with cupy.cuda.Device(self.ordinal), stream.cupy:
+            return cupy.ascontiguousarray(array)
+
+    @staticmethod
+    def to_host(array, stream):
+        out = array.get(stream=stream.cupy)
+        stream.synchronize()
+        return out
+
+    @staticmethod
+    def cuda_array_interface(array):
+        return array.__cuda_array_interface__
+
+    @staticmethod
+    def cupy_array(array):
+        return array
+
     def __repr__(self) -> str:
         return f"<CUDA device {self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs, {self.total_memory / 2**30:.1f} GiB>"
 
 
-_announced = False
-
-
-class ReferenceDevice(Device):
-    """The device of a machine without a GPU: kernels run their NumPy
-    references on the host, graphs record launches and replay them.  It exists
-    so that everything above the runtime is testable anywhere; it is never
-    what a benchmark measures."""
-
-    is_reference = True
-    compute_capability = None
-    sm_count = 0
-    total_memory = 0
-    l2_cache_size = 0
-    max_shared_memory_per_block = 0
-
-    def _setup(self, ordinal: int) -> None:
-        global _announced
-        self.reason = driver.probe()[1]
-        if ordinal != 0:  # a GPU machine without GPU `ordinal` refuses it too (CudaDevice._setup)
-            raise NoDeviceError(f"no CUDA device {ordinal}: this process has no GPU ({self.reason}), only the "
-                                "reference device, Device(0); use Device(0), or run on a machine with that GPU")
-        self.ordinal = ordinal
-        self.name = "deviceop reference device (NumPy)"
-        self._streams = weakref.WeakSet()  # every stream made on it (a context-wide sync checks their captures)
-        if not _announced:
-            _announced = True
-            print(f"deviceop: no CUDA GPU ({self.reason}); using the reference device, which runs "
-                  "kernels' NumPy references on the CPU. Its timings say nothing about a GPU.",
-                  file=sys.stderr)
-
-    @property
-    def arch(self) -> str:
-        """The architecture NVRTC compiles for here (``DEVICEOP_ARCH``, default
-        ``sm_90``, the H100): compiling needs no GPU."""
-        return os.environ.get("DEVICEOP_ARCH", "sm_90")
-
-    def bind(self) -> None:
-        pass
-
-    def conditional_nodes(self) -> tuple[bool, str]:
-        """Always ``(True, "")``: a captured loop replays its body's tape on the host."""
-        return True, ""
-
-    def new_stream(self, priority: int = 0):
-        from .stream import ReferenceStream
-        return ReferenceStream(self)
-
-    def synchronize(self) -> None:
-        """Refused while any of its streams captures, and breaks those captures, as ``cuCtxSynchronize`` on a GPU."""
-        capturing = [s for s in list(self._streams) if s._capturing]
-        if capturing:
-            for s in capturing:
-                s._break_capture()
-            from .stream import sync_in_capture
-            raise sync_in_capture(_CTX_SYNC, "cuCtxSynchronize", whose="a stream of this device is")
-
-    def memory_info(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def __repr__(self) -> str:
-        return f"<reference device: {self.reason}>"
+def load_module(program, device=None) -> CudaModule:
+    """Load ``program`` on ``device`` once; later calls return the same module."""
+    device = device if device is not None else Device(0)
+    key = (device.ordinal, program.key or str(id(program)))
+    mod = _loaded.get(key)
+    if mod is None:
+        with _instances_lock:
+            mod = _loaded.get(key)
+            if mod is None:
+                mod = _loaded[key] = CudaModule(device, program)
+    return mod
 
 
 def current_device() -> Device:
     return Device(0)
+
+
+def Event(device=None, *, timing: bool = True):
+    """A new event on ``device`` (default: ``Device(0)``)."""
+    device = device if device is not None else Device(0)
+    return device.new_event(timing=timing)

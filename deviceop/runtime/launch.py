@@ -13,27 +13,24 @@ the declared scalar type, range- and kind-checked), packed with one
 ``struct.pack_into`` into a buffer whose parameter addresses were computed
 once, and handed to ``cuLaunchKernel``.  This is the whole hot path.
 
-Which ``cuLaunchKernel`` wrapper Python calls matters as much as anything
-deviceop does: on the H100's host, CuPy's (``launchKernel``: typed C ints in,
-one C call) took 4.45 us a launch, cuda.bindings' 5.4-5.7 and cuda.core's
-``launch`` 5.8, with the same prepacked parameters (2026-11-22;
-``bench/launch_overhead.py`` measures them side by side).  Launches without
-attributes use CuPy's (a dependency already);
-PDL, cooperative and cluster launches need ``cuLaunchKernelEx``'s attribute
-list and go through cuda.bindings.
+Which ``cuLaunchKernel`` wrapper is called matters as much as anything deviceop
+does (docs/architecture.md, "The eager hot path", has the H100 measurements):
+launches without attributes use CuPy's ``launchKernel`` (typed C ints in, one
+C call; CuPy is a dependency already); PDL, cooperative and cluster launches
+need ``cuLaunchKernelEx``'s attribute list and go through cuda.bindings.
 """
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 from functools import partial
 
 from cuda.bindings import driver as cu
 
-from ..dtypes import dtype as as_dtype
-from ..errors import CudaError, DTypeError, LaunchError, StateError
+from ..errors import CudaError, LaunchError, StateError
+from . import codegen
 from .driver import check, raise_error
+from .params import _MISSING, LaunchConfig, ParamLayout, _as_config, check_param_layout, ptr
 
 
 class DriverCallError(Exception):
@@ -66,107 +63,6 @@ def _cheapest_launch_kernel():
 launch_kernel, DriverError = _cheapest_launch_kernel()
 
 
-class ptr:
-    """A device-pointer kernel parameter; ``ptr("float32")`` also checks the tensor's dtype."""
-
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype=None):
-        self.dtype = None if dtype is None else as_dtype(dtype)
-
-    def __repr__(self) -> str:
-        return "ptr" if self.dtype is None else f"ptr({self.dtype.name})"
-
-    def __eq__(self, other):
-        return isinstance(other, ptr) and other.dtype == self.dtype
-
-    def __hash__(self):
-        return hash(("ptr", self.dtype))
-
-
-def _normalize_param(spec):
-    if spec is ptr:
-        return ptr()
-    if isinstance(spec, ptr):
-        return spec
-    if isinstance(spec, str) and spec in ("ptr", "pointer", "void*"):
-        return ptr()
-    try:
-        return as_dtype(spec)
-    except DTypeError:
-        raise LaunchError(f"cannot read kernel parameter spec {spec!r}: use ptr, ptr(dtype) or a dtype") from None
-
-
-def _dims(value, what: str) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, int) else tuple(value)
-    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
-        raise LaunchError(f"{what} must be 1 to 3 positive ints, got {value!r}")
-    return dims + (1,) * (3 - len(dims))
-
-
-_MISSING = object()  # an argument the caller did not pass
-
-
-def _as_config(config) -> "LaunchConfig":
-    if isinstance(config, tuple) and len(config) in (2, 3):
-        return LaunchConfig(*config)
-    raise LaunchError(f"expected a LaunchConfig or a (grid, block[, shared_mem]) tuple, got {config!r}")
-
-
-class LaunchConfig:
-    """Grid, block, dynamic shared memory and thread-block cluster of a launch, validated once.
-
-    ``cluster`` (1 to 3 ints dividing the grid, at most 8 CTAs) groups the grid's
-    CTAs into clusters the hardware schedules together on one GPC, so they may
-    read each other's shared memory and wait at a cluster barrier (sm_90+); None
-    (the default) launches without clusters."""
-
-    __slots__ = ("grid", "block", "shared_mem", "cluster")
-
-    def __init__(self, grid, block, shared_mem: int = 0, cluster=None):
-        self.grid = _dims(grid, "grid")
-        self.block = _dims(block, "block")
-        threads = self.block[0] * self.block[1] * self.block[2]
-        if threads > 1024:
-            raise LaunchError(f"block {block} has {threads} threads; CUDA allows at most 1024 per block")
-        if self.grid[1] > 65535 or self.grid[2] > 65535 or self.grid[0] > 2**31 - 1:
-            raise LaunchError(f"grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
-        if not isinstance(shared_mem, int) or shared_mem < 0:
-            raise LaunchError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
-        self.shared_mem = shared_mem
-        self.cluster = None
-        if cluster is not None:
-            dims = _dims(cluster, "cluster")
-            if any(g % c for g, c in zip(self.grid, dims)):
-                raise LaunchError(f"cluster {dims} does not divide grid {self.grid}: every cluster must be whole")
-            if dims[0] * dims[1] * dims[2] > 8:
-                raise LaunchError(f"cluster {dims} has {dims[0] * dims[1] * dims[2]} CTAs; at most 8 are portable "
-                                  "across GPUs: use a smaller cluster")
-            self.cluster = None if dims == (1, 1, 1) else dims
-
-    def __repr__(self) -> str:
-        tail = f", cluster={self.cluster}" if self.cluster else ""
-        return f"LaunchConfig(grid={self.grid}, block={self.block}, shared_mem={self.shared_mem}{tail})"
-
-
-def _driver_call(attribute, indent: str) -> list:
-    """The generated lines that launch (``gx`` ... ``smem``, ``params`` and ``stream``
-    bound): cuLaunchKernelEx with the attribute's config, else ``launch_kernel``."""
-    if attribute:
-        lines = ["try:",
-                 "    ex_config = fn._ex_config(attribute, config, stream.ptr)",
-                 "except Exception as exc:",
-                 "    fn._launch_failed(exc, stream, label)",
-                 "code = cuLaunchKernelEx(ex_config, handle, params, 0)[0]",
-                 "if code: raise_error(code, label)"]
-    else:  # try costs nothing unless something is raised
-        lines = ["try:",
-                 "    launch_kernel(address, gx, gy, gz, bx, by, bz, smem, stream.ptr, params, 0)",
-                 "except Exception as exc:",
-                 "    fn._launch_failed(exc, stream, label)"]
-    return [indent + line for line in lines]
-
-
 class PreparedLaunch:
     """One launch with every argument fixed (``Function.prepared``): ``launch(stream)``.
 
@@ -194,69 +90,24 @@ class PreparedLaunch:
         self.function._launch_failed(exc, stream, f"cuLaunchKernel({self.function.name})")
 
 
-def param_offsets(signature) -> list[int]:
-    """The byte offset of each parameter of ``signature`` (normalized: ptr or DType)
-    in the kernel's parameter buffer, under C alignment rules."""
-    offsets = []
-    for i, spec in enumerate(signature):
-        prefix = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in signature[:i])
-        align = "P" if isinstance(spec, ptr) else spec.pack
-        offsets.append(struct.calcsize(prefix + "0" + align))
-    return offsets
+# The tensor type whose ``_ptr`` the generated launchers read without a call: set by
+# deviceop.tensor when it is imported (the runtime knows tensors only by that duck type).
+tensor_type: type = type(None)
 
 
-def check_param_layout(name: str, signature, actual, offsets=None) -> None:
-    """Refuse a declared ``signature`` that disagrees with the kernel's own parameter
-    layout ``actual`` (``(offset, size)`` per parameter: cuFuncGetParamInfo of the
-    loaded kernel on a GPU, the CUBIN's records on the reference device): the one
-    rule for both, so a declaration that would corrupt a launch fails everywhere."""
-    signature = tuple(_normalize_param(s) for s in signature)
-    offsets = param_offsets(signature) if offsets is None else offsets
-    declared = [(o, 8 if isinstance(s, ptr) else s.itemsize) for o, s in zip(offsets, signature)]
-    actual = [tuple(a) for a in actual]
-    if len(actual) != len(declared):
-        raise LaunchError(f"kernel {name} takes {len(actual)} parameters but its declared "
-                          f"signature has {len(declared)}: {list(signature)}")
-    for i, (a, d) in enumerate(zip(actual, declared)):
-        if a != d:
-            raise LaunchError(f"parameter {i} of kernel {name} is {a[1]} bytes at offset {a[0]}, "
-                              f"but the signature declares {signature[i]!r} ({d[1]} bytes at {d[0]})")
-
-
-def pointer_of(value, spec: ptr, index: int, name: str) -> int:
-    """The device address a pointer parameter receives for ``value``."""
-    addr = getattr(value, "_ptr", None)  # deviceop Tensor: cached at construction
-    if addr is not None:
-        if spec.dtype is not None and value.dtype is not spec.dtype:
-            raise DTypeError(f"argument {index} of {name} must be a {spec.dtype.name} tensor, "
-                             f"got {value.dtype.name}")
-        return addr
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if value is None:
-        return 0
-    cai = getattr(value, "__cuda_array_interface__", None)
-    if cai is not None:
-        return cai["data"][0]
-    raise LaunchError(f"argument {index} of {name} is a device pointer: pass a deviceop Tensor, an "
-                      f"object with __cuda_array_interface__, or an int address; got {type(value).__name__}")
-
-
-class Function:
+class Function(ParamLayout):
     """A kernel in a loaded module, with its parameter signature."""
 
+    preparable = True  # launches may be packed once and replayed (Function.prepared)
+
     def __init__(self, module, handle, name: str, signature):
-        self.module, self.handle, self.name = module, handle, name
+        super().__init__(name, signature)
+        self.module, self.handle = module, handle
         self.address = int(handle)  # what launch_kernel takes
-        self.signature = tuple(_normalize_param(s) for s in signature)
-        fmt = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature)
-        offsets = param_offsets(self.signature)
-        self._verify_layout(offsets)
-        self.offsets = tuple(offsets)  # byte offset of each parameter in the packed buffer
-        self._struct = struct.Struct(fmt)
+        self._verify_layout(list(self.offsets))
         self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
         base = ctypes.addressof(self._buffer)
-        self._param_ptrs = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
+        self._param_ptrs = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
         self._params_addr = ctypes.addressof(self._param_ptrs)
         self._lock = threading.Lock()
         self._smem_limit = self._default_dynamic_shared_memory()
@@ -295,15 +146,6 @@ class Function:
                                     nbytes), "cuFuncSetAttribute")
         self._smem_limit = max(self._smem_limit, nbytes)
 
-    def _slow_pointer(self, value, index: int) -> int:
-        return pointer_of(value, self.signature[index], index, self.name)
-
-    def _slow_scalar(self, value, index: int):
-        try:
-            return self.signature[index].coerce(value)
-        except DTypeError as exc:
-            raise DTypeError(f"argument {index} of {self.name}: {exc}") from None
-
     def _launch_failed(self, exc: Exception, stream, call: str):
         """Raise the deviceop error of a launch on ``stream`` that raised ``exc`` (every
         launch path's one mapping): the driver's refusal is a CudaError naming ``call``
@@ -322,13 +164,6 @@ class Function:
                               f"CudaStream.from_handle(device, handle) for a foreign one), "
                               f"got {type(stream).__name__}") from None
         raise exc
-
-    def _arity_error_of(self, args):
-        self._arity_error(sum(a is not _MISSING for a in args))
-
-    def _arity_error(self, got: int):
-        raise LaunchError(f"{self.name} takes {len(self.signature)} arguments "
-                          f"({', '.join(map(repr, self.signature))}), got {got}")
 
     def _ex_config(self, attribute: str, config: "LaunchConfig", stream: int):
         """The cuLaunchKernelEx configuration of a launch with one attribute:
@@ -370,64 +205,42 @@ class Function:
         return c
 
     def _build_launcher(self, attribute: str | None = None):
-        """Generate ``launch(stream, config, *args)`` for this signature.
+        """Generate ``launch(stream, config, *args)`` for this signature (codegen.LAUNCHER).
 
-        The generated code checks each argument with one ``type(...) is``
-        test on the common path (a Tensor of the declared dtype, a float for a
-        float parameter, an in-range int for an int parameter) and falls back
-        to the full conversion otherwise; no loop, no per-argument call.
-        Launching is the hot path: this is where the host microseconds go.
-        """
-        from ..tensor import Tensor
-        n = len(self.signature)
-        names = [f"a{i}" for i in range(n)]
-        env = {"Tensor": Tensor, "LaunchConfig": LaunchConfig, "as_config": _as_config, "acquire": self._lock.acquire, "release": self._lock.release,
+        Each argument is checked with one ``type(...) is`` test on the common
+        path (a Tensor of the declared dtype, a float for a float parameter, an
+        in-range int for an int parameter), falling back to the full conversion
+        otherwise.  Arguments are parameters defaulting to a sentinel: a missing
+        one is the sentinel, extras land in ``*extra``; both cost one test."""
+        names = [f"a{i}" for i in range(len(self.signature))]
+        env = {"Tensor": tensor_type, "LaunchConfig": LaunchConfig, "as_config": _as_config,
+               "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,
                "launch_kernel": launch_kernel, "address": self.address,
                "cuLaunchKernelEx": cu.cuLaunchKernelEx, "handle": self.handle, "raise_error": raise_error,
                "label": f"{'cuLaunchKernelEx' if attribute else 'cuLaunchKernel'}({self.name})", "fn": self,
                "MISSING": _MISSING, "attribute": attribute}
-        # Arguments are named parameters defaulting to a sentinel: a missing one
-        # is the sentinel, extras land in *extra; both cost one test each.
-        params = "".join(f"{a}=MISSING, " for a in names)
-        body = [f"def launch(stream, config, {params}*extra):"]
-        if n:
-            body.append(f"    if {names[-1]} is MISSING or extra: fn._arity_error_of(({', '.join(names)},) + extra)")
-        else:
-            body.append("    if extra: fn._arity_error_of(extra)")
-        for i, spec in enumerate(self.signature):
-            a = names[i]
+        convert = []
+        for i, (a, spec) in enumerate(zip(names, self.signature)):
             if isinstance(spec, ptr):
-                if spec.dtype is None:
-                    cond = f"type({a}) is Tensor"
-                else:
-                    env[f"D{i}"] = spec.dtype
-                    cond = f"type({a}) is Tensor and {a}.dtype is D{i}"
-                body.append(f"    {a} = {a}._ptr if {cond} else fn._slow_pointer({a}, {i})")
+                env[f"D{i}"] = spec.dtype
+                dtype_test = "" if spec.dtype is None else f" and {a}.dtype is D{i}"
+                convert.append(f"{a} = {a}._ptr if type({a}) is Tensor{dtype_test} else fn._slow_pointer({a}, {i})")
             elif spec.kind == "f" and spec.pack in "fde":
-                body.append(f"    if type({a}) is not float: {a} = fn._slow_scalar({a}, {i})")
+                convert.append(f"if type({a}) is not float: {a} = fn._slow_scalar({a}, {i})")
             elif spec.kind in "iu":
                 lo, hi = spec.bounds
-                body.append(f"    if type({a}) is not int or not ({lo} <= {a} <= {hi}): {a} = fn._slow_scalar({a}, {i})")
+                convert.append(f"if type({a}) is not int or not ({lo} <= {a} <= {hi}): "
+                               f"{a} = fn._slow_scalar({a}, {i})")
             else:  # bfloat16 (packed as its bits), bool
-                body.append(f"    {a} = fn._slow_scalar({a}, {i})")
-        body += [
-            "    if type(config) is not LaunchConfig: config = as_config(config)",
-            "    gx, gy, gz = config.grid",
-            "    bx, by, bz = config.block",
-            "    smem = config.shared_mem",
-            "    if smem > fn._smem_limit: fn.set_max_dynamic_shared_memory(smem)",
-            # one parameter buffer per Function, guarded while it is filled and the
-            # driver copies it (acquire/release: a third of the cost of `with lock`)
-            "    acquire()",
-            "    try:",
-            f"        pack_into(buf, 0{''.join(', ' + a for a in names)})",
-            *_driver_call(attribute, "        "),
-            "    finally:",
-            "        release()",
-        ]
-        exec(compile("\n".join(body), f"<deviceop launcher {self.name}>", "exec"), env)
-        launcher = env["launch"]
+                convert.append(f"{a} = fn._slow_scalar({a}, {i})")
+        arity = (f"if {names[-1]} is MISSING or extra: fn._arity_error_of(({', '.join(names)},) + extra)" if names
+                 else "if extra: fn._arity_error_of(extra)")
+        launcher = codegen.generate(
+            codegen.LAUNCHER, "launch", env, f"<deviceop launcher {self.name}>",
+            params="".join(f"{a}=MISSING, " for a in names), arity_check=arity, convert=convert,
+            args_tail="".join(f", {a}" for a in names),
+            driver_call=codegen.lines(codegen.EX_CALL if attribute else codegen.PLAIN_CALL))
         launcher.__name__ = f"launch_{attribute}" if attribute else "launch"
         launcher.__doc__ = f"launch(stream, config, {', '.join(map(repr, self.signature))}): enqueue {self.name}"
         return launcher
@@ -471,22 +284,6 @@ class Function:
             self.set_max_dynamic_shared_memory(config.shared_mem)
         c = self._ex_config("cluster", config, 0)
         return int(check(cu.cuOccupancyMaxActiveClusters(self.handle, c), "cuOccupancyMaxActiveClusters"))
-
-    def param_buffer(self):
-        """A fresh parameter buffer for this signature: ``(buffer, void** address)``
-        (what a graph kernel node's ``kernelParams`` points at)."""
-        buf = ctypes.create_string_buffer(max(self._struct.size, 1))
-        base = ctypes.addressof(buf)
-        ptrs = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
-        return buf, ptrs
-
-    def pack(self, *args) -> bytes:
-        """The parameter bytes a launch with ``args`` would pass (checked like a launch)."""
-        if len(args) != len(self.signature):
-            self._arity_error(len(args))
-        values = [self._slow_pointer(a, i) if isinstance(s, ptr) else self._slow_scalar(a, i)
-                  for i, (a, s) in enumerate(zip(args, self.signature))]
-        return self._struct.pack(*values)
 
     @property
     def attributes(self) -> dict:

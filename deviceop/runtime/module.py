@@ -6,16 +6,11 @@ module when an op is built, never while it is being captured.
 """
 from __future__ import annotations
 
-import threading
-
 from cuda.bindings import driver as cu
 
-from ..compile import CompiledProgram
-from ..errors import ArchError, CudaError, NoDeviceError
+from ..errors import ArchError, CudaError
 from .driver import check, error_name
-
-_loaded: dict[tuple[int, str], "CudaModule"] = {}
-_loaded_lock = threading.Lock()
+from .launch import Function
 
 
 def _arch_numbers(arch: str) -> tuple[int, int]:
@@ -26,11 +21,8 @@ def _arch_numbers(arch: str) -> tuple[int, int]:
 class CudaModule:
     """One CUBIN loaded on one device; kept alive by every Function taken from it."""
 
-    def __init__(self, device, program: CompiledProgram):
-        if device.is_reference:
-            raise NoDeviceError("loading a CUBIN needs a CUDA device; this process has the reference "
-                                f"device ({device.reason}). Kernels declared with a NumPy reference still "
-                                "run there through deviceop's kernel ops.")
+    def __init__(self, device, program):
+        device.require_gpu("loading a CUBIN")
         major, minor = _arch_numbers(program.arch)
         dmajor, dminor = device.compute_capability
         if major != dmajor or minor > dminor:
@@ -43,7 +35,6 @@ class CudaModule:
     def get_function(self, name: str, signature, *, label: str | None = None):
         """The kernel ``name`` (an ``extern "C"`` name or a name expression
         given to the compile), launched with the argument ``signature``."""
-        from .launch import Function
         symbol = self.program.symbol(name)
         code, handle = cu.cuModuleGetFunction(self.handle, symbol.encode())
         if code:
@@ -59,17 +50,3 @@ class CudaModule:
             cu.cuModuleUnload(self.handle)
         except Exception:
             pass
-
-
-def load_module(program: CompiledProgram, device=None) -> CudaModule:
-    """Load ``program`` on ``device`` once; later calls return the same module."""
-    from .device import Device
-    device = device if device is not None else Device(0)
-    key = (device.ordinal, program.key or str(id(program)))
-    mod = _loaded.get(key)
-    if mod is None:
-        with _loaded_lock:
-            mod = _loaded.get(key)
-            if mod is None:
-                mod = _loaded[key] = CudaModule(device, program)
-    return mod

@@ -6,8 +6,6 @@ interoperability, but it is refused for graph capture: CUDA cannot capture it.
 """
 from __future__ import annotations
 
-import time
-
 from cuda.bindings import driver as cu
 
 from ..errors import CaptureError, CaptureSyncError, StateError
@@ -71,7 +69,7 @@ _CLOSED = _ClosedDevice()
 
 
 class Stream:
-    """Base of :class:`CudaStream` and :class:`ReferenceStream`."""
+    """Base of :class:`CudaStream` and the reference device's ``ReferenceStream``."""
 
     device = None
     is_legacy = False
@@ -86,7 +84,7 @@ class Stream:
         return event
 
     def device_event(self, timing: bool = True):
-        raise NotImplementedError
+        return self.device.new_event(timing=timing)
 
 
 class CudaStream(Stream):
@@ -143,9 +141,6 @@ class CudaStream(Stream):
         """Make future work on this stream wait for the work queued on ``other`` so far."""
         self.wait_event(other.record_event(timing=False))
 
-    def device_event(self, timing: bool = True) -> "CudaEvent":
-        return CudaEvent(self.device, timing=timing)
-
     # -- capture (the graph layer builds on these) -------------------------
     def is_capturing(self) -> bool:
         status = check(cu.cuStreamIsCapturing(self._live("is_capturing()")), "cuStreamIsCapturing")
@@ -165,6 +160,30 @@ class CudaStream(Stream):
     def end_capture(self):
         """End the capture; returns the CUgraph (raises if the capture was invalidated)."""
         return check(cu.cuStreamEndCapture(self.handle), "cuStreamEndCapture")
+
+    # -- data movement on the stream (the reference stream has the same methods) --
+    def memcpy(self, dst: int, src: int, nbytes: int, call: str = "cuMemcpyAsync") -> None:
+        """Copy ``nbytes`` from device address ``src`` to ``dst``, ordered on this stream."""
+        code = cu.cuMemcpyAsync(dst, src, nbytes, self.handle)[0]
+        if code:
+            raise_error(code, call)
+
+    def memset8(self, dst: int, value: int, count: int, call: str = "cuMemsetD8Async") -> None:
+        code = cu.cuMemsetD8Async(dst, value, count, self.handle)[0]
+        if code:
+            raise_error(code, call)
+
+    def memset32(self, dst: int, value: int, count: int) -> None:
+        check(cu.cuMemsetD32Async(dst, value, count, self.handle), "cuMemsetD32Async")
+
+    def fill(self, array, value) -> None:
+        """Set every element of the CuPy ``array`` to ``value``, ordered on this stream."""
+        with self.cupy:
+            array.fill(value)
+
+    def upload(self, array, host) -> None:
+        """Copy the host array ``host`` into the CuPy ``array``, ordered on this stream."""
+        array.set(host, stream=self.cupy)
 
     # -- interop -----------------------------------------------------------
     def __cuda_stream__(self) -> tuple[int, int]:
@@ -236,100 +255,3 @@ class CudaEvent:
             cu.cuEventDestroy(self.handle)
         except Exception:
             pass
-
-
-class ReferenceStream(Stream):
-    """A stream of the reference device: work runs on the host at once.
-
-    It refuses what a CUDA stream refuses: a host sync (``synchronize``,
-    ``query``) while it captures, and any work once closed."""
-
-    def __init__(self, device):
-        self.device = device
-        self._capture_open = self._broken = self._closed = False
-        device._streams.add(self)
-
-    @property
-    def _capturing(self) -> bool:
-        return self._capture_open
-
-    @_capturing.setter
-    def _capturing(self, value: bool) -> None:
-        """Set by the graph layer as a capture begins and ends; each capture starts unbroken."""
-        self._capture_open, self._broken = value, False
-
-    def _break_capture(self) -> None:
-        """A host sync during the capture: as the driver does, the capture fails when it ends."""
-        self._broken = True
-
-    def _check_sync(self, what: str, call: str) -> None:
-        if self._closed:
-            raise closed_stream(what)
-        if self._capturing:
-            self._break_capture()
-            raise sync_in_capture(what, call)
-
-    def synchronize(self) -> None:
-        self._check_sync("stream.synchronize()", "cuStreamSynchronize")
-
-    def query(self) -> bool:
-        self._check_sync("stream.query()", "cuStreamQuery")
-        return True
-
-    def wait_event(self, event) -> None:
-        if self._closed:
-            raise closed_stream("wait_event()")
-
-    def wait_stream(self, other) -> None:
-        if self._closed:
-            raise closed_stream("wait_stream()")
-
-    def device_event(self, timing: bool = True) -> "ReferenceEvent":
-        return ReferenceEvent(self.device, timing=timing)
-
-    def is_capturing(self) -> bool:
-        if self._closed:
-            raise closed_stream("is_capturing()")
-        return self._capturing
-
-    def close(self) -> None:
-        """Close the stream (idempotent); later work on it raises StateError, as on a GPU."""
-        self._closed, self.device = True, _CLOSED
-
-    def __repr__(self) -> str:
-        return f"<reference stream 0x{id(self):x}{' (closed)' if self._closed else ''}>"
-
-
-class ReferenceEvent:
-    """Host-clock event of the reference device.  Like a CUDA event, one last
-    recorded on a capturing stream cannot be waited for (it marks a point of
-    the graph) until it is recorded again outside a capture."""
-
-    def __init__(self, device, *, timing: bool = True):
-        self.device, self.timing, self._t, self._captured = device, timing, None, False
-
-    def record(self, stream) -> "ReferenceEvent":
-        self._t = time.perf_counter()
-        self._captured = bool(getattr(stream, "_capturing", False))
-        return self
-
-    def synchronize(self) -> None:
-        if self._captured:
-            raise sync_in_capture("event.synchronize()", "cuEventSynchronize", _CAPTURED_EVENT)
-
-    def query(self) -> bool:
-        if self._captured:
-            raise sync_in_capture("event.query()", "cuEventQuery", _CAPTURED_EVENT)
-        return True
-
-    def elapsed_ms(self, end: "ReferenceEvent") -> float:
-        if self._t is None or end._t is None:
-            raise StateError("both events must be recorded before elapsed_ms")
-        return (end._t - self._t) * 1e3
-
-
-def Event(device=None, *, timing: bool = True):
-    """A new event on ``device`` (default: ``Device(0)``)."""
-    from .device import Device
-    device = device if device is not None else Device(0)
-    return ReferenceEvent(device, timing=timing) if device.is_reference else CudaEvent(device, timing=timing)

@@ -40,13 +40,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from cuda.bindings import driver as cu
-
-from .dtypes import dtype as as_dtype
-from .errors import AliasingError, DTypeError, ShapeError, StateError
-from .op import DeviceOp
-from .runtime.driver import raise_error
-from .tensor import Partition, SharedTensor, Tensor, empty
+from ..dtypes import dtype as as_dtype
+from ..errors import AliasingError, DTypeError, ShapeError, StateError
+from ..op import DeviceOp
+from ..tensor import Partition, SharedTensor, Tensor, empty
 
 
 def _count(name: str, v) -> int:
@@ -311,7 +308,7 @@ class GraphCache:
                                      "dtype that differs in the key")
         for x, t, row in zip(inputs, entry.inputs, entry.row_bytes):
             self._copy_in(t, x, batch * row, (entry.size - batch) * row)
-        entry.graph._replay(stream)
+        entry.graph.replay(stream)
         views = entry.views.get(batch)
         if views is None:
             views = entry.views[batch] = tuple(o if batch == entry.size else o[:batch] for o in entry.outputs)
@@ -324,24 +321,13 @@ class GraphCache:
         if src.data_ptr != dst.data_ptr and src.overlaps(dst):
             raise AliasingError("a GraphCache input overlaps the graph's own input buffer; pass a separate tensor")
         pad = pad_bytes and self.pad_value is not None
-        if self.stream.device.is_reference:
-            flat = dst._array.reshape(-1).view("u1")
-            flat[:nbytes] = src._array.reshape(-1).view("u1")
-            if pad:
-                flat[nbytes:].view(dst.dtype.np)[...] = self.pad_value
-            return
-        handle = self.stream.handle
+        stream = self.stream
         if src.data_ptr != dst.data_ptr:  # else the input already is the graph's buffer
-            code = cu.cuMemcpyAsync(dst.data_ptr, src.data_ptr, nbytes, handle)[0]
-            if code:
-                raise_error(code, "cuMemcpyAsync (GraphCache input)")
+            stream.memcpy(dst.data_ptr, src.data_ptr, nbytes, "cuMemcpyAsync (GraphCache input)")
         if pad and self.pad_value == 0:
-            code = cu.cuMemsetD8Async(dst.data_ptr + nbytes, 0, pad_bytes, handle)[0]
-            if code:
-                raise_error(code, "cuMemsetD8Async (GraphCache padding)")
+            stream.memset8(dst.data_ptr + nbytes, 0, pad_bytes, "cuMemsetD8Async (GraphCache padding)")
         elif pad:
-            with self.stream.cupy:
-                dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:] = self.pad_value
+            stream.fill(dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:], self.pad_value)
 
     def _eager(self, batch, inputs):
         ws = Workspace(self, batch, self._key_of(inputs), eager=True)
@@ -393,10 +379,5 @@ def _outputs_of(value, batch: int):
 
 def _copy_of(t: Tensor, stream) -> Tensor:
     c = empty(t.shape, t.dtype, device=t.device, stream=stream)
-    if t.device.is_reference:
-        c._array[...] = t._array
-    else:
-        code = cu.cuMemcpyAsync(c.data_ptr, t.data_ptr, t.nbytes, stream.handle)[0]
-        if code:
-            raise_error(code, "cuMemcpyAsync (GraphCache output copy)")
+    stream.memcpy(c.data_ptr, t.data_ptr, t.nbytes, "cuMemcpyAsync (GraphCache output copy)")
     return c

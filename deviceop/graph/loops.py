@@ -27,20 +27,18 @@ the index holds the number of iterations run, in every mode; a device count
 that is negative runs none (the index is 0), as a count of 0 does.
 
 On the reference device a captured loop is a tape step that replays the
-body's recorded tape with the same control logic.
+body's recorded tape with the same control logic (``_host_control``).
 """
 from __future__ import annotations
 
 import numpy as np
-from cuda.bindings import driver as cu
 
-from .compile import compile_cubin
-from .errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
-from .op import DeviceOp, ExecutionContext, value
-from .runtime.driver import check
-from .runtime.launch import LaunchConfig, ptr
-from .runtime.module import load_module
-from .tensor import SharedTensor, Tensor
+from ..compile import compile_cubin
+from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
+from ..op import DeviceOp, ExecutionContext, value
+from ..runtime.device import load_module
+from ..runtime.launch import LaunchConfig, ptr
+from ..tensor import SharedTensor, Tensor
 
 _CONTROL_SOURCE = r"""
 // Declared as cuda_device_runtime_api.h does (that header drags in internal
@@ -136,8 +134,9 @@ class _Loop(DeviceOp):
         """Yield once per iteration, on the host (eager execution)."""
         raise NotImplementedError
 
-    def _reference_iterations(self):
-        """Yield once per iteration of a captured loop replayed on the reference device."""
+    def _host_control(self, start: bool) -> bool:
+        """What the control kernel does, on the host (the reference device runs this
+        instead): ``start`` before the first iteration, then after each; go on?"""
         raise NotImplementedError
 
     def _launch_control(self, stream, handle, start: bool) -> None:
@@ -170,63 +169,12 @@ class _Loop(DeviceOp):
                 raise CapabilityError(f"capturing {self._label} needs CUDA conditional graph nodes, and {why}. "
                                       "Run the loop eagerly instead (sync_on/async_on: a host loop), or update "
                                       "the driver to CUDA 12.4 or newer")
-            if ctx.device.is_reference:
-                self._capture_reference(ctx)
-            else:
-                self._capture_conditional(ctx)
+            capture = ctx.capture
+            ctx.device.graphs.capture_while(
+                ctx.stream, self._label, self._launch_control, self._host_control,
+                lambda body_stream: self._build_body(capture)._run(ExecutionContext(body_stream, capture)))
+            capture.keep.append(self._keep())  # the body stream is only needed while capturing
         return None
-
-    def _capture_reference(self, ctx) -> None:
-        from .kernel import _TapeStep
-        cap, body = ctx.capture, []
-        outer, cap.tape = cap.tape, body
-        try:
-            self._build_body(cap)._run(ctx)
-        finally:
-            cap.tape = outer
-
-        def replay():
-            for _ in self._reference_iterations():
-                for step in body:
-                    step()
-        cap.tape.append(_TapeStep(replay, ("loop", self._label)))
-
-    def _capture_conditional(self, ctx) -> None:
-        stream = ctx.stream
-        info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
-        graph = info[2]
-        context = stream.device.context
-        handle = check(cu.cuGraphConditionalHandleCreate(graph, context, 0, 0), "cuGraphConditionalHandleCreate")
-        self._launch_control(stream, handle, start=True)
-
-        info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
-        deps, ndeps = info[3], info[-1]
-        params = cu.CUgraphNodeParams()
-        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-        params.conditional.handle = handle
-        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        params.conditional.size = 1
-        params.conditional.ctx = context
-        node = check(cu.cuGraphAddNode(graph, list(deps[:ndeps]), None, ndeps, params), "cuGraphAddNode(WHILE)")
-        body_graph = params.conditional.phGraph_out[0]
-        check(cu.cuStreamUpdateCaptureDependencies(
-            stream.handle, [node], None, 1,
-            cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
-            "cuStreamUpdateCaptureDependencies")
-
-        # The body goes into the node's own graph, captured on a stream of its
-        # own (the outer stream stays in its capture); the node owns that graph.
-        body_stream = stream.device.new_stream()
-        check(cu.cuStreamBeginCaptureToGraph(body_stream.handle, body_graph, None, None, 0,
-                                             cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
-              "cuStreamBeginCaptureToGraph")
-        try:
-            self._build_body(ctx.capture)._run(ExecutionContext(body_stream, ctx.capture))
-            self._launch_control(body_stream, handle, start=False)
-        finally:
-            code = cu.cuStreamEndCapture(body_stream.handle)[0]
-        check((code,), f"cuStreamEndCapture(body of {self._label})")
-        ctx.capture.keep.append(self._keep())  # the body stream is only needed while capturing
 
 
 class Loop(_Loop):
@@ -261,10 +209,7 @@ class Loop(_Loop):
         return max(0, int(self.count_tensor.numpy(stream=ctx.stream)[0]))  # eager: the host reads it once
 
     def _set_index(self, ctx, i: int) -> None:
-        if ctx.device.is_reference:
-            self.index._array[0] = i
-        else:
-            check(cu.cuMemsetD32Async(self.index.data_ptr, i, 1, ctx.stream.handle), "cuMemsetD32Async")
+        ctx.stream.memset32(self.index.data_ptr, i, 1)
 
     def _eager_iterations(self, ctx):
         n = self._count_now(ctx)
@@ -273,12 +218,10 @@ class Loop(_Loop):
             yield i
         self._set_index(ctx, n)
 
-    def _reference_iterations(self):
+    def _host_control(self, start: bool) -> bool:
         idx = self.index._array
-        idx[0] = 0
-        while idx[0] < (self.count if self.count_tensor is None else self.count_tensor._array[0]):
-            yield
-            idx[0] += 1
+        idx[0] = 0 if start else idx[0] + 1
+        return bool(idx[0] < (self.count if self.count_tensor is None else self.count_tensor._array[0]))
 
     def _launch_control(self, stream, handle, start: bool) -> None:
         fn = _control_functions(stream.device)[0]
@@ -298,18 +241,12 @@ class While(_Loop):
         self.cond = _int32_cell(cond, "the loop condition", "dop.from_numpy(np.ones(1, np.int32))")
         super().__init__(body, "while_")
 
-    def _flag(self, ctx) -> bool:
-        if ctx.device.is_reference:
-            return bool(self.cond._array[0])
-        return bool(self.cond.numpy(stream=ctx.stream)[0])  # eager: one host round trip per test
-
     def _eager_iterations(self, ctx):
-        while self._flag(ctx):
+        while self.cond.numpy(stream=ctx.stream)[0]:  # one host round trip per test
             yield
 
-    def _reference_iterations(self):
-        while self.cond._array[0]:
-            yield
+    def _host_control(self, start: bool) -> bool:
+        return bool(self.cond._array[0])
 
     def _launch_control(self, stream, handle, start: bool) -> None:
         fn = _control_functions(stream.device)[1]

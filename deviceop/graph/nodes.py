@@ -23,26 +23,20 @@ new value into the node's parameter buffer.
 """
 from __future__ import annotations
 
-import ctypes
 import struct
 import weakref
 
-from cuda.bindings import driver as cu
-
-from .errors import DTypeError, LaunchError, StateError
-from .runtime.driver import raise_error
-from .tensor import Tensor
+from ..errors import DTypeError, LaunchError, StateError
+from ..kernel import checked_launch
 
 
 class KernelNode:
     """One kernel node of a captured graph (see the module docstring)."""
 
     __slots__ = ("kernel", "generics", "label", "index", "handle", "mutable", "values", "launch_args",
-                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_graph", "_ref_args", "_stale",
-                 "_head")
+                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_graph", "_stale", "_head")
 
-    def __init__(self, kernel, generics, label, values, launch_args, mutable, function=None, config=None,
-                 handle=None, *, head):
+    def __init__(self, kernel, generics, label, values, launch_args, mutable, function, config, handle, *, head):
         # capture pays only for these attributes: the parameter buffer is made on the first set()
         self.kernel, self.generics, self.label = kernel, generics, label
         self._head = head  # the launch key's (device, generics, pdl, cooperative): see kernel.checked_launch
@@ -50,8 +44,6 @@ class KernelNode:
         self.values, self.launch_args = list(values), list(launch_args)
         self._function, self._config, self._graph, self._stale = function, config, None, False
         self._params = self._buf = self._ptrs = self._fast = None
-        self._ref_args = None if function is not None else \
-            [t._array if isinstance(t, Tensor) else t for t in self.launch_args]
 
     def _prepare(self) -> None:
         """The node's own parameter buffer and CUDA_KERNEL_NODE_PARAMS (what the driver reads on set)."""
@@ -59,13 +51,7 @@ class KernelNode:
         self._buf, self._ptrs = fn.param_buffer()
         packed = fn.pack(*self.launch_args)
         self._buf[:len(packed)] = packed
-        p = cu.CUDA_KERNEL_NODE_PARAMS()
-        p.func = fn.handle
-        p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
-        p.blockDimX, p.blockDimY, p.blockDimZ = config.block
-        p.sharedMemBytes = config.shared_mem
-        p.kernelParams = ctypes.addressof(self._ptrs)
-        self._params = p
+        self._params = fn.node_params(config, self._ptrs)
         # the short path of set(): dynamic float/int scalars given as Python floats/ints
         fast = {}
         for i in self.mutable:
@@ -73,7 +59,7 @@ class KernelNode:
             if prm.role == "scalar" and (prm.dtype.kind == "f" and prm.dtype.pack in "fd" or prm.dtype.kind in "iu"):
                 kind = float if prm.dtype.kind == "f" else int
                 lo, hi = prm.dtype.bounds if kind is int else (None, None)
-                fast[prm.name] = (i, fn.offsets[i], struct.Struct("@" + prm.dtype.pack).pack_into, kind, lo, hi)
+                fast[prm.name] = (i, fn.offsets[i], fn.scalar_packers[i], kind, lo, hi)
         self._fast = fast
 
     # -- inspection ------------------------------------------------------------------
@@ -129,37 +115,32 @@ class KernelNode:
         if not changed:
             return
         # every check of a launch, on the would-be arguments, before anything changes
-        from .kernel import checked_launch
         launch_args, _ = checked_launch(kernel, self._head, new, lambda: self.label)
         fn = self._function
-        if fn is not None and self._params is None:
+        if self._params is None and self._buf is None:
             self._prepare()
-        if fn is not None and all(params[i].role == "scalar" for i in changed):
+        if all(params[i].role == "scalar" for i in changed):
             saved = self._buf.raw
             for i in changed:
                 try:
-                    struct.pack_into("@" + params[i].dtype.pack, self._buf, fn.offsets[i],
-                                     _coerce(params[i], new[i], self.label))
+                    fn.pack_scalar(self._buf, i, _coerce(params[i], new[i], self.label))
                 except (struct.error, OverflowError) as exc:
                     self._buf[:len(saved)] = saved
                     raise DTypeError(f"argument {params[i].name} of {self.label}: {new[i]!r} does not fit "
                                      f"a {params[i].dtype.name} ({exc})") from None
-            self._commit(graph, saved)
-        elif fn is not None:
-            p = self._params
-            saved, grid = self._buf.raw, (p.gridDimX, p.gridDimY, p.gridDimZ)
+            self._commit(graph, saved, launch_args)
+        else:
+            saved, old = self._buf.raw, (self._params, self._config)
             packed = fn.pack(*launch_args)
             config = kernel.config(new[0].grid, self.generics)  # may refuse the grid: before any change
             self._buf[:len(packed)] = packed
-            p.gridDimX, p.gridDimY, p.gridDimZ = config.grid
+            self._params, self._config = fn.node_params(config, self._ptrs), config
             try:
-                self._commit(graph, saved)
+                self._commit(graph, saved, launch_args)
             except BaseException:
-                p.gridDimX, p.gridDimY, p.gridDimZ = grid
+                self._params, self._config = old
                 raise
         self.values, self.launch_args = new, launch_args  # the graph keeps the new buffers alive
-        if fn is None:
-            self._ref_args = [t._array if isinstance(t, Tensor) else t for t in launch_args]
 
     def _set_fast(self, graph, fast, changes) -> bool:
         """Scalars only, each a float (int) for a float (int) parameter: pack them and
@@ -174,7 +155,7 @@ class KernelNode:
             try:
                 for name, v in changes.items():
                     new[fast[name][0]] = v
-                if kernel._launch_key(*self._head, *new) not in kernel._verified:
+                if kernel._launch_key(*self._head, *new) not in kernel._plans:
                     return False
             except (KeyError, AttributeError, TypeError, ValueError):
                 return False
@@ -189,30 +170,36 @@ class KernelNode:
         except (KeyError, struct.error, OverflowError):
             self._repack_scalars(done)  # the full path will say what is wrong
             return False
-        code = cu.cuGraphExecKernelNodeSetParams(graph._exec, self.handle, self._params)[0]
-        if code:
-            self._repack_scalars(done)
-            raise_error(code, f"cuGraphExecKernelNodeSetParams({self.label})")
         args = self.launch_args
         for i in done:
-            values[i] = args[i] = changes[self.kernel.params[i].name]
+            args[i] = changes[kernel.params[i].name]
+        try:
+            graph._graphs.set_kernel_node(graph._exec, self.handle, self._params, args, self.label)
+        except BaseException:
+            for i in done:
+                args[i] = values[i]
+            self._repack_scalars(done)
+            raise
+        for i in done:
+            values[i] = args[i]
         return True
 
     def _repack_scalars(self, indices) -> None:
         """Put the current values of these scalar arguments back into the parameter buffer."""
         for i in indices:
             prm = self.kernel.params[i]
-            struct.pack_into("@" + prm.dtype.pack, self._buf, self._function.offsets[i], prm.dtype.coerce(self.values[i]))
+            self._function.pack_scalar(self._buf, i, prm.dtype.coerce(self.values[i]))
 
-    def _commit(self, graph, saved: bytes) -> None:
+    def _commit(self, graph, saved: bytes, launch_args) -> None:
         if self.handle is None:
             self._buf[:len(saved)] = saved
             raise StateError(f"the driver did not report a node for {self.label} during capture "
                              "(the capture stream had several dependencies), so it cannot be updated")
-        code = cu.cuGraphExecKernelNodeSetParams(graph._exec, self.handle, self._params)[0]
-        if code:
+        try:
+            graph._graphs.set_kernel_node(graph._exec, self.handle, self._params, launch_args, self.label)
+        except BaseException:
             self._buf[:len(saved)] = saved  # the node keeps its previous arguments
-            raise_error(code, f"cuGraphExecKernelNodeSetParams({self.label})")
+            raise
 
     def _live_graph(self):
         graph = self._graph() if self._graph is not None else None
@@ -225,10 +212,6 @@ class KernelNode:
 
     def _attach(self, graph, index: int) -> None:
         self._graph, self.index = weakref.ref(graph), index
-
-    def _replay_reference(self) -> None:
-        """The reference device's replay of this node: the kernel's NumPy reference."""
-        self.kernel.reference(dict(zip(self.kernel.generic_names, self.generics)), *self._ref_args)
 
 
 def _coerce(param, value, label):

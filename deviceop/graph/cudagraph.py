@@ -9,99 +9,24 @@ graph is destroyed and the stream is usable again); instantiate, upload,
 synchronize.  The graph keeps every tensor and kernel it touches alive until
 it is closed or collected.
 
-On the reference device a "graph" is the tape of recorded launches and
-copies; launching it replays them.
+The driver work is the stream's device's ``graphs`` (runtime/graphs.py on a
+GPU; on the reference device a graph is the tape of recorded steps).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 
-from cuda.bindings import driver as cu
-
-from .errors import (CaptureError, CudaError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
-                     StateError)
+from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
+from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
+from .capture import Capture, preload
 from .nodes import KernelNode
-from .op import DeviceOp, ExecutionContext, SharedOp, _tls, check_stream, executing, too_deep, value
-from .runtime.driver import check, raise_error
-from .tensor import Tensor
-
-
-class Capture:
-    """State of one capture in progress: what the graph must keep alive, the
-    kernel nodes recorded so far, and (on the reference device) the tape of
-    work to replay.
-
-    It also knows what executing into it may change, so that a capture that
-    fails (or whose graph is never made) can hand it back with ``undo()``: the
-    ops that had not run before it (``fresh``).  Every op a capture runs is
-    checked for graph safety first — the op's tree, what a ``then`` callback
-    returns, a loop's body — and that walk is where they are found."""
-
-    __slots__ = ("keep", "tape", "label", "nodes", "by_launch", "fresh")
-
-    def __init__(self, label: str):
-        self.keep, self.tape, self.label = [], [], label
-        self.nodes, self.by_launch = [], {}
-        self.fresh = []
-
-    def check_graph_safe(self, op: DeviceOp) -> None:
-        bad = op.unsafe_for_graphs(self.fresh)
-        if bad is not None:
-            raise GraphSafetyError(
-                f"{bad.describe()} cannot be recorded into a graph: it allocates (a replay would reuse or free "
-                "an address the graph baked in). Allocate before capturing and pass the buffer in; only kernel "
-                "launches, api.memcpy and values are graph-safe")
-
-    @staticmethod
-    def last_node(stream):
-        """The node the stream's last captured launch made (copied out of the
-        driver's array at once), or None when the capture has several tips."""
-        res = cu.cuStreamGetCaptureInfo(stream.handle)
-        if res[0] or res[-1] != 1:
-            return None
-        return cu.CUgraphNode(int(res[4][0]))
-
-    def add_kernel_node(self, launch, node) -> None:
-        self.nodes.append(node)
-        self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
-
-    def undo(self) -> None:
-        """Leave no op marked as executed by this capture: every shared op it ran
-        (completed or failed) is unclaimed again, so a clone run later computes
-        it instead of returning a buffer no graph will fill, and every op it
-        executed may be executed again (ops that had run before it stay as they were)."""
-        for op in self.fresh:
-            op._consumed = False
-            if type(op) is SharedOp and (op.core.done or op.core.failed):
-                op.core.reset()
-        self.forget()
-
-    def forget(self) -> None:
-        """The graph was made: nothing to undo, and no op kept alive for it."""
-        self.fresh = []
-
-
-def _preload(op: DeviceOp, device) -> None:
-    """Compile and load every kernel the op tree launches, before capture."""
-    from .kernel import KernelLaunch
-    stack = [op]
-    seen = set()
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, KernelLaunch) and o._generics is not None:
-            o.kernel.function(device, o._generics)
-        stack.extend(o.children())
 
 
 class CudaGraph:
     """A captured, instantiated graph, bound to the stream it was captured on."""
 
     def __init__(self, stream, graph, exec_, output, capture: Capture):
+        self._graphs = stream.device.graphs  # the driver's graph work for this device
         self._stream, self._graph, self._exec = stream, graph, exec_
         self._shown = None                 # after an exec update: the graph whose work exec now does
         self._closed = False
@@ -113,7 +38,6 @@ class CudaGraph:
     def _adopt(self, capture: Capture, output) -> None:
         self._output, self._has_output = output, True
         self._keep = capture.keep          # tensors, kernels and modules the graph uses
-        self._tape = capture.tape          # reference device: the recorded work
         self._nodes, self._by_launch = capture.nodes, capture.by_launch
         for i, node in enumerate(self._nodes):
             node._attach(self, i)
@@ -137,9 +61,7 @@ class CudaGraph:
         cap = Capture(op.describe())
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
-            device = stream.device
-            if not device.is_reference:
-                _preload(op, device)
+            preload(op, stream.device)
             graph = cls._begin_or_abort(stream)
             try:
                 output = op._run(ExecutionContext(stream, cap))
@@ -155,12 +77,10 @@ class CudaGraph:
                 cap.undo()
                 raise
 
+    # The stages of a capture (each a staticmethod: tests put a failing one in its place)
     @staticmethod
     def _begin(stream):
-        if stream.device.is_reference:  # (_begin_or_abort refused a stream already capturing)
-            stream._capturing = True
-            return None
-        stream.begin_capture("relaxed")
+        stream.device.graphs.begin(stream)
         return True
 
     @staticmethod
@@ -178,48 +98,17 @@ class CudaGraph:
     @staticmethod
     def _abort(stream, graph) -> None:
         """End a failed capture and destroy whatever it recorded."""
-        if stream.device.is_reference:
-            stream._capturing = False
-            return
-        code, g = cu.cuStreamEndCapture(stream.handle)
-        if g is not None and int(g) != 0:
-            cu.cuGraphDestroy(g)
+        stream.device.graphs.abort(stream)
 
     @staticmethod
     def _end(stream, cap: Capture):
-        """End a capture that went well: the captured graph (None on the reference device)."""
-        if stream.device.is_reference:
-            broken, stream._capturing = stream._broken, False
-            if not broken:
-                return None
-            code, graph = cu.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None  # a host sync broke it
-        else:
-            code, graph = cu.cuStreamEndCapture(stream.handle)
-        if code:
-            if graph is not None and int(graph) != 0:
-                cu.cuGraphDestroy(graph)
-            name = cu.CUresult(int(code)).name
-            raise CaptureError(f"capturing {cap.label} failed when the capture ended ({name}): something in it "
-                               "broke the capture, e.g. a host synchronization or work on another stream")
-        return graph
+        """End a capture that went well: the captured graph."""
+        return stream.device.graphs.end(stream, cap.label)
 
     @staticmethod
     def _instantiate(stream, graph, label: str):
-        """Instantiate and upload ``graph`` (destroyed if that fails); None on the reference device."""
-        if graph is None:
-            return None
-        code, exec_ = cu.cuGraphInstantiate(graph, 0)
-        if code:
-            cu.cuGraphDestroy(graph)
-            raise_error(code, f"cuGraphInstantiate({label})")
-        try:
-            check(cu.cuGraphUpload(exec_, stream.handle), "cuGraphUpload")
-            stream.synchronize()
-        except BaseException:
-            cu.cuGraphExecDestroy(exec_)
-            cu.cuGraphDestroy(graph)
-            raise
-        return exec_
+        """Instantiate and upload ``graph`` (destroyed if that fails)."""
+        return stream.device.graphs.instantiate(stream, graph, label)
 
     @classmethod
     def scope(cls, stream, body=None):
@@ -266,13 +155,7 @@ class CudaGraph:
 
     def _replay(self, stream) -> None:
         self._check_open()
-        if self._tape is not None and self._graph is None:
-            for step in self._tape:
-                step()
-            return
-        code = cu.cuGraphLaunch(self._exec, stream.handle)[0]
-        if code:
-            raise_error(code, "cuGraphLaunch")
+        self._graphs.launch(self._exec, stream)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -322,37 +205,24 @@ class CudaGraph:
 
     def _update_to(self, graph, cap: Capture, output, reinstantiate: bool) -> str:
         """The second half of ``recapture``: make this graph do ``graph``'s work."""
-        stream = self._stream
+        stream, graphs = self._stream, self._graphs
         with self._lock:
-            if graph is None:  # reference device: the tape is the graph
-                same = [getattr(t, "node", None) for t in cap.tape] == [getattr(t, "node", None) for t in self._tape]
-                if not same and not reinstantiate:
-                    raise GraphUpdateError(f"recapturing {cap.label} changed the graph's nodes; "
-                                           "pass reinstantiate=True to rebuild it")
-                return self._swap(cap, output, updated=same)
-            code, info = cu.cuGraphExecUpdate(self._exec, graph)
-            if not code and info.result == cu.CUgraphExecUpdateResult.CU_GRAPH_EXEC_UPDATE_SUCCESS:
+            reason = graphs.update(self._exec, graph, cap.label)
+            if reason is None:
                 for node, origin in zip(cap.nodes, self._origin):
                     node.handle = origin  # exec's nodes keep the names of the graph it was instantiated from
-                if self._shown is not None:
-                    cu.cuGraphDestroy(self._shown)
+                graphs.destroy(self._shown)
                 self._shown = graph
                 return self._swap(cap, output, updated=True)
-            # the bindings return no result info when the update fails: the error code says enough
-            reason = info.result.name.removeprefix("CU_GRAPH_EXEC_UPDATE_") if info is not None \
-                else cu.CUresult(int(code)).name
             if not reinstantiate:
-                cu.cuGraphDestroy(graph)
+                graphs.destroy(graph)
                 raise GraphUpdateError(f"cuGraphExecUpdate refused the recapture of {cap.label} ({reason}): its "
                                        "topology or node kinds differ; pass reinstantiate=True to rebuild the graph")
             exec_ = CudaGraph._instantiate(stream, graph, cap.label)
             old = (self._exec, self._graph, self._shown)
             self._exec, self._graph, self._shown = exec_, graph, None
             self._origin = [n.handle for n in cap.nodes]
-            cu.cuGraphExecDestroy(old[0])
-            for g in old[1:]:
-                if g is not None:
-                    cu.cuGraphDestroy(g)
+            graphs.close(old[0], old[1:])
             return self._swap(cap, output, updated=False)
 
     def _swap(self, cap: Capture, output, updated: bool) -> str:
@@ -369,23 +239,7 @@ class CudaGraph:
     def nodes(self) -> list[dict]:
         """One dict per node: its type and, for kernels, the kernel's name."""
         self._check_open()
-        if self._graph is None:
-            kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL"}
-            return [{"type": kinds.get(kind, "MEMCPY"), "name": name} for kind, name in
-                    (getattr(step, "node", ("host", "?")) for step in self._tape)]
-        shown = self._shown if self._shown is not None else self._graph
-        _, _, n = cu.cuGraphGetNodes(shown, 0)
-        nodes, _ = check(cu.cuGraphGetNodes(shown, n), "cuGraphGetNodes")
-        out = []
-        for node in nodes[:n]:
-            kind = check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")
-            entry = {"type": kind.name.removeprefix("CU_GRAPH_NODE_TYPE_")}
-            if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-                params = check(cu.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-                name = check(cu.cuFuncGetName(params.func), "cuFuncGetName")
-                entry["name"] = name.decode() if isinstance(name, bytes) else str(name)
-            out.append(entry)
-        return out
+        return self._graphs.nodes(self._shown if self._shown is not None else self._graph)
 
     def summary(self) -> dict:
         """Node counts by type and kernel counts by (mangled) name."""
@@ -399,20 +253,7 @@ class CudaGraph:
     def to_dot(self, path=None, verbose: bool = False) -> str:
         """The graph as Graphviz DOT (``cuGraphDebugDotPrint``); written to ``path`` if given."""
         self._check_open()
-        if self._graph is None:
-            text = "digraph deviceop_reference {\n" + "".join(
-                f'  n{i} [label="{n["type"]} {n.get("name", "")}"];\n' + (f"  n{i - 1} -> n{i};\n" if i else "")
-                for i, n in enumerate(self.nodes())) + "}\n"
-        else:
-            flags = cu.CUgraphDebugDot_flags.CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE if verbose else 0
-            fd, tmp = tempfile.mkstemp(suffix=".dot")
-            os.close(fd)
-            try:
-                shown = self._shown if self._shown is not None else self._graph
-                check(cu.cuGraphDebugDotPrint(shown, tmp.encode(), int(flags)), "cuGraphDebugDotPrint")
-                text = open(tmp).read()
-            finally:
-                os.unlink(tmp)
+        text = self._graphs.dot(self._shown if self._shown is not None else self._graph, verbose)
         if path is not None:
             with open(path, "w") as f:
                 f.write(text)
@@ -427,12 +268,8 @@ class CudaGraph:
             self._closed = True
             exec_, graph, shown = self._exec, self._graph, self._shown
             self._exec = self._graph = self._shown = None
-            self._keep, self._tape, self._nodes, self._by_launch = [], None, [], {}
-        if exec_ is not None:
-            check(cu.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
-        for g in (graph, shown):
-            if g is not None:
-                check(cu.cuGraphDestroy(g), "cuGraphDestroy")
+            self._keep, self._nodes, self._by_launch = [], [], {}
+        self._graphs.close(exec_, (graph, shown))
 
     def __enter__(self):
         return self
@@ -488,8 +325,7 @@ class Scope:
                              "record on that thread, or open a scope (on a stream of its own) in this one")
         op = value(op)
         self._cap.check_graph_safe(op)
-        if not self.stream.device.is_reference:
-            _preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
+        preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
         try:
             return op._run(self._ctx)
         except RecursionError as exc:
@@ -529,54 +365,3 @@ class Scope:
             return False
         finally:
             self._lock_cm.__exit__(None, None, None)
-
-
-class Module:
-    """A model: ``forward(input) -> output`` (seed 001's Module trait)."""
-
-    def forward(self, x):  # pragma: no cover - protocol
-        raise NotImplementedError
-
-    def __call__(self, x):
-        return self.forward(x)
-
-
-class GraphModel(Module):
-    """A captured forward pass behind ``forward``: copy the input into the
-    buffer the graph reads, replay, return the buffer the graph writes."""
-
-    def __init__(self, graph: CudaGraph, input, output):
-        from .tensor import SharedTensor
-        self.graph = graph
-        self.input = input.tensor if isinstance(input, SharedTensor) else input
-        self.output = output
-        self._in_sig = self.input._sig[1:]  # shape, strides, dtype
-
-    def forward(self, x):
-        self.forward_async(x)
-        try:
-            self.graph.stream.synchronize()
-        except KernelFaultError as exc:
-            raise exc.naming("GraphModel.forward", [n.label for n in self.graph._nodes]) from None
-        return self.output
-
-    def forward_async(self, x):
-        """``forward`` without waiting: the output is ready once the graph's stream gets there.
-
-        The common case — a contiguous tensor exactly like the input buffer, on
-        a GPU — is two driver calls (copy, replay) and a few attribute checks;
-        anything else goes through ``api.memcpy``, which checks everything and
-        names what is wrong."""
-        graph, inp = self.graph, self.input
-        stream = graph._stream
-        if (type(x) is Tensor and x._sig[1:] == self._in_sig and x._contig and not stream.device.is_reference
-                and x._alloc is not inp._alloc and not getattr(_tls, "executing", None) and not graph._closed):
-            code = cu.cuMemcpyAsync(inp._ptr, x._ptr, inp.nbytes, stream.handle)[0]
-            if code:
-                raise_error(code, "cuMemcpyAsync")
-            graph._replay(stream)
-            return self.output
-        from . import api
-        graph.update(api.memcpy(inp, x))
-        graph.launch().async_on(stream)
-        return self.output

@@ -1,0 +1,145 @@
+"""Where an op executes: the ExecutionContext (device, stream, capture), the
+thread's non-reentrant execution lock, the recursion limit, the process-wide
+counters, and the once-cell behind shared ops."""
+from __future__ import annotations
+
+import sys
+import threading
+
+from .errors import LaunchError, ReentrancyError, StateError
+
+_tls = threading.local()
+stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
+
+
+class ExecutionContext:
+    """Where an execution runs: the device and stream, and whether a graph
+    is being captured (then only graph-safe work is allowed)."""
+
+    __slots__ = ("device", "stream", "capture")
+
+    def __init__(self, stream, capture=None):
+        try:
+            self.device = stream.device
+        except AttributeError:
+            raise not_a_stream("running an op (sync_on, async_on, graph.update ...)", stream) from None
+        self.stream = stream
+        self.capture = capture  # None, or the capture in progress (graph layer)
+
+    def __repr__(self) -> str:
+        return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
+
+
+def not_a_stream(what: str, stream) -> LaunchError:
+    return LaunchError(f"{what} needs a deviceop stream (device.new_stream(), or CudaStream.from_handle(...) for "
+                       f"another library's), got {'None' if stream is None else type(stream).__name__}")
+
+
+def check_stream(what: str, stream) -> None:
+    """Refuse what is not a stream before a capture begins (an execution finds out by itself)."""
+    if getattr(stream, "device", None) is None:
+        raise not_a_stream(what, stream)
+
+
+# Executing an op recurses through its tree, a frame or a few per nested op.
+# On Python 3.11+ those frames use no C stack (Python-to-Python calls run
+# inline), so deviceop raises the recursion limit to this once, where it was
+# lower, for chains of thousands of launches to execute.  Once, not around
+# each execution: setrecursionlimit visits every thread, and raising and
+# restoring it would add ~0.1 us to every eager execution.
+RECURSION_LIMIT = 20_000 if sys.version_info >= (3, 11) else sys.getrecursionlimit()
+if sys.getrecursionlimit() < RECURSION_LIMIT:
+    sys.setrecursionlimit(RECURSION_LIMIT)
+
+
+def too_deep(op, exc: RecursionError) -> StateError:
+    """The error of an execution that ran past Python's recursion limit."""
+    return StateError(
+        f"executing {op.describe()} exceeded Python's recursion limit "
+        f"({sys.getrecursionlimit()} frames: {exc}): an op "
+        "tree this deep is a chain of thousands of ops, each nested in the next (or a callback that recurses). "
+        "The tree is now partly executed: build it again, and compose long sequences side by side "
+        "(DeviceOpVec / zip_ of ops that each take the previous result's buffer), run the chain in pieces, "
+        "or raise the limit with sys.setrecursionlimit(...)")
+
+
+class executing:
+    """Hold the thread's execution lock (non-reentrant, as in cutile-rs).
+
+    A class, not a @contextmanager generator: it is entered on every
+    execution, and a generator-based context manager costs ~1 us more."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what):
+        self.what = what
+
+    def __enter__(self):
+        current = getattr(_tls, "executing", None)
+        if current:
+            what = self.what if isinstance(self.what, str) else self.what()
+            current = current if isinstance(current, str) else current()
+            raise ReentrancyError(
+                f"{what} was called while {current} is "
+                "executing on this thread; DeviceOp execution is non-reentrant. Compose with .then(...) "
+                "instead of executing inside a callback")
+        _tls.executing = self.what  # a string, or a callable that makes one (only for the error)
+        return self
+
+    def __exit__(self, *exc):
+        _tls.executing = None
+        return False
+
+
+class _SharedCore:
+    """The once-cell behind a shared op and all its clones (run by ``SharedOp._run``).
+
+    Claimed without a lock (a lock's acquire and release were a fifth of an
+    eager launch's host cost): an execution that finds the cell unclaimed
+    appends its ExecutionContext to ``claims``, and since ``list.append`` is
+    atomic, of executions racing there the one whose context lands first
+    runs the op.  Any other appends an Event and waits; the runner sets every
+    Event in ``claims`` once the op is done or failed.  An execution reaching
+    the cell it is itself running (its context is ``claims[0]``) is a cycle.
+    A context belongs to one thread (executions are non-reentrant, and a
+    capture scope records only from the thread that opened it)."""
+
+    __slots__ = ("op", "done", "failed", "result", "claims")
+
+    def __init__(self, op):
+        self.op, self.done, self.failed, self.result, self.claims = op, False, False, None, []
+
+    def wake(self) -> None:
+        """Wake the executions waiting for the run (``done`` or ``failed`` is set)."""
+        for waiter in self.claims[1:]:
+            if type(waiter) is threading.Event:
+                waiter.set()
+
+    @property
+    def unclaimed(self) -> bool:
+        """No execution has run, is running or failed the op."""
+        return not (self.claims or self.done or self.failed)
+
+    def reset(self) -> None:
+        """Back to unclaimed, the result dropped: what a failed capture does to a
+        cell it ran, whose result is a buffer only the discarded graph would fill."""
+        self.done = self.failed = False
+        self.result, self.claims = None, []
+
+    def wait(self, ctx):
+        """The result of a run another execution claimed (see the class docstring)."""
+        if self.failed:  # raised before waiting: a failed op run again must not grow claims
+            raise self._failed_error()
+        if not self.done and self.claims[0] is ctx:
+            raise StateError(f"shared op {self.op.describe()} depends on its own result")
+        event = threading.Event()
+        self.claims.append(event)
+        while not (self.done or self.failed):  # done/failed are set before the runner wakes anyone
+            event.wait()
+        if not self.done:
+            raise self._failed_error()
+        return self.result
+
+    def _failed_error(self) -> StateError:
+        return StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
+                          "result; build the op again")

@@ -1,0 +1,15 @@
+"""Kernel declarations and the launch plan (see declare.py for what a kernel is).
+
+* ``signature``: parameters (``Out``, ``In``, ``Scalar``) and the check of one argument;
+* ``plan``: the launch key, every check of a launch, the verdict cache;
+* ``launch``: the lazy launch op and its ``first()``;
+* ``fast``: the generated eager fast path;
+* ``declare``: ``Kernel``.
+"""
+from .declare import Kernel
+from .launch import KernelLaunch
+from .plan import _launcher, check_launch, checked_launch
+from .signature import In, Out, Param, Scalar, check_arg
+
+__all__ = ["_launcher", "In", "Kernel", "KernelLaunch", "Out", "Param", "Scalar", "check_arg", "check_launch",
+           "checked_launch"]

@@ -1,0 +1,178 @@
+"""Kernel launch ops: a lazy launch of a kernel, whose value is the tuple of
+its arguments, and the ``first()`` node that gives its output partition.
+
+A launch asks its execution context to run it (eager) or to record it (a
+capture, which decides what node it becomes); the plan module checks it.
+"""
+from __future__ import annotations
+
+from ..errors import DeviceOpError, LaunchError
+from ..op import DeviceOp, stats
+from .plan import check_launch, checked_launch
+from .signature import Param, check_arg
+
+
+class _Output(DeviceOp):
+    """``launch.first()`` and ``launch.first().unpartition()`` as one node."""
+
+    __slots__ = ("launch", "as_tensor")
+    graph_safe = True
+
+    def __init__(self, launch, as_tensor: bool):
+        super().__init__()
+        self.launch, self.as_tensor = launch, as_tensor
+
+    def children(self):
+        return (self.launch,)
+
+    def unpartition(self) -> DeviceOp:
+        return type(self)(self.launch, True) if not self.as_tensor else super().unpartition()
+
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
+        part = self.launch._run(ctx)[0]
+        return part.tensor if self.as_tensor else part
+
+    def describe(self):
+        return f"{self.launch.describe()}.first(){'.unpartition()' if self.as_tensor else ''}"
+
+    _execute = _run
+
+class KernelLaunch(DeviceOp):
+    """One lazy launch of a kernel; value = the tuple of its arguments."""
+
+    __slots__ = ("kernel", "args", "_generics", "_dynamic", "_mutable", "_pdl", "_cooperative", "__weakref__")
+    graph_safe = True
+    _output_type = _Output  # what first() makes (the generated launch classes make their own)
+
+    def __init__(self, kernel, args, dynamic: tuple):
+        super().__init__()
+        self.kernel, self.args = kernel, tuple(args)
+        self._generics = () if not kernel.generic_names else None
+        self._mutable = frozenset()  # argument positions a captured node may change (.dynamic)
+        self._pdl = self._cooperative = False
+        self._dynamic = dynamic  # positions of the arguments that are ops, run first (found by Kernel.__call__)
+        if len(self.args) != len(kernel.params):
+            raise LaunchError(f"{kernel.name} takes {len(kernel.params)} arguments "
+                              f"({', '.join(p.describe() for p in kernel.params)}), got {len(self.args)}")
+        # arguments known now are checked now, before anything runs
+        for p, a in zip(kernel.params, self.args):
+            if not isinstance(a, DeviceOp):
+                self._check_arg(p, a)
+
+    @property
+    def arity(self) -> int:
+        return len(self.args)
+
+    def first(self) -> "DeviceOp":
+        """The output partition (one node, not a map: launches are the hot path)."""
+        return self._output_type(self, False)
+
+    def generics(self, values) -> "KernelLaunch":
+        """Pick the template arguments, e.g. ``.generics([2048, 256])``."""
+        self._generics = self.kernel.check_generics(values)
+        return self
+
+    def dynamic(self, *names) -> "KernelLaunch":
+        """Mark arguments (by name; none = all) that may change between replays of
+        a graph this launch is captured into: ``graph.node(launch).set(name=...)``.
+        A new output partition changes the grid."""
+        index = self.kernel.param_index
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise LaunchError(f"{self.kernel.name} has no argument(s) {', '.join(map(repr, unknown))}; "
+                              f"its arguments are {', '.join(index)}")
+        self._mutable = frozenset(index[n] for n in names) if names else frozenset(index.values())
+        return self
+
+    def pdl(self, enabled: bool = True) -> "KernelLaunch":
+        """Launch with programmatic dependent launch: the kernel may start while the
+        previous kernel on the stream is still running (in a graph: a programmatic
+        edge).  Only for kernels that execute ``griddepcontrol.wait`` before reading
+        anything the previous kernels wrote (kernels/fused.cu does)."""
+        self._pdl = bool(enabled)
+        if self._pdl and self._cooperative:
+            raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
+        return self
+
+    def cooperative(self, enabled: bool = True) -> "KernelLaunch":
+        """Launch cooperatively: all CTAs of the grid are resident at once, so they may
+        wait for each other (a grid barrier); the driver refuses a grid too large to
+        be (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of letting it hang."""
+        self._cooperative = bool(enabled)
+        if self._pdl and self._cooperative:
+            raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
+        return self
+
+    def children(self):
+        return tuple(a for a in self.args if isinstance(a, DeviceOp))
+
+    def describe(self) -> str:
+        return self.kernel.name_expression(self._generics) if self._generics is not None else self.kernel.name
+
+    def _check_arg(self, p: Param, a):
+        check_arg(self.kernel, p, a)
+
+    def infer_generics(self):
+        """The generics this launch's arguments determine, or None (not all known
+        yet: some are ops; or they do not fit, which the launch will say)."""
+        kernel = self.kernel
+        if not kernel.infers_generics or self._dynamic:
+            return None
+        try:
+            return check_launch(kernel, self.args, None, kernel.name)[1]
+        except DeviceOpError:
+            return None
+
+    def _run(self, ctx):  # the consumption check inlined: this is the hot path
+        if self._consumed:
+            self._already_executed()
+        self._consumed = True
+        values = self.args
+        if self._dynamic:
+            values = list(values)
+            for i in self._dynamic:
+                values[i] = values[i]._run(ctx)
+        return self._launch(ctx, values)
+
+    def _launch(self, ctx, values, key=None):
+        """Check (or find checked) and launch, the arguments' ops already run.
+
+        The general path: every launch on the reference device, every launch
+        captured into a graph, and the first eager launch of each argument
+        set.  Eager launches seen before take the kernel's generated ``_run``
+        (``_fast_launch_type``) instead; ``key`` is the launch key when that
+        path has built it already."""
+        launch_args, plan, head = self._check(ctx, values, key)
+        if ctx.capture is None:
+            plan.launcher(ctx.stream, plan.config, *launch_args)
+        else:  # the capture records it, and decides what node it becomes
+            ctx.capture.record_launch(ctx.stream, self, head, values, launch_args, plan)
+        stats["launches"] += 1
+        return tuple(values)
+
+    def _check(self, ctx, values, key):
+        """``(launch arguments, plan, head)`` of this launch (plan.checked_launch);
+        the head's generics are the plan's, inferred ones included."""
+        gen = self._generics
+        if gen is None and not self.kernel.infers_generics:
+            raise LaunchError(f"{self.kernel.name} needs generics <{', '.join(self.kernel.generic_names)}>: "
+                              f"call .generics([...]) on the launch (the shapes of its parameters do not "
+                              f"determine them all)")
+        launch_args, plan = checked_launch(self.kernel, (ctx.device, gen, self._pdl, self._cooperative), values,
+                                           self.describe, key)
+        return launch_args, plan, (ctx.device, plan.generics, self._pdl, self._cooperative)
+
+    def _launch_and_prepare(self, ctx, values, key):
+        """An eager launch not prepared yet: checked and launched by the general
+        path, then prepared, so the next launch with its key costs one lookup and
+        one driver call."""
+        launch_args, plan, _ = self._check(ctx, values, key)
+        plan.launcher(ctx.stream, plan.config, *launch_args)
+        stats["launches"] += 1
+        plan.prepare(launch_args)
+        return tuple(values)
+
+    _execute = _run

@@ -1,0 +1,195 @@
+"""A kernel's typed signature: each parameter's role (output partition, input
+tensor, scalar), dtype, layout, and shape in terms of the kernel's generics,
+as cuTile writes ``out: &mut Tensor<f32, {[B]}>``, ``x: &Tensor<f32, {[-1, K]}>``::
+
+    Out("out", "float32", tile=("B",))          # the output's tile is [B]
+    In("x", "float32", shape=(-1, "K"))         # any rows, K columns
+    In("w", "float32", shape=("N", "K"))        # N: a size the arguments must agree on
+
+A dimension is an int (exactly that), -1 (any) or a name: a generic of the
+kernel, or a size shared by the parameters that name it.  ``bind`` checks a
+launch's arguments against them, infers the generics they determine and checks
+the ones given, naming the parameter, the generic and the two values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import DType, dtype as as_dtype
+from ..errors import DTypeError, LaunchError, ShapeError
+from ..tensor import Partition, SharedTensor, Tensor
+
+LAYOUTS = ("dense", "strided")
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    role: str              # "out" | "in" | "scalar"
+    dtype: DType
+    rank: int | None = None
+    # what the kernel assumes of a tensor's memory: "dense" (C-contiguous: the kernel
+    # receives a bare pointer and indexes it row-major) or "strided" (any strides: a
+    # kernel that takes the strides some other way, and reads them)
+    layout: str = "dense"
+    shape: tuple | None = None  # the tensor's dimensions (see the module docstring)
+    tile: tuple | None = None   # an output's tile, likewise
+
+    def describe(self) -> str:
+        if self.role == "scalar":
+            return f"{self.name}: {self.dtype.name}"
+        dims = f" {_dims_text(self.shape)}" if self.shape is not None else ""
+        dims += f" tile {_dims_text(self.tile)}" if self.tile is not None else ""
+        rank = f", rank {self.rank}" if self.rank is not None and not dims else ""
+        layout = f", {self.layout}" if self.layout != "dense" else ""
+        return f"{self.name}: {'out ' if self.role == 'out' else ''}{self.dtype.name}{dims}{rank}{layout}"
+
+
+def _dims_text(dims) -> str:
+    return "[" + ", ".join(map(str, dims)) + "]"
+
+
+def _dims(name: str, what: str, dims) -> tuple | None:
+    if dims is None:
+        return None
+    dims = tuple(dims)
+    for d in dims:
+        if not (isinstance(d, str) and d.isidentifier()) and not (type(d) is int and d >= -1):
+            raise LaunchError(f"parameter {name}: each dimension of its {what} is an int, -1 (any) or the name "
+                              f"of a generic or size, got {d!r} in {dims}")
+    return dims
+
+
+def _tensor_param(name: str, role: str, dtype, rank, layout, shape=None, tile=None) -> Param:
+    if layout not in LAYOUTS:
+        raise LaunchError(f"parameter {name}: layout must be one of {', '.join(map(repr, LAYOUTS))}, "
+                          f"got {layout!r}")
+    shape, tile = _dims(name, "shape", shape), _dims(name, "tile", tile)
+    for dims in (shape, tile):
+        if dims is not None:
+            if rank is not None and rank != len(dims):
+                raise LaunchError(f"parameter {name}: rank={rank} but {_dims_text(dims)} has {len(dims)} "
+                                  "dimensions; give one of them")
+            rank = len(dims)
+    return Param(name, role, as_dtype(dtype), rank, layout, shape, tile)
+
+
+def Out(name: str, dtype, rank: int | None = None, layout: str = "dense", *, shape=None, tile=None) -> Param:
+    """The output partition (always the first parameter).  ``layout="dense"`` (the
+    default) refuses a tensor that is not C-contiguous; ``"strided"`` accepts any.
+    ``shape`` and ``tile`` declare its dimensions and its tile's (module docstring)."""
+    return _tensor_param(name, "out", dtype, rank, layout, shape, tile)
+
+
+def In(name: str, dtype, rank: int | None = None, layout: str = "dense", *, shape=None) -> Param:
+    """An input tensor the kernel reads (``layout`` and ``shape`` as for ``Out``)."""
+    return _tensor_param(name, "in", dtype, rank, layout, shape)
+
+
+def Scalar(name: str, dtype) -> Param:
+    return Param(name, "scalar", as_dtype(dtype))
+
+
+def inferable(params, generic_names) -> bool:
+    """Do the parameters' shapes name every generic (so a launch may omit ``.generics()``)?"""
+    named = {d for p in params for dims in (p.shape, p.tile) if dims for d in dims if isinstance(d, str)}
+    return all(g in named for g in generic_names)
+
+
+def bind(kernel, values, launch_args, gen) -> tuple:
+    """Check the arguments' dimensions against the declared shapes and tiles; return
+    the generics (``gen``, checked, or inferred when None)."""
+    given = dict(zip(kernel.generic_names, gen)) if gen is not None else {}
+    bound = {}  # name -> (value, where it came from)
+
+    def check(p, what, dims, actual):
+        for axis, (d, n) in enumerate(zip(dims, actual)):
+            if d == -1:
+                continue
+            if type(d) is int:
+                expected, source = d, "the declaration"
+            elif d in given:
+                expected, source = given[d], ".generics()"
+            elif d in bound:
+                expected, source = bound[d]
+            else:
+                bound[d] = (n, f"{p.name}'s {what}")
+                continue
+            if n != expected:
+                raise _mismatch(kernel, p, what, dims, actual, axis, expected, source, given, bound)
+
+    for p, a, t in zip(kernel.params, values, launch_args):
+        if p.shape is not None:
+            check(p, "shape", p.shape, t.shape)
+        if p.tile is not None:
+            check(p, "tile", p.tile, a.tile_shape)
+    if gen is not None:
+        return gen
+    missing = [g for g in kernel.generic_names if g not in bound]
+    if missing:  # pragma: no cover - refused before any check when the shapes cannot name them all
+        raise LaunchError(f"{kernel.name} needs generics <{', '.join(kernel.generic_names)}>: call .generics([...])")
+    return tuple(bound[g][0] for g in kernel.generic_names)
+
+
+def _mismatch(kernel, p, what, dims, actual, axis, expected, source, given, bound) -> ShapeError:
+    """The error of ``p``'s ``what`` disagreeing with ``expected`` on ``axis``."""
+    fits = [n if d == -1 or (isinstance(d, str) and d not in given and d not in bound) else
+            d if type(d) is int else given[d] if d in given else bound[d][0] for d, n in zip(dims, actual)]
+    fits[axis] = expected
+    d = dims[axis]
+    head = f"{kernel.name}<{d}={expected}>" if isinstance(d, str) else kernel.name
+    why = (f"axis {axis} is {d}: {expected} from {source}, {actual[axis]} here" if isinstance(d, str)
+           else f"axis {axis} must be {d}")
+    if what == "tile":
+        return ShapeError(f"{head}: partition {p.name} with {_dims_text(fits)}, not {_dims_text(actual)} "
+                          f"({p.name}'s tile {why})")
+    return ShapeError(f"{head}: argument {p.name} has shape {_dims_text(actual)}, but its {why}; "
+                      f"pass a {p.name} of shape {_dims_text(fits)}")
+
+
+def _generic_text(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str) and v:
+        return v
+    raise LaunchError(f"a generic is an int, a bool or a C++ type name, got {v!r}")
+
+
+
+
+def _as_tensor_arg(v):
+    return v.tensor if isinstance(v, SharedTensor) else v
+
+
+
+def check_arg(kernel, p: Param, a) -> None:
+    """Is ``a`` a valid value for parameter ``p`` (role, dtype, rank, layout)?"""
+    k = kernel.name
+    if p.role == "out":
+        if not isinstance(a, Partition):
+            hint = " (a plain tensor: pass tensor.partition(tile), or shared.try_partition(tile))" \
+                if isinstance(a, (Tensor, SharedTensor)) else ""
+            raise LaunchError(f"argument 0 ({p.name}) of {k} must be a Partition{hint}, got {type(a).__name__}")
+        t = a.tensor
+    elif p.role == "in":
+        t = _as_tensor_arg(a)
+        if not isinstance(t, Tensor):
+            raise LaunchError(f"argument {p.name} of {k} must be a Tensor, got {type(a).__name__}")
+    else:
+        try:
+            p.dtype.coerce(a)
+        except DTypeError as exc:
+            raise DTypeError(f"argument {p.name} of {k}: {exc}") from None
+        return
+    if t.dtype is not p.dtype:
+        raise DTypeError(f"argument {p.name} of {k} must be {p.dtype.name}, got a {t.dtype.name} tensor")
+    if p.rank is not None and t.ndim != p.rank:
+        raise ShapeError(f"argument {p.name} of {k} must have rank {p.rank}, got shape {t.shape}; "
+                         f"reshape it (e.g. .reshape(...)) first")
+    if p.layout == "dense" and not t._contig:
+        # the kernel gets a bare pointer and indexes it row-major: a reversed, broadcast (stride 0),
+        # every-other-element or row-strided view would have it read the wrong elements, or past the end
+        raise ShapeError(f"argument {p.name} of {k} must be dense (C-contiguous), got shape {t.shape} with "
+                         f"strides {t.strides} (in elements); pass a contiguous copy: t.contiguous()")

@@ -1,0 +1,317 @@
+"""The reference device: the backend of a machine without a GPU.
+
+It implements the interface of a CUDA device — streams, events, memory,
+kernel functions and the graph work of runtime/graphs.py — on the host:
+memory is NumPy arrays (their addresses are real host addresses, so copies
+and memsets are ``ctypes`` calls on them), a kernel runs its NumPy reference,
+and a stream that captures records a *tape* of steps instead of running them,
+which a graph launch replays.  It refuses what the GPU refuses (a host sync in
+a capture, work on a closed stream, a launch the CUBIN would refuse).  The
+layers above never ask which device they run on: this module is where the
+difference lives.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+import weakref
+
+import numpy as np
+
+from ..dtypes import host_array_from_dlpack
+from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
+from . import driver
+from .device import CTX_SYNC, Device
+from .tape import Kernel as _Kernel, Copy as _Copy, TapeGraphs
+from .params import ParamLayout, check_param_layout
+from .stream import _CAPTURED_EVENT, _CLOSED, Stream, closed_stream, sync_in_capture
+
+_announced = False
+
+
+class ReferenceDevice(Device):
+    """The device of a machine without a GPU: kernels run their NumPy
+    references on the host, graphs record launches and replay them.  It exists
+    so that everything above the runtime is testable anywhere; it is never
+    what a benchmark measures."""
+
+    is_reference = True
+    compute_capability = None
+    sm_count = 0
+    total_memory = 0
+    l2_cache_size = 0
+    max_shared_memory_per_block = 0
+    label = "reference"
+
+    def _setup(self, ordinal: int) -> None:
+        global _announced
+        self.reason = driver.probe()[1]
+        if ordinal != 0:  # a GPU machine without GPU `ordinal` refuses it too (CudaDevice._setup)
+            raise NoDeviceError(f"no CUDA device {ordinal}: this process has no GPU ({self.reason}), only the "
+                                "reference device, Device(0); use Device(0), or run on a machine with that GPU")
+        self.ordinal = ordinal
+        self.name = "deviceop reference device (NumPy)"
+        self._streams = weakref.WeakSet()  # every stream made on it (a context-wide sync checks their captures)
+        if not _announced:
+            _announced = True
+            print(f"deviceop: no CUDA GPU ({self.reason}); using the reference device, which runs "
+                  "kernels' NumPy references on the CPU. Its timings say nothing about a GPU.",
+                  file=sys.stderr)
+
+    @property
+    def arch(self) -> str:
+        """The architecture NVRTC compiles for here (``DEVICEOP_ARCH``, default
+        ``sm_90``, the H100): compiling needs no GPU."""
+        return os.environ.get("DEVICEOP_ARCH", "sm_90")
+
+    def bind(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"reference device (NumPy) — {self.reason}"
+
+    def require_gpu(self, what: str) -> None:
+        raise NoDeviceError(f"{what} needs a CUDA device; this process has the reference device ({self.reason}). "
+                            "Kernels declared with a NumPy reference still run there through deviceop's kernel ops.")
+
+    def conditional_nodes(self) -> tuple[bool, str]:
+        """Always ``(True, "")``: a captured loop replays its body's tape on the host."""
+        return True, ""
+
+    def new_stream(self, priority: int = 0):
+        return ReferenceStream(self)
+
+    def load_function(self, program, expr: str, signature, reference, generics: dict):
+        """``expr``'s NumPy ``reference``, behind the interface of a loaded kernel; its
+        declared signature checked against the CUBIN's records, as loading it would be."""
+        fn = ReferenceFunction(expr, signature, reference, generics)
+        try:
+            actual = program.param_layout(expr)
+        except ValueError:  # a CUBIN this reader does not understand: nothing to compare
+            actual = None
+        if actual is not None:
+            check_param_layout(expr, fn.signature, actual)
+        return fn
+
+    def new_event(self, timing: bool = True):
+        return ReferenceEvent(self, timing=timing)
+
+    def synchronize(self) -> None:
+        """Refused while any of its streams captures, and breaks those captures, as ``cuCtxSynchronize`` on a GPU."""
+        capturing = [s for s in list(self._streams) if s._tape is not None]
+        if capturing:
+            for s in capturing:
+                s._broken = True
+            raise sync_in_capture(CTX_SYNC, "cuCtxSynchronize", whose="a stream of this device is")
+
+    def memory_info(self) -> tuple[int, int]:
+        return (0, 0)
+
+    # -- memory: NumPy arrays -------------------------------------------------------
+    def alloc(self, dims, dt, stream):
+        try:
+            return np.empty(dims, dtype=dt.np)
+        except (MemoryError, ValueError) as exc:
+            raise OutOfMemoryError(f"allocating a {dt.name} tensor of shape {dims} on the reference device",
+                                   2, "CUDA_ERROR_OUT_OF_MEMORY", str(exc), "allocate less") from None
+
+    @staticmethod
+    def address(array) -> int:
+        return int(array.__array_interface__["data"][0])
+
+    @staticmethod
+    def extent(array):
+        return None  # a NumPy array's memory is its own
+
+    @staticmethod
+    def view_array(base, ptr: int, shape, byte_strides, dtype):
+        raw = np.dtype(f"V{dtype.itemsize}")  # any dtype (bfloat16 too) through raw bytes
+        iface = {"version": 3, "shape": tuple(shape), "typestr": raw.str, "data": (ptr, False),
+                 "strides": tuple(byte_strides)}
+        return np.asarray(_HostMemory(base, iface)).view(dtype)
+
+    def from_host(self, host, dt, stream):
+        return host.copy()
+
+    @staticmethod
+    def import_dlpack(obj):
+        return host_array_from_dlpack(obj)  # (NumPy alone refuses bfloat16)
+
+    @staticmethod
+    def import_cuda_array(obj):
+        raise StateError("__cuda_array_interface__ describes GPU memory; the reference device has none")
+
+    @staticmethod
+    def contiguous(array, stream):
+        return np.ascontiguousarray(array)
+
+    def to_host(self, array, stream):
+        return array.copy()
+
+    @staticmethod
+    def cuda_array_interface(array):
+        raise AttributeError("a reference-device tensor lives in host memory; use .numpy()")
+
+    @staticmethod
+    def cupy_array(array):
+        raise StateError("the reference device has no CuPy arrays; use .numpy()")
+
+    def __repr__(self) -> str:
+        return f"<reference device: {self.reason}>"
+
+
+class _HostMemory:
+    """Exposes a raw host view to NumPy while keeping its base array alive."""
+
+    def __init__(self, base, interface):
+        self.base, self.__array_interface__ = base, interface
+
+
+# -- streams and events --------------------------------------------------------------
+
+class ReferenceStream(Stream):
+    """A stream of the reference device: work runs on the host at once, or,
+    while the stream captures, is appended to its tape.
+
+    It refuses what a CUDA stream refuses: a host sync (``synchronize``,
+    ``query``) while it captures, and any work once closed."""
+
+    def __init__(self, device):
+        self.device = device
+        self._tape = None  # the steps recorded while capturing
+        self._broken = self._closed = False
+        device._streams.add(self)
+
+    @property
+    def _capturing(self) -> bool:
+        return self._tape is not None
+
+    def _check_sync(self, what: str, call: str) -> None:
+        if self._closed:
+            raise closed_stream(what)
+        if self._tape is not None:
+            self._broken = True  # as the driver does, the capture fails when it ends
+            raise sync_in_capture(what, call)
+
+    def synchronize(self) -> None:
+        self._check_sync("stream.synchronize()", "cuStreamSynchronize")
+
+    def query(self) -> bool:
+        self._check_sync("stream.query()", "cuStreamQuery")
+        return True
+
+    def wait_event(self, event) -> None:
+        if self._closed:
+            raise closed_stream("wait_event()")
+
+    def wait_stream(self, other) -> None:
+        if self._closed:
+            raise closed_stream("wait_stream()")
+
+    def is_capturing(self) -> bool:
+        if self._closed:
+            raise closed_stream("is_capturing()")
+        return self._tape is not None
+
+    def begin_capture(self, mode: str = "relaxed") -> None:
+        if self.is_capturing():
+            from ..errors import CaptureError
+            raise CaptureError("this stream is already capturing; end that capture first")
+        self._tape, self._broken = [], False
+
+    def _end_capture(self):
+        """``(tape, broken)``; the stream is no longer capturing."""
+        tape, broken, self._tape, self._broken = self._tape, self._broken, None, False
+        return tape, broken
+
+    def _run(self, step) -> None:
+        """Run ``step`` now, or record it while capturing (what the GPU's stream does with work)."""
+        if self._closed:
+            raise closed_stream("work (an op, a capture, a copy)")
+        if self._tape is not None:
+            self._tape.append(step)
+        else:
+            step.run()
+
+    # -- data movement (a CUDA stream's methods, on host memory) ----------------------
+    def memcpy(self, dst: int, src: int, nbytes: int, call: str = "memcpy") -> None:
+        self._run(_Copy(dst, src, nbytes))
+
+    def memset8(self, dst: int, value: int, count: int, call: str = "memset") -> None:
+        ctypes.memset(dst, value, count)
+
+    def memset32(self, dst: int, value: int, count: int) -> None:
+        (ctypes.c_int32 * count).from_address(dst)[:] = [value] * count
+
+    def fill(self, array, value) -> None:
+        array.fill(value)
+
+    def upload(self, array, host) -> None:
+        array[...] = host
+
+    def close(self) -> None:
+        """Close the stream (idempotent); later work on it raises StateError, as on a GPU."""
+        self._closed, self.device = True, _CLOSED
+
+    def __repr__(self) -> str:
+        return f"<reference stream 0x{id(self):x}{' (closed)' if self._closed else ''}>"
+
+
+class ReferenceEvent:
+    """Host-clock event of the reference device.  Like a CUDA event, one last
+    recorded on a capturing stream cannot be waited for (it marks a point of
+    the graph) until it is recorded again outside a capture."""
+
+    def __init__(self, device, *, timing: bool = True):
+        self.device, self.timing, self._t, self._captured = device, timing, None, False
+
+    def record(self, stream) -> "ReferenceEvent":
+        self._t = time.perf_counter()
+        self._captured = bool(getattr(stream, "_capturing", False))
+        return self
+
+    def synchronize(self) -> None:
+        if self._captured:
+            raise sync_in_capture("event.synchronize()", "cuEventSynchronize", _CAPTURED_EVENT)
+
+    def query(self) -> bool:
+        if self._captured:
+            raise sync_in_capture("event.query()", "cuEventQuery", _CAPTURED_EVENT)
+        return True
+
+    def elapsed_ms(self, end: "ReferenceEvent") -> float:
+        if self._t is None or end._t is None:
+            raise StateError("both events must be recorded before elapsed_ms")
+        return (end._t - self._t) * 1e3
+
+
+# -- kernels: the NumPy reference behind a Function's interface --------------------------
+
+class ReferenceFunction(ParamLayout):
+    """A kernel on the reference device: ``launch(stream, config, *args)`` runs
+    ``reference(generics, *arrays)`` (or records it on a capturing stream).
+    Launches are never prepared: a prepared launch would keep its arrays alive."""
+
+    preparable = False
+
+    def __init__(self, name: str, signature, reference, generics: dict):
+        super().__init__(name, signature)
+        self.handle, self.reference, self.generics = None, reference, generics
+        self.launch = self.launch_pdl = self.launch_cooperative = self.launch_cluster = self._launch
+
+    def _launch(self, stream, config, *args) -> None:
+        if self.reference is None:
+            raise LaunchError(f"{self.name} has no NumPy reference, so the reference device cannot run it")
+        stream._run(_Kernel(self, [getattr(a, "_array", a) for a in args]))
+
+    def node_params(self, config, ptrs):
+        return None  # a recorded step reads its arguments, not a parameter buffer
+
+    def prepared(self, attribute, config, *args):  # pragma: no cover - the plan asks `preparable` first
+        raise LaunchError(f"{self.name}: the reference device does not prepare launches")
+
+
+ReferenceDevice.graphs = TapeGraphs(ReferenceStream)
+Device._fallback = ReferenceDevice  # what Device(n) is where the driver sees no GPU

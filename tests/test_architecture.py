@@ -1,0 +1,113 @@
+"""The shape of the library, checked: deviceop's layers import only downward, no
+module imports itself round a cycle (function-level imports count too), the
+reference device lives in one backend, and no module grows past a readable size.
+docs/architecture.md describes the layers."""
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "deviceop"
+
+# Bottom up; a module may import its own layer and those below it.
+LAYERS = [
+    ("foundation", ("deviceop.errors", "deviceop.dtypes")),
+    ("runtime", ("deviceop.runtime",)),
+    ("memory and compiler", ("deviceop.memory", "deviceop.tensor", "deviceop.compile")),
+    ("op algebra", ("deviceop.execution", "deviceop.values", "deviceop.op", "deviceop.api")),
+    ("kernels", ("deviceop.kernel",)),
+    ("graphs", ("deviceop.graph",)),
+    ("package", ("deviceop", "deviceop.__main__", "deviceop.testing")),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(name: str) -> set[str]:
+    """The deviceop modules ``name`` imports, anywhere in its body (function level too)."""
+    path = MODULES[name]
+    return imports_in(path.read_text(), name, path.name == "__init__.py")
+
+
+def imports_in(source: str, name: str, is_package: bool) -> set[str]:
+    package = name if is_package else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from pkg import sub`` imports the submodule sub; ``from mod import name`` the module
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES and t != name)
+    return found
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def layer_of(name: str) -> int:
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (rank, len(prefix))
+    assert best is not None, f"{name} belongs to no layer: add it to LAYERS (and docs/architecture.md)"
+    return best[0]
+
+
+def test_the_import_graph_has_no_cycle():
+    cycles, state = [], {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_each_layer_imports_only_its_own_and_the_layers_below():
+    upward = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+              for a, targets in GRAPH.items() for b in targets if layer_of(b) > layer_of(a)]
+    assert not upward, "imports against the layering: " + "; ".join(sorted(upward))
+
+
+def test_the_checks_see_function_level_and_relative_imports():
+    """What the checks above rely on: an import inside a function is an edge, and
+    relative imports resolve to the module (or submodule) they name."""
+    src = ("from ..errors import LaunchError\nfrom . import launch\n"
+           "def f():\n    from ..graph import CudaGraph\n    import deviceop.op\n")
+    assert imports_in(src, "deviceop.kernel.plan", False) == {
+        "deviceop.errors", "deviceop.kernel.launch", "deviceop.graph", "deviceop.op"}
+
+
+def test_the_reference_device_is_one_backend():
+    """Only the runtime's device modules name ``is_reference``: every other layer
+    asks the device, stream or function what to do, whichever it is."""
+    naming = sorted(name for name, path in MODULES.items() if "is_reference" in path.read_text())
+    assert naming == ["deviceop.runtime.device", "deviceop.runtime.reference"], naming
+
+
+def test_no_module_is_over_450_lines():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 450}
+    assert not long, f"split these modules by concern: {long}"
