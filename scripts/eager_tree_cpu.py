@@ -93,7 +93,7 @@ def install_fake_functions(device, cfg: Config) -> dict:
                               ("add", add, [cfg.block])):
         gen = kernel.check_generics(gen)
         fn = HostFunction(None, 0, kernel.name_expression(gen), kernel.signature)
-        kernel._functions[(device.ordinal, gen)] = fns[name] = fn
+        kernel._functions[(type(device), device.ordinal, gen)] = fns[name] = fn
     return fns
 
 

@@ -133,7 +133,7 @@ def test_a_launch_needs_a_live_deviceop_stream(monkeypatch):
     closed = FakeStream()
     closed.ptr = None
     go = fn.prepared(None, dop.LaunchConfig(1, 32), 0, 0, 1.0, 1)
-    for stream, exc, pattern in ((closed, dop.StateError, "stream was closed"),
+    for stream, exc, pattern in ((closed, dop.StateError, "on a stream that was closed"),
                                  (object(), dop.LaunchError, "launches on a deviceop stream.*got object")):
         with pytest.raises(exc, match=pattern):
             fn.launch(stream, (1, 32), 0, 0, 1.0, 1)

@@ -71,14 +71,15 @@ extern "C" __global__ void deviceop_loop_while(cudaGraphConditionalHandle h, con
 }
 """
 _ONE_THREAD = LaunchConfig(1, 1)
-_control: dict = {}  # device ordinal -> (loop_for, loop_while) Functions
+_control: dict = {}  # (device type, ordinal) -> (loop_for, loop_while) Functions
 
 
 def _control_functions(device):
-    fns = _control.get(device.ordinal)
+    key = (type(device), device.ordinal)  # a reference device 0 and GPU 0 may share a process
+    fns = _control.get(key)
     if fns is None:
         mod = load_module(compile_cubin(_CONTROL_SOURCE, arch=device.arch, filename="deviceop_loop.cu"), device)
-        fns = _control[device.ordinal] = (
+        fns = _control[key] = (
             mod.get_function("deviceop_loop_for", ["uint64", ptr("int32"), ptr("int32"), "int32", "int32"]),
             mod.get_function("deviceop_loop_while", ["uint64", ptr("int32")]))
     return fns

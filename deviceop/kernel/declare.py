@@ -107,7 +107,7 @@ class Kernel:
 
     def function(self, device, values=()):
         """The loaded kernel for ``device`` and these generics (compiled and loaded once)."""
-        key = (device.ordinal, values)
+        key = (type(device), device.ordinal, values)  # a reference device 0 and GPU 0 may share a process
         fn = self._functions.get(key)
         if fn is None:
             with self._lock:

@@ -240,7 +240,7 @@ class CudaDevice(Device):
 def load_module(program, device=None) -> CudaModule:
     """Load ``program`` on ``device`` once; later calls return the same module."""
     device = device if device is not None else Device(0)
-    key = (device.ordinal, program.key or str(id(program)))
+    key = (type(device), device.ordinal, program.key or str(id(program)))
     mod = _loaded.get(key)
     if mod is None:
         with _instances_lock:

@@ -31,6 +31,7 @@ from ..errors import CudaError, LaunchError, StateError
 from . import codegen
 from .driver import check, raise_error
 from .params import _MISSING, LaunchConfig, ParamLayout, _as_config, check_param_layout, ptr
+from .stream import closed_stream
 
 
 class DriverCallError(Exception):
@@ -159,7 +160,7 @@ class Function(ParamLayout):
                 raise err from None
         if isinstance(exc, (AttributeError, TypeError)):
             if getattr(stream, "ptr", 0) is None:
-                raise StateError(f"{self.name}: the stream was closed; launch on a live stream") from None
+                raise closed_stream(f"launching {self.name}") from None
             raise LaunchError(f"{self.name} launches on a deviceop stream (device.new_stream(), or "
                               f"CudaStream.from_handle(device, handle) for a foreign one), "
                               f"got {type(stream).__name__}") from None
