@@ -7,6 +7,8 @@ CUDA graph by ``graph_on``).  Run it to execute one forward eagerly and check
 it against float64 NumPy:
 
     python examples/token_model.py [--d 2048] [--layers 22]
+
+``--d`` must be a multiple of 128 (the kernels' tiles); it is checked first.
 """
 from __future__ import annotations
 
@@ -44,6 +46,46 @@ class Config:
         """rms_matvec / matvec_add <BN, BK, K>: BK counts 16-byte loads, and a bf16 load
         holds 8 weights where an fp32 one holds 4, so bf16 takes half the loads per row."""
         return [self.bn, max(1, self.bk // 2) if bf16 else self.bk, self.d]
+
+
+def sized(d: int, n_layers: int) -> Config:
+    """A Config for hidden size ``d`` (see ``size_problem``): the largest matvec BK
+    (<= 16) and rms_norm BS (<= 256) that divide it."""
+    bk = next(b for b in (16, 8, 4, 2, 1) if d % (128 * b) == 0)
+    bs = next(b for b in (256, 128, 64, 32) if d % (4 * b) == 0)
+    return Config(d=d, n_layers=n_layers, bk=bk, rms_bs=bs)
+
+
+def size_problem(d: int, fused: bool = False) -> str | None:
+    """Why the model's kernels cannot run at hidden size ``d`` (None if they can)."""
+    if d < 128 or d % 128:
+        return f"--d {d}: the kernels need a multiple of 128 (add<128> tiles; matvec reads rows 128 floats at a time)"
+    if fused and (d % 256 or 4 * (d + 16) > 48 * 1024):
+        return (f"--d {d}: the fused kernels need a multiple of 256, at most 12032 (a bf16 load holds 8 weights; "
+                "x is staged in 48 KB of shared memory)")
+    return None
+
+
+def positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each option's default after its help
+    (options whose default depends on the device say so in their help)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 @dataclass
@@ -178,12 +220,17 @@ def numpy_forward(cfg: Config, host_weights, x: np.ndarray) -> np.ndarray:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--d", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=22)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap.add_argument("--d", type=positive, default=2048, help="hidden size (a multiple of 128)")
+    ap.add_argument("--layers", type=positive, default=22, help="number of layers")
     args = ap.parse_args()
-    cfg = Config(d=args.d, n_layers=args.layers, bk=max(1, min(16, args.d // 128)))
+    problem = size_problem(args.d)
+    if problem:
+        ap.error(problem)
+    cfg = sized(args.d, args.layers)
     device = dop.Device(0)
+    where = device.name if not device.is_reference else "the reference device (no GPU: NumPy)"
+    print(f"{cfg.n_layers}-layer forward, d={cfg.d}, on {where}")
     stream = device.new_stream()
     weights, host = random_weights(cfg, stream=stream)
     x = np.random.default_rng(1).standard_normal(cfg.d).astype(np.float32)
@@ -193,8 +240,7 @@ def main() -> int:
     got = out.sync_on(stream).numpy()
     ref = numpy_forward(cfg, host, x)
     err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
-    where = "reference device" if device.is_reference else device.name
-    print(f"{cfg.n_layers}-layer forward, d={cfg.d}, on {where}: max |out - float64 ref| / max |ref| = {err:.2e}")
+    print(f"max |out - float64 NumPy| / max |NumPy| = {err:.2e} ({'ok' if err < 1e-5 else 'FAILED: above 1e-5'})")
     return 0 if err < 1e-5 else 1
 
 

@@ -4,7 +4,8 @@
     h2 = SiLU(GroupNorm(conv3x3(h1)))          # 2 launches
     out = x + h2                               # the residual: 1 launch
 
-N=1, C=320, 64x64, fp16 NHWC, G=32 by default.  Warm-up runs the block
+N=1, C=320, 64x64, fp16 NHWC, G=32 by default on a GPU; N=1, C=32, 16x16,
+G=8 on the reference device (NumPy), which then prints no timings.  Warm-up runs the block
 eagerly (compiles and loads every kernel), then ``graph_on`` captures its 5
 launches and each step copies a new input in and replays.  The output is
 checked against PyTorch (fp32, from the same fp16 inputs) when torch is
@@ -22,8 +23,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
 from kernels.conv import ConvGnAct, add_f16, conv_gn_act_reference  # noqa: E402
+from token_model import HelpFormatter, positive  # noqa: E402
+
+# (N, C, HW, G, steps): the block's size on a GPU, and on the reference device (NumPy: seconds, not minutes)
+GPU_SIZE, REFERENCE_SIZE = (1, 320, 64, 32, 50), (1, 32, 16, 8, 5)
 
 
 class UNetBlock:
@@ -75,18 +81,28 @@ class UNetBlock:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=1)
-    ap.add_argument("--c", type=int, default=320)
-    ap.add_argument("--hw", type=int, default=64)
-    ap.add_argument("--groups", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=50)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    on = lambda i: f"(default: {GPU_SIZE[i]} on a GPU, {REFERENCE_SIZE[i]} on the reference device)"  # noqa: E731
+    ap.add_argument("--n", type=positive, default=None, help=f"batch {on(0)}")
+    ap.add_argument("--c", type=positive, default=None, help=f"channels in and out, a multiple of 8 {on(1)}")
+    ap.add_argument("--hw", type=positive, default=None, help=f"height and width {on(2)}")
+    ap.add_argument("--groups", type=positive, default=None, help=f"GroupNorm groups, dividing --c {on(3)}")
+    ap.add_argument("--steps", type=positive, default=None, help=f"graph replays timed {on(4)}")
     args = ap.parse_args()
     device = dop.Device(0)
+    small = device.is_reference
+    n, c, hw, groups, steps = (v if v is not None else d for v, d in
+                               zip((args.n, args.c, args.hw, args.groups, args.steps),
+                                   REFERENCE_SIZE if small else GPU_SIZE))
     stream = device.new_stream()
-    block = UNetBlock(args.n, args.c, args.hw, args.groups, stream)
-    print(f"U-Net block N={args.n} C={args.c} {args.hw}x{args.hw} G={args.groups} on {device}: "
-          f"{block.plans[0]}")
+    try:   # the flags first: the conv plan checks the shape before any data is made
+        ConvGnAct(n, hw, hw, c, c, groups=groups, act="silu", stream=stream)
+    except dop.DeviceOpError as e:
+        ap.error(f"--n {n} --c {c} --hw {hw} --groups {groups}: {e}")
+    where = "the reference device (no GPU: NumPy; a small block, no timings)" if small else device.name
+    print(f"U-Net block N={n} C={c} {hw}x{hw} G={groups}, fp16 NHWC, on {where}")
+    block = UNetBlock(n, c, hw, groups, stream)
+    print(f"plan: {block.plans[0]}")
 
     block.forward_op().sync_on(stream)                 # warm-up: compile, load, run once eagerly
     graph = block.forward_op().graph_on(stream)        # capture the 5 launches
@@ -97,22 +113,23 @@ def main() -> int:
     inputs = [dop.from_numpy(rng.standard_normal(block.shape).astype(np.float16), stream=stream) for _ in range(2)]
     stream.synchronize()
     t0 = time.perf_counter()
-    for i in range(args.steps):                        # the inference loop: copy in, replay
+    for i in range(steps):                             # the inference loop: copy in, replay
         model.forward_async(inputs[i % 2])
     stream.synchronize()
-    us = (time.perf_counter() - t0) / args.steps * 1e6
+    us = (time.perf_counter() - t0) / steps * 1e6
 
     worst = 0.0
-    for inp in inputs:                                 # each input's output, against the reference
+    for i, inp in enumerate(inputs, 1):                # each input's output, against the reference
         got = model.forward(inp).numpy().astype(np.float64)
         ref, what = block.reference(inp.numpy())
         err, rel = float(np.abs(got - ref).max()), float(np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2)))
         worst = max(worst, err)
-        print(f"vs {what}: max abs error {err:.2e}, relative RMS {rel:.2e}")
+        print(f"input {i} of {len(inputs)}, graph output vs {what}: max abs error {err:.2e}, relative RMS {rel:.2e}")
         if not (err <= 1e-2 and rel <= 1e-3):
-            print("FAILED: the block's output does not match the reference")
+            print("FAILED: the block's output does not match the reference (max abs 1e-2, relative RMS 1e-3)")
             return 1
-    print(f"{args.steps} graph replays: {us:.1f} us per step (copy in + replay, host-timed)")
+    if not small:   # the reference device runs NumPy: its timings say nothing about a GPU
+        print(f"{steps} graph replays: {us:.1f} us per step (copy in + replay, host-timed)")
     print(f"ok: U-Net block output matches (max abs error {worst:.1e})")
     return 0
 

@@ -5,21 +5,31 @@
 * Tests without the mark run on whatever ``dop.Device(0)`` is: the reference
   device here and in CI, the real GPU under gpu-check.
 * The compile cache goes to a fresh directory per test session, so a test
-  never depends on what an earlier run left behind.
+  never depends on what an earlier run left behind; the session removes it
+  when it ends.
+* ``@pytest.mark.full_sweep`` tests compile every shipped kernel configuration
+  (minutes of NVRTC on two cores).  A plain run compiles a representative
+  subset (one configuration of each kernel, in unmarked tests) and skips them,
+  with the reason; ``DEVICEOP_FULL_SWEEP=1`` runs them (``scripts/gpu-check``
+  sets it).
 * Hypothesis runs under a profile named by ``DEVICEOP_HYPOTHESIS_PROFILE``:
   ``ci`` (the default, 30 examples: CI stays fast), ``gpu`` (100, what
   ``scripts/gpu-check`` asks for) or ``long`` (1000).  Examples are never timed
   out: the first example of a shape compiles its kernels.
 """
 import os
+import shutil
 import tempfile
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+_own_cache_dir = None
 if "DEVICEOP_CACHE_DIR" not in os.environ:
-    os.environ["DEVICEOP_CACHE_DIR"] = tempfile.mkdtemp(prefix="deviceop-test-cache-")
+    _own_cache_dir = os.environ["DEVICEOP_CACHE_DIR"] = tempfile.mkdtemp(prefix="deviceop-test-cache-")
+
+FULL_SWEEP = os.environ.get("DEVICEOP_FULL_SWEEP", "") not in ("", "0")
 
 import deviceop as dop  # noqa: E402
 from deviceop.runtime import driver  # noqa: E402
@@ -32,6 +42,12 @@ settings.load_profile(os.environ.get("DEVICEOP_HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
+    if not FULL_SWEEP:
+        sweep = pytest.mark.skip(reason="compiles every shipped configuration: DEVICEOP_FULL_SWEEP=1 python -m pytest "
+                                        "runs it (scripts/gpu-check does); this run compiles one of each kernel")
+        for item in items:
+            if "full_sweep" in item.keywords:
+                item.add_marker(sweep)
     available, reason = driver.probe()
     if available:
         return
@@ -39,6 +55,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session's own compile cache goes with it (tens of MB a run otherwise pile up in /tmp)."""
+    if _own_cache_dir is not None:
+        shutil.rmtree(_own_cache_dir, ignore_errors=True)
 
 
 @pytest.fixture

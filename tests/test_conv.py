@@ -55,12 +55,15 @@ def run(stream, plan, host, out_dtype="float16"):
 
 # -- everywhere (reference device on CPU, the kernels on the GPU) -------------------------
 
+SWEEP = pytest.mark.full_sweep   # each compiles a tile no other CPU test needs (seconds of NVRTC): gpu-check runs them
+
+
 @pytest.mark.parametrize("shape,groups,r,tile,act,one_launch", [
     ((2, 9, 9, 16, 24), 4, 3, "64x64", "silu", False),        # tiles straddle images; 6-channel groups straddle nothing
-    ((3, 17, 17, 96, 96), 8, 3, "128x64", "mish", False),     # C=96, H=W=17, N=3: tiles straddle images and groups
+    pytest.param((3, 17, 17, 96, 96), 8, 3, "128x64", "mish", False, marks=SWEEP),  # tiles straddle images and groups
     ((1, 8, 8, 32, 128), 32, 1, "64x64", "identity", False),  # 1x1
-    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "silu", False),   # the Hopper kernel: K=200 divides no tile
-    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "mish", True),    # ... and the whole op in one launch
+    pytest.param((2, 9, 9, 64, 200), 20, 3, "wg64x128", "silu", False, marks=SWEEP),  # the Hopper kernel: K=200
+    ((2, 9, 9, 64, 200), 20, 3, "wg64x128", "mish", True),    # ... K=200 divides no tile, the whole op in one launch
 ])
 def test_fused_op_matches_float64(stream, rng, shape, groups, r, tile, act, one_launch):
     n, h, w, c, k = shape
@@ -303,6 +306,23 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
 
 # -- NVRTC: every shipped configuration compiles for sm_90 (CPU CI too) -------------------------
 
+def test_one_configuration_of_each_conv_kernel_compiles_for_sm90():
+    """Each kernel family once, both intermediate dtypes among them; mostly the
+    configurations the tests above run, so a whole run compiles little more (the
+    sweep below compiles all 84 and takes minutes on two cores)."""
+    wg = conv.WGMMA_TILES["wg64x128"]
+    cases = [(conv.conv2d_gn_stats_wgmma["float16"], conv.WGMMA_TILES["wg128x160"].generics("float16", 2)),
+             (conv.conv2d_gn_act_wgmma[("float16", "float16")], ["__half", "__half", wg.tm, wg.tn, wg.stages, 1]),
+             (conv.conv2d_gn_stats["float16"], conv.TILES["64x64"].generics("float16")),
+             (conv.conv2d_params["float32"], conv.TILES["128x128"].generics("float32")),
+             (conv.gn_act_apply_inplace["float32"], [conv.ACTS["mish"], "float", 3]),
+             (conv.gn_act_apply[("float16", "float16")], [conv.ACTS["silu"], "__half", "__half", 2])]
+    for kern, gen in cases:
+        program, expr = kern.compile(gen, arch="sm_90")
+        assert program.cubin[:4] == b"\x7fELF" and program.symbol(expr).startswith("_Z"), expr
+
+
+@pytest.mark.full_sweep
 def test_every_shipped_configuration_compiles_for_sm90():
     built = conv.compile_all("sm_90")
     wgmma = len(conv.WGMMA_TILES) * 2 * 3   # per load path (A by TMA or cp.async): conv, one-launch per out dtype

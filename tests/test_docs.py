@@ -1,5 +1,9 @@
-"""Every Python code block in README.md and docs/*.md runs, here on the reference device
-and on the GPU under gpu-check."""
+"""Every Python code block in README.md and docs/*.md runs, here on the reference
+device and on the GPU under gpu-check.
+
+A block runs alone, in a fresh namespace, as a reader who copies just that block
+would run it; a block whose first line is ``# continues`` continues the previous
+block (its namespace), as a reader following the page in order would."""
 import re
 from pathlib import Path
 
@@ -8,16 +12,27 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+CONTINUES = "# continues"
+
+
+def blocks(doc: Path) -> list[tuple[int, str]]:
+    """(line number, code) of each Python block of ``doc``."""
+    text = doc.read_text()
+    return [(text.count("\n", 0, m.start()) + 2, m.group(1)) for m in BLOCK.finditer(text)]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[str(d.relative_to(ROOT)) for d in DOCS])
 def test_doc_code_runs(doc):
-    """A document's Python blocks run in order in one namespace, as a reader would run them."""
-    namespace = {"__name__": "__doc_test__"}
-    blocks = BLOCK.findall(doc.read_text())
-    assert blocks, f"{doc.name} has no Python code block"
-    for i, code in enumerate(blocks):
-        exec(compile(code, f"{doc.name}, Python block {i}", "exec"), namespace)
+    """Each block alone, or after the blocks it continues."""
+    found = blocks(doc)
+    assert found, f"{doc.name} has no Python code block"
+    namespace = None
+    for i, (line, code) in enumerate(found):
+        continues = code.startswith(CONTINUES + "\n")
+        assert not (continues and namespace is None), f"{doc.name}:{line}: the first block has nothing to continue"
+        if not continues:
+            namespace = {"__name__": "__doc_test__"}
+        exec(compile(code, f"{doc.name}, Python block {i} (line {line})", "exec"), namespace)
 
 
 def test_readme_has_exactly_the_ci_commands():
