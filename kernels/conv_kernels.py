@@ -35,8 +35,9 @@ def cutlass_include_dir() -> str:
     (found without importing cutlass_library, whose import runs its generators)."""
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or not spec.submodule_search_locations:
-        raise dop.CompileError("the fused conv needs CUTLASS's headers: pip install 'nvidia-cutlass==4.2.0.0' "
-                               "(or pip install -e '.[test]')")
+        raise dop.CompileError("the fused conv needs CUTLASS's headers: pip install --no-deps "
+                               "'nvidia-cutlass==4.2.0.0' (headers only; or pip install -e '.[conv]' with its "
+                               "dependencies)")
     inc = os.path.join(spec.submodule_search_locations[0], "source", "include")
     if not os.path.isfile(os.path.join(inc, "cutlass", "cutlass.h")):
         raise dop.CompileError(f"{inc} holds no cutlass/cutlass.h; reinstall nvidia-cutlass")
