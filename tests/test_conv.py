@@ -341,7 +341,7 @@ def test_the_wgmma_kernel_refuses_other_gpus():
 
 def test_missing_cutlass_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(conv.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(dop.CompileError, match="pip install 'nvidia-cutlass"):
+    with pytest.raises(dop.CompileError, match="pip install --no-deps 'nvidia-cutlass"):
         conv.cutlass_include_dir()
 
 
