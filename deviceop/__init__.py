@@ -14,7 +14,8 @@ from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, i
                      uint8, uint32, uint64)
 from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError,
                      DeviceOpError, DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
-                     NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError)
+                     NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError,
+                     UnexecutedOpWarning)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
                       ReferenceStream, Stream, load_module, ptr)
 from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
@@ -33,7 +34,7 @@ __all__ = [
     "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
     "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
     "OutOfMemoryError",
-    "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
+    "OwnershipError", "ReentrancyError", "ShapeError", "StateError", "UnexecutedOpWarning",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
     "ReferenceStream", "Stream", "load_module", "ptr",
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy",

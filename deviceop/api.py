@@ -16,7 +16,7 @@ import numpy as np
 
 from .dtypes import dtype as as_dtype
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
-from .op import DeviceOp, resolve, stats
+from .op import DeviceOp, resolve, stats, warn_if_unexecuted
 from .tensor import SharedTensor, Tensor, _shape_tuple
 
 
@@ -140,6 +140,12 @@ class Memcpy(DeviceOp):
         self.dst, self.src = dst, src
         if not isinstance(dst, DeviceOp) and not isinstance(src, DeviceOp):
             _check_copy(_destination(dst), _tensor_of(src, "memcpy source"))
+        for x in (dst, src):
+            if isinstance(x, DeviceOp):
+                x._armed = False  # run by this copy
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
 
     def children(self):
         return tuple(x for x in (self.dst, self.src) if isinstance(x, DeviceOp))
