@@ -18,7 +18,8 @@ from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, Co
                      UnexecutedOpWarning)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
                       ReferenceStream, Stream, load_module, ptr)
-from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
+from .tensor import Partition, SharedTensor, Tensor
+from .interop import as_tensor, empty, from_dlpack, from_numpy, zeros
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from . import api
 from .kernel import In, Kernel, KernelLaunch, Out, Scalar
@@ -37,7 +38,7 @@ __all__ = [
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError", "UnexecutedOpWarning",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
     "ReferenceStream", "Stream", "load_module", "ptr",
-    "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy",
+    "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy", "zeros",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
     "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",

@@ -176,7 +176,9 @@ def _tensor_of(x, what: str) -> Tensor:
         return x.tensor
     if isinstance(x, Tensor):
         return x
-    raise DTypeError(f"{what} must be a Tensor, got {type(x).__name__}")
+    hint = "; copy a host array to the device first with dop.from_numpy(array)" \
+        if hasattr(x, "__array_interface__") else ""
+    raise DTypeError(f"{what} must be a Tensor, got {type(x).__name__}{hint}")
 
 
 def _check_copy(dst: Tensor, src: Tensor) -> None:

@@ -64,6 +64,9 @@ def too_deep(op, exc: RecursionError) -> StateError:
         "or raise the limit with sys.setrecursionlimit(...)")
 
 
+SCOPE = "CudaGraph.scope"  # what an open capture scope holds the execution lock as
+
+
 class executing:
     """Hold the thread's execution lock (non-reentrant, as in cutile-rs).
 
@@ -80,10 +83,11 @@ class executing:
         if current:
             what = self.what if isinstance(self.what, str) else self.what()
             current = current if isinstance(current, str) else current()
-            raise ReentrancyError(
-                f"{what} was called while {current} is "
-                "executing on this thread; DeviceOp execution is non-reentrant. Compose with .then(...) "
-                "instead of executing inside a callback")
+            fix = ("Inside a capture scope, record the op with s.record(op) (it runs as it is recorded), or "
+                   "execute it after the scope ends" if current == SCOPE else
+                   "Compose with .then(...) instead of executing inside a callback")
+            raise ReentrancyError(f"{what} was called while {current} is executing on this thread; "
+                                  f"DeviceOp execution is non-reentrant. {fix}")
         _tls.executing = self.what  # a string, or a callable that makes one (only for the error)
         return self
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from ..dtypes import dtype as as_dtype
 from ..errors import AliasingError, DTypeError, ShapeError, StateError
 from ..op import DeviceOp
-from ..tensor import Partition, SharedTensor, Tensor, empty
+from ..interop import empty
+from ..tensor import Partition, SharedTensor, Tensor
 
 
 def _count(name: str, v) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
+from ..execution import SCOPE
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
 from .capture import Capture, preload
 from .nodes import KernelNode
@@ -339,7 +340,7 @@ class Scope:
             raise too_deep(op, exc) from exc
 
     def __enter__(self) -> "Scope":
-        self._lock_cm = executing("CudaGraph.scope")
+        self._lock_cm = executing(SCOPE)
         self._lock_cm.__enter__()
         try:
             self._cap = Capture("CudaGraph.scope")
