@@ -22,7 +22,7 @@ from .tensor import Partition, SharedTensor, Tensor
 from .interop import as_tensor, empty, from_dlpack, from_numpy, zeros
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from . import api
-from .kernel import In, Kernel, KernelLaunch, Out, Scalar
+from .kernel import In, Kernel, KernelLaunch, Out, Scalar, precompile
 from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, Module, Scope, Workspace,
                     default_sizes, loop, while_)
 
@@ -40,7 +40,7 @@ __all__ = [
     "ReferenceStream", "Stream", "load_module", "ptr",
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy", "zeros",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
-    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api",
+    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
     "CacheStats", "GraphCache", "Workspace", "default_sizes", "loop", "while_",
 ]
