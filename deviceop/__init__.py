@@ -14,13 +14,15 @@ from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, i
                      uint8, uint32, uint64)
 from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError,
                      DeviceOpError, DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
-                     NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError)
+                     NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError,
+                     UnexecutedOpWarning)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
                       ReferenceStream, Stream, load_module, ptr)
-from .tensor import Partition, SharedTensor, Tensor, as_tensor, empty, from_dlpack, from_numpy
+from .tensor import Partition, SharedTensor, Tensor
+from .interop import as_tensor, empty, from_dlpack, from_numpy, zeros
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from . import api
-from .kernel import In, Kernel, KernelLaunch, Out, Scalar
+from .kernel import In, Kernel, KernelLaunch, Out, Scalar, precompile
 from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, Module, Scope, Workspace,
                     default_sizes, loop, while_)
 
@@ -33,12 +35,12 @@ __all__ = [
     "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
     "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
     "OutOfMemoryError",
-    "OwnershipError", "ReentrancyError", "ShapeError", "StateError",
+    "OwnershipError", "ReentrancyError", "ShapeError", "StateError", "UnexecutedOpWarning",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",
     "ReferenceStream", "Stream", "load_module", "ptr",
-    "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy",
+    "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy", "zeros",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
-    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api",
+    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
     "CacheStats", "GraphCache", "Workspace", "default_sizes", "loop", "while_",
 ]

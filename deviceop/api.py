@@ -16,7 +16,7 @@ import numpy as np
 
 from .dtypes import dtype as as_dtype
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
-from .op import DeviceOp, resolve, stats
+from .op import DeviceOp, resolve, stats, warn_if_unexecuted
 from .tensor import SharedTensor, Tensor, _shape_tuple
 
 
@@ -140,6 +140,12 @@ class Memcpy(DeviceOp):
         self.dst, self.src = dst, src
         if not isinstance(dst, DeviceOp) and not isinstance(src, DeviceOp):
             _check_copy(_destination(dst), _tensor_of(src, "memcpy source"))
+        for x in (dst, src):
+            if isinstance(x, DeviceOp):
+                x._armed = False  # run by this copy
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
 
     def children(self):
         return tuple(x for x in (self.dst, self.src) if isinstance(x, DeviceOp))
@@ -170,7 +176,9 @@ def _tensor_of(x, what: str) -> Tensor:
         return x.tensor
     if isinstance(x, Tensor):
         return x
-    raise DTypeError(f"{what} must be a Tensor, got {type(x).__name__}")
+    hint = "; copy a host array to the device first with dop.from_numpy(array)" \
+        if hasattr(x, "__array_interface__") else ""
+    raise DTypeError(f"{what} must be a Tensor, got {type(x).__name__}{hint}")
 
 
 def _check_copy(dst: Tensor, src: Tensor) -> None:

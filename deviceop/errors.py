@@ -126,3 +126,10 @@ class ReentrancyError(DeviceOpError):
 
 class StateError(DeviceOpError):
     """An object was used in a state that does not allow it (closed, capturing ...)."""
+
+
+class UnexecutedOpWarning(RuntimeWarning):
+    """An op that does device work (a kernel launch, ``api.memcpy``,
+    ``graph.launch()``) was garbage-collected without ever executing and without
+    becoming part of a larger op: its work silently never ran, as a coroutine
+    never awaited.  A RuntimeWarning, like asyncio's, so it shows by default."""

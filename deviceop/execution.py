@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 
-from .errors import LaunchError, ReentrancyError, StateError
+from .errors import LaunchError, ReentrancyError, StateError, UnexecutedOpWarning
 
 _tls = threading.local()
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
@@ -63,6 +64,9 @@ def too_deep(op, exc: RecursionError) -> StateError:
         "or raise the limit with sys.setrecursionlimit(...)")
 
 
+SCOPE = "CudaGraph.scope"  # what an open capture scope holds the execution lock as
+
+
 class executing:
     """Hold the thread's execution lock (non-reentrant, as in cutile-rs).
 
@@ -79,10 +83,11 @@ class executing:
         if current:
             what = self.what if isinstance(self.what, str) else self.what()
             current = current if isinstance(current, str) else current()
-            raise ReentrancyError(
-                f"{what} was called while {current} is "
-                "executing on this thread; DeviceOp execution is non-reentrant. Compose with .then(...) "
-                "instead of executing inside a callback")
+            fix = ("Inside a capture scope, record the op with s.record(op) (it runs as it is recorded), or "
+                   "execute it after the scope ends" if current == SCOPE else
+                   "Compose with .then(...) instead of executing inside a callback")
+            raise ReentrancyError(f"{what} was called while {current} is executing on this thread; "
+                                  f"DeviceOp execution is non-reentrant. {fix}")
         _tls.executing = self.what  # a string, or a callable that makes one (only for the error)
         return self
 
@@ -143,3 +148,19 @@ class _SharedCore:
     def _failed_error(self) -> StateError:
         return StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
                           "result; build the op again")
+
+
+def warn_if_unexecuted(op) -> None:
+    """The ``__del__`` of the ops that do device work (kernel launches, memcpy, graph
+    launches): one that was built, never executed, never taken into a larger op and
+    never ``discard()``-ed did nothing, silently, so say so (as asyncio does for a
+    coroutine never awaited).  Other ops need no check: their work is their children's."""
+    try:
+        if not op._armed or op._consumed:
+            return
+        what = op.describe()
+    except Exception:  # a half-built op (its __init__ raised) never armed; nothing to say
+        return
+    warnings.warn(f"{what} was never executed, so its work never ran: call .sync_on(stream) (or "
+                  "graph.replay() for a graph), or drop it deliberately with op.discard()",
+                  UnexecutedOpWarning, stacklevel=2)

@@ -16,14 +16,13 @@ in order, on one stream.  The model is cutile-rs's DeviceOp:
 from __future__ import annotations
 
 import asyncio
-import operator
 
-from .errors import KernelFaultError, ShapeError, StateError
+from .errors import KernelFaultError, StateError
 from .runtime.device import Device
 from .tensor import Tensor
-from .values import _first, _last, _reshape, _selector, _unpartition, launched_kernels
+from .values import _first, _last, _reshape, _selector, _unpartition, launched_kernels, reshape_dims, unzip_count
 from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, _tls, check_stream, executing,  # noqa: F401
-                        not_a_stream, stats, too_deep)
+                        not_a_stream, stats, too_deep, warn_if_unexecuted)
 
 # How an op becomes a graph (CudaGraph.capture): installed by deviceop.graph, the layer above,
 # so that this layer reaches graphs only through it and through ExecutionContext.capture.
@@ -33,7 +32,8 @@ _capture_graph = None
 class DeviceOp:
     """A lazy value.  Subclasses implement ``_execute(ctx)``."""
 
-    __slots__ = ("_consumed",)
+    # _armed: set by ops doing device work, cleared by value() and discard(); see warn_if_unexecuted
+    __slots__ = ("_consumed", "_armed")
     graph_safe = False    # may CudaGraph.scope record it? (kernel launches, memcpy, values)
     op_name = "op"
 
@@ -53,6 +53,10 @@ class DeviceOp:
     def _already_executed(self):
         raise StateError(f"{self.describe()} was already executed: an op describes one execution. "
                          "Build it again, or make it .shared() to reuse its result")
+
+    def discard(self) -> None:
+        """Drop this op deliberately: it will never execute, and collecting it does not warn."""
+        self._armed = False
 
     def children(self) -> tuple:
         """The ops this one executes (for graph-safety checks and module preloading)."""
@@ -85,6 +89,7 @@ class DeviceOp:
 
     def sync_on(self, stream):
         """Execute on ``stream`` and wait for the device; returns the op's value."""
+        self._armed = False  # handed to an execution: if it cannot run, the error says so
         with executing(lambda: f"sync_on({self.describe()})"):
             try:
                 out = self._run(ExecutionContext(stream))
@@ -103,6 +108,7 @@ class DeviceOp:
     def async_on(self, stream):
         """Enqueue the work on ``stream`` without waiting; the value's buffers are
         ready once the stream reaches this point."""
+        self._armed = False
         with executing(lambda: f"async_on({self.describe()})"):
             try:
                 return self._run(ExecutionContext(stream))
@@ -126,6 +132,7 @@ class DeviceOp:
 
     def graph_on(self, stream):
         """Capture this op on ``stream`` into a replayable CudaGraph (see deviceop.graph)."""
+        self._armed = False
         check_stream(f"graph_on({self.describe()})", stream)
         try:
             return _capture_graph(self, stream)  # (the capture is ended, and the stream usable, on any error)
@@ -159,37 +166,16 @@ class DeviceOp:
         return Map(self, _unpartition, name="unpartition")
 
     def reshape(self, *shape) -> "DeviceOp":
-        if len(shape) == 1 and not hasattr(shape[0], "__index__"):  # reshape([2, 3]) as well as reshape(2, 3)
-            shape = shape[0]
-        try:
-            dims = tuple(operator.index(d) for d in shape)
-        except TypeError:
-            raise ShapeError(f"reshape() takes dimensions as ints, e.g. .reshape(2, 3) or .reshape([2, 3]); "
-                             f"got {shape!r}") from None
-        return Reshape(self, dims)
+        return Reshape(self, reshape_dims(shape))
 
     def unzip(self, n: int | None = None) -> tuple:
         """Split an op producing an n-tuple into n ops; the op runs once."""
-        arity = getattr(self, "arity", None)
-        if n is None:
-            n = arity
-            if n is None:
-                raise StateError(f"unzip() cannot tell how many values {self.describe()} produces; pass n")
-        else:
-            try:
-                count = operator.index(n)
-            except TypeError:
-                count = -1
-            if count < 0:
-                raise ShapeError(f"unzip(n) takes the number of values as an int >= 0, got {n!r}")
-            n = count
-        if arity is not None and n != arity:
-            raise ShapeError(f"unzip({n}) of {self.describe()}, which produces {arity} values: "
-                             f"call unzip({arity}) (or unzip())")
+        n = unzip_count(self, n)
         core = self.shared()
         return tuple(Map(core.clone(), _selector(i, n), name=f"select[{i}]") for i in range(n))
 
     def shared(self) -> "SharedOp":
+        self._armed = False  # the shared cell answers for it now
         return SharedOp(_SharedCore(self))
 
     def boxed(self) -> "DeviceOp":
@@ -218,8 +204,11 @@ class Value(DeviceOp):
 
 
 def value(x) -> DeviceOp:
-    """``x`` as an op (ops pass through)."""
-    return x if isinstance(x, DeviceOp) else Value(x)
+    """``x`` as an op (ops pass through, adopted: the op taking them in answers for their execution)."""
+    if isinstance(x, DeviceOp):
+        x._armed = False
+        return x
+    return Value(x)
 
 
 def resolve(x, ctx):

@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from .dtypes import DType, dtype as as_dtype
-from .errors import DTypeError, ShapeError, StateError
+from .errors import DTypeError, LaunchError, ShapeError, StateError
 from .memory import (Partition, _Allocation, _Borrow, _owned, _owned_lock, _owner_of, _resolve_shape, _shape_tuple,
                      _sig_id, _sig_ids, claim)  # noqa: F401 (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
@@ -38,7 +38,8 @@ class Tensor:
                  "_home_stream", "_sig", "_sig_id", "_views", "_borrow", "__weakref__")
 
     def __init__(self, *args, **kwargs):
-        raise TypeError("create tensors with dop.empty/zeros/from_numpy/from_dlpack or the api ops")
+        raise LaunchError("dop.Tensor(...) is not a constructor: make a tensor with dop.zeros(shape) or "
+                          "dop.empty(shape), dop.from_numpy(array), dop.from_dlpack(obj), or the api ops")
 
     @classmethod
     def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None, external: bool = False) -> "Tensor":
@@ -130,6 +131,9 @@ class Tensor:
         device = device if device is not None else Device(0)
         if isinstance(obj, Tensor):
             return obj
+        if isinstance(obj, np.ndarray):  # on either device, as the GPU must: a NumPy array is host memory
+            raise StateError("a NumPy array lives in host memory, and zero-copy import (dop.from_dlpack, "
+                             "dop.as_tensor) takes device memory: copy it with dop.from_numpy(array)")
         return cls._wrap(device.import_dlpack(obj), device, external=True)
 
     @classmethod
@@ -271,6 +275,16 @@ class Tensor:
             stream = self._home_stream or self.device.default_stream()
         return self.device.to_host(self._array, stream)
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(tensor)``: a host copy taken once the device is done with the tensor
+        (``numpy()``); NumPy 2's ``dtype`` and ``copy`` keywords (``copy=False`` is refused:
+        device memory is never host memory, so the array is always a copy)."""
+        if copy is False:
+            raise StateError("np.asarray(tensor, copy=False): a host array of a deviceop tensor is always a copy; "
+                             "pass copy=None or copy=True, or call tensor.numpy()")
+        host = self.numpy()
+        return host if dtype is None else host.astype(dtype, copy=False)
+
     @property
     def __cuda_array_interface__(self) -> dict:
         return self.device.cuda_array_interface(self._array)
@@ -287,35 +301,6 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
-
-
-# -- module-level constructors (eager; the lazy ops live in deviceop.api) --------
-
-def empty(shape, dtype="float32", *, device=None, stream=None) -> Tensor:
-    return Tensor.empty(shape, dtype, device=device, stream=stream)
-
-
-def from_numpy(array, *, device=None, stream=None, dtype=None) -> Tensor:
-    return Tensor.from_numpy(array, device=device, stream=stream, dtype=dtype)
-
-
-def from_dlpack(obj, *, device=None) -> Tensor:
-    return Tensor.from_dlpack(obj, device=device)
-
-
-def as_tensor(obj, *, device=None) -> Tensor:
-    """``obj`` as a Tensor without copying: a Tensor, a DLPack producer or a
-    ``__cuda_array_interface__`` exporter.  Host arrays need ``from_numpy``."""
-    if isinstance(obj, Tensor):
-        return obj
-    if isinstance(obj, np.ndarray):
-        raise StateError("a NumPy array lives in host memory; copy it with dop.from_numpy(array)")
-    if hasattr(obj, "__dlpack__"):
-        return Tensor.from_dlpack(obj, device=device)
-    if hasattr(obj, "__cuda_array_interface__"):
-        return Tensor.from_cuda_array_interface(obj, device=device)
-    raise DTypeError(f"cannot view a {type(obj).__name__} as a tensor: it has neither __dlpack__ "
-                     "nor __cuda_array_interface__")
 
 
 # -- shared handles and ownership ------------------------------------------------
@@ -359,7 +344,8 @@ class SharedTensor:
         """The tensor, for reading (launch inputs).  It is a plain Tensor: views of
         it are not counted as borrows; make views with ``handle.view(...)``."""
         if not self._live:
-            raise StateError("this SharedTensor handle was released or consumed by try_partition")
+            raise StateError("this SharedTensor handle was released or consumed by try_partition: take a fresh "
+                             "handle with .clone() of a live one (before releasing it), or tensor.into_shared()")
         return self._tensor
 
     @property

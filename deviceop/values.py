@@ -4,6 +4,8 @@ refusing a value it cannot apply to with an error naming the fix; and the
 kernels an op tree launches (what a kernel fault names)."""
 from __future__ import annotations
 
+import operator
+
 from .errors import ShapeError, StateError
 from .tensor import Partition, SharedTensor, Tensor
 
@@ -69,3 +71,33 @@ def _reshape(v, shape):
     if isinstance(v, Tensor):
         return v.view(shape)
     raise ShapeError(f"reshape() needs an op producing a tensor, got {type(v).__name__}")
+
+
+def reshape_dims(shape: tuple) -> tuple:
+    """``op.reshape``'s arguments as a tuple of ints: ``reshape([2, 3])`` as well as ``reshape(2, 3)``."""
+    if len(shape) == 1 and not hasattr(shape[0], "__index__"):
+        shape = shape[0]
+    try:
+        return tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise ShapeError(f"reshape() takes dimensions as ints, e.g. .reshape(2, 3) or .reshape([2, 3]); "
+                         f"got {shape!r}") from None
+
+
+def unzip_count(op, n) -> int:
+    """How many ops ``op.unzip(n)`` makes: ``n``, checked against the op's arity where it has one."""
+    arity = getattr(op, "arity", None)
+    if n is None:
+        if arity is None:
+            raise StateError(f"unzip() cannot tell how many values {op.describe()} produces; pass n")
+        return arity
+    try:
+        count = operator.index(n)
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ShapeError(f"unzip(n) takes the number of values as an int >= 0, got {n!r}")
+    if arity is not None and count != arity:
+        raise ShapeError(f"unzip({count}) of {op.describe()}, which produces {arity} values: "
+                         f"call unzip({arity}) (or unzip())")
+    return count

@@ -11,7 +11,7 @@ PKG = Path(__file__).resolve().parent.parent / "deviceop"
 LAYERS = [
     ("foundation", ("deviceop.errors", "deviceop.dtypes")),
     ("runtime", ("deviceop.runtime",)),
-    ("memory and compiler", ("deviceop.memory", "deviceop.tensor", "deviceop.compile")),
+    ("memory and compiler", ("deviceop.memory", "deviceop.tensor", "deviceop.interop", "deviceop.compile")),
     ("op algebra", ("deviceop.execution", "deviceop.values", "deviceop.op", "deviceop.api")),
     ("kernels", ("deviceop.kernel",)),
     ("graphs", ("deviceop.graph",)),

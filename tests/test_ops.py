@@ -147,7 +147,9 @@ def test_unzip_first_last_boxed_vec_reshape(stream):
 
 def test_graph_safety_flags():
     t = dop.empty(128)
-    assert api.memcpy(t, t).graph_safe and add(t.partition([128]), t, t).graph_safe
+    copy, launch = api.memcpy(t, t), add(t.partition([128]), t, t)
+    assert copy.graph_safe and launch.graph_safe
+    copy.discard(), launch.discard()  # built to be inspected, never to run
     for op in (api.zeros([1]), api.rand([1]), api.dup(t), api.from_numpy(np.ones(2))):
         assert op.unsafe_for_graphs() is op
     composite = zip_(api.memcpy(t, t), api.ones([3]).map(lambda x: x))

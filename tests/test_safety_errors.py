@@ -325,7 +325,21 @@ def test_from_dlpack_of_bfloat16(device, rng):
     assert t.dtype is dop.bfloat16 and t.data_ptr == host.ctypes.data  # zero-copy
     np.testing.assert_array_equal(t.numpy(), host)
     with pytest.raises(dop.DTypeError, match="complex64 is not supported"):
-        dop.from_dlpack(np.zeros(2, np.complex64))
+        dop.from_dlpack(Exported(np.zeros(2, np.complex64)))
+
+
+class Exported:
+    """Memory another framework exports through DLPack (a NumPy array stands in for it
+    on the reference device; a bare ndarray is host memory, which from_dlpack refuses)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
 
 
 def test_dlpack_type_codes_map_to_deviceop_dtypes():

@@ -109,10 +109,23 @@ def test_on_the_gpu_a_new_scalar_never_writes_past_the_table(stream, rng):
 
 # -- item 2: strided views are refused unless a parameter declares them -------------------
 
+class Exported:
+    """Another framework's memory exported through DLPack (a bare ndarray is host memory: refused)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
 def _broadcast(value, n):
     """A stride-0 tensor of n elements, imported through DLPack (host memory here, GPU memory on a GPU)."""
     if dop.Device(0).is_reference:
-        return dop.from_dlpack(np.broadcast_to(value, (n,)))
+        return dop.from_dlpack(Exported(np.broadcast_to(value, (n,))))
     import cupy
     return dop.from_dlpack(cupy.broadcast_to(cupy.asarray(value), (n,)))
 

@@ -352,7 +352,7 @@ def test_an_import_of_deviceop_memory_is_a_borrow_of_its_buffer(rng):
     device = dop.ReferenceDevice(0)
     t = dop.from_numpy(rng.standard_normal(N).astype(np.float32), device=device)
     h = t.into_shared()
-    alias = dop.from_dlpack(np.from_dlpack(t), device=device)  # another framework's view of t, imported again
+    alias = dop.from_dlpack(Foreign(np.from_dlpack(t)), device=device)  # another framework's view of t, imported again
     assert alias.data_ptr == t.data_ptr
     with pytest.raises(dop.OwnershipError, match="an import of its memory"):
         h.try_partition([128])

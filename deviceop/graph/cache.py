@@ -42,8 +42,10 @@ from dataclasses import dataclass
 
 from ..dtypes import dtype as as_dtype
 from ..errors import AliasingError, DTypeError, ShapeError, StateError
+from ..interop import empty
+from ..kernel.precompile import progress
 from ..op import DeviceOp
-from ..tensor import Partition, SharedTensor, Tensor, empty
+from ..tensor import Partition, SharedTensor, Tensor
 
 
 def _count(name: str, v) -> int:
@@ -186,8 +188,8 @@ class GraphCache:
             self._check_open()
             self._batch_of(inputs)
             key = self._key_of(inputs)
-            n = 0
-            for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
+            n, todo = 0, sorted(self.sizes if sizes is None else sizes, reverse=True)
+            for size in progress(todo, total=len(todo), desc="capturing graphs"):
                 if size not in self.sizes:
                     raise ShapeError(f"size {size} is not one of the cache's sizes {self.sizes}")
                 if (size, key) not in self._entries:

@@ -50,6 +50,7 @@ class Capture:
         executed may be executed again (ops that had run before it stay as they were)."""
         for op in self.fresh:
             op._consumed = False
+            op._armed = False  # the capture's exception said it did not run: dropping it is no surprise
             if type(op) is SharedOp and (op.core.done or op.core.failed):
                 op.core.reset()
         self.forget()

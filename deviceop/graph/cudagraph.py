@@ -17,7 +17,8 @@ from __future__ import annotations
 import threading
 
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
-from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
+from ..execution import SCOPE
+from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
 from .capture import Capture, preload
 from .nodes import KernelNode
 
@@ -135,6 +136,8 @@ class CudaGraph:
     def update(self, op: DeviceOp):
         """Run ``op`` on the graph's stream now, before the next replay (e.g.
         ``api.memcpy(input, x)``); returns its value without waiting."""
+        if isinstance(op, DeviceOp):
+            op.discard()  # handed over: if it cannot run here, the error says so
         self._check_open()
         if not isinstance(op, DeviceOp):
             raise LaunchError(f"graph.update() takes an op to run before the next replay, e.g. "
@@ -167,6 +170,8 @@ class CudaGraph:
         self._check_open()
         node = self._by_launch.get(launch)
         if node is None:
+            if isinstance(launch, DeviceOp):
+                launch.discard()  # the error says it was never captured; no warning on top
             what = launch.describe() if isinstance(launch, DeviceOp) else type(launch).__name__
             raise StateError(f"{what} was not captured into this graph: pass the launch op itself "
                              "(the one that was executed), e.g. keep it in a variable before composing")
@@ -299,6 +304,9 @@ class GraphLaunch(DeviceOp):
     def __init__(self, graph: CudaGraph):
         super().__init__()
         self.graph = graph
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
 
     def _execute(self, ctx):
         if ctx.capture is not None:
@@ -332,7 +340,7 @@ class Scope:
             raise too_deep(op, exc) from exc
 
     def __enter__(self) -> "Scope":
-        self._lock_cm = executing("CudaGraph.scope")
+        self._lock_cm = executing(SCOPE)
         self._lock_cm.__enter__()
         try:
             self._cap = Capture("CudaGraph.scope")

@@ -108,6 +108,8 @@ def _int32_cell(x, what: str, example: str) -> Tensor:
 
 def _body_builder(body):
     if isinstance(body, DeviceOp) or not callable(body):
+        if isinstance(body, DeviceOp):
+            body.discard()  # refused: the error, not a warning when it is dropped, says so
         raise LaunchError("a loop body is a function that builds the body op (an op runs once, and the body "
                           f"runs many times): pass e.g. lambda i: kernel(...), not {type(body).__name__}")
     return body

@@ -4,12 +4,14 @@
 * ``plan``: the launch key, every check of a launch, the verdict cache;
 * ``launch``: the lazy launch op and its ``first()``;
 * ``fast``: the generated eager fast path;
-* ``declare``: ``Kernel``.
+* ``declare``: ``Kernel``;
+* ``precompile``: compiling many kernels ahead of time, and the progress bar of long work.
 """
 from .declare import Kernel
 from .launch import KernelLaunch
 from .plan import _launcher, check_launch, checked_launch
+from .precompile import precompile, progress
 from .signature import In, Out, Param, Scalar, check_arg
 
 __all__ = ["_launcher", "In", "Kernel", "KernelLaunch", "Out", "Param", "Scalar", "check_arg", "check_launch",
-           "checked_launch"]
+           "checked_launch", "precompile", "progress"]

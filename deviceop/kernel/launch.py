@@ -7,7 +7,7 @@ capture, which decides what node it becomes); the plan module checks it.
 from __future__ import annotations
 
 from ..errors import DeviceOpError, LaunchError
-from ..op import DeviceOp, stats
+from ..op import DeviceOp, stats, warn_if_unexecuted
 from .plan import check_launch, checked_launch
 from .signature import Param, check_arg
 
@@ -21,11 +21,16 @@ class _Output(DeviceOp):
     def __init__(self, launch, as_tensor: bool):
         super().__init__()
         self.launch, self.as_tensor = launch, as_tensor
+        launch._armed = False  # this node answers for the launch now
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
 
     def children(self):
         return (self.launch,)
 
     def unpartition(self) -> DeviceOp:
+        self._armed = False  # replaced by the node returned
         return type(self)(self.launch, True) if not self.as_tensor else super().unpartition()
 
     def _run(self, ctx):  # the consumption check inlined: this is the hot path
@@ -61,6 +66,11 @@ class KernelLaunch(DeviceOp):
         for p, a in zip(kernel.params, self.args):
             if not isinstance(a, DeviceOp):
                 self._check_arg(p, a)
+            else:
+                a._armed = False  # run by this launch
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
 
     @property
     def arity(self) -> int:
@@ -72,7 +82,11 @@ class KernelLaunch(DeviceOp):
 
     def generics(self, values) -> "KernelLaunch":
         """Pick the template arguments, e.g. ``.generics([2048, 256])``."""
-        self._generics = self.kernel.check_generics(values)
+        try:
+            self._generics = self.kernel.check_generics(values)
+        except DeviceOpError:
+            self._armed = False  # the error says this launch is unusable: no warning on top when it is dropped
+            raise
         return self
 
     def dynamic(self, *names) -> "KernelLaunch":
@@ -82,6 +96,7 @@ class KernelLaunch(DeviceOp):
         index = self.kernel.param_index
         unknown = [n for n in names if n not in index]
         if unknown:
+            self._armed = False
             raise LaunchError(f"{self.kernel.name} has no argument(s) {', '.join(map(repr, unknown))}; "
                               f"its arguments are {', '.join(index)}")
         self._mutable = frozenset(index[n] for n in names) if names else frozenset(index.values())
@@ -94,6 +109,7 @@ class KernelLaunch(DeviceOp):
         anything the previous kernels wrote (kernels/fused.cu does)."""
         self._pdl = bool(enabled)
         if self._pdl and self._cooperative:
+            self._armed = False
             raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
         return self
 
@@ -103,6 +119,7 @@ class KernelLaunch(DeviceOp):
         be (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of letting it hang."""
         self._cooperative = bool(enabled)
         if self._pdl and self._cooperative:
+            self._armed = False
             raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
         return self
 

@@ -163,6 +163,14 @@ def _as_tensor_arg(v):
     return v.tensor if isinstance(v, SharedTensor) else v
 
 
+def _not_a_tensor_hint(a) -> str:
+    """What to pass instead of ``a``, where a tensor was expected."""
+    if isinstance(a, tuple):
+        return (" (a kernel launch's value is the tuple of all its arguments: pass its output tensor, "
+                "launch.first().unpartition())")
+    if hasattr(a, "__array_interface__"):
+        return " (a host array: copy it to the device with dop.from_numpy(array))"
+    return ""
 
 def check_arg(kernel, p: Param, a) -> None:
     """Is ``a`` a valid value for parameter ``p`` (role, dtype, rank, layout)?"""
@@ -176,7 +184,8 @@ def check_arg(kernel, p: Param, a) -> None:
     elif p.role == "in":
         t = _as_tensor_arg(a)
         if not isinstance(t, Tensor):
-            raise LaunchError(f"argument {p.name} of {k} must be a Tensor, got {type(a).__name__}")
+            raise LaunchError(f"argument {p.name} of {k} must be a Tensor, got {type(a).__name__}"
+                              f"{_not_a_tensor_hint(a)}")
     else:
         try:
             p.dtype.coerce(a)
