@@ -17,7 +17,8 @@ instantiation, an invalidated capture, a refused upload)::
 
 On the reference device no driver call is made, so nothing is counted there.
 :func:`host_rss_bytes` and :func:`device_used_bytes` are the memory samples of
-the soak (scripts/soak.py).
+the soak (scripts/soak.py).  :class:`ForeignArray` stands for another framework's
+array (memory it exports through DLPack and keeps).
 """
 from __future__ import annotations
 
@@ -157,3 +158,17 @@ def device_used_bytes(device) -> int:
 def loaded_modules() -> int:
     """CUBIN modules deviceop has loaded in this process."""
     return len(_device._loaded)
+
+
+class ForeignArray:
+    """Another framework's array: it exports its memory through DLPack and keeps it
+    (a bare NumPy array is host memory, which ``dop.from_dlpack`` refuses)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()

@@ -63,6 +63,8 @@
 // K/V stream is ~4x its copy-rate time (10.5 us alone for 8.4 MB).
 #include <cuda_bf16.h>
 
+#include "llama_common.cuh"
+
 namespace llama_attn {
 
 // NVRTC has no <cmath>: infinity from its bits
@@ -70,17 +72,8 @@ namespace llama_attn {
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using llama::pdl_launch_dependents;  // kernels/llama_common.cuh
+using llama::pdl_wait;
 
 // 16 bytes global -> shared, asynchronous, through L2 only
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {

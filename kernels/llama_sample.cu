@@ -44,6 +44,8 @@
 // PDL: the logits come from the previous kernel and the step from an earlier one, so everything is
 // read after griddepcontrol.wait; the dependents are released at the start (they wait for the token).
 
+#include "llama_common.cuh"
+
 namespace llama_sample {
 
 // NVRTC has no <cmath>: infinity from its bits
@@ -51,17 +53,8 @@ namespace llama_sample {
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using llama::pdl_launch_dependents;  // kernels/llama_common.cuh
+using llama::pdl_wait;
 
 constexpr int NT = 1024;                   // threads per CTA
 constexpr int MAXCAND = 4096;              // B*C candidates at most (32 KB of shared memory)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop.testing import ForeignArray
 from deviceop import CudaGraph, DeviceOpVec, api, zip_
 from deviceop import compile as comp
 from deviceop.graph import GraphCache
@@ -328,18 +329,7 @@ def test_from_dlpack_of_bfloat16(device, rng):
         dop.from_dlpack(Exported(np.zeros(2, np.complex64)))
 
 
-class Exported:
-    """Memory another framework exports through DLPack (a NumPy array stands in for it
-    on the reference device; a bare ndarray is host memory, which from_dlpack refuses)."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
+Exported = ForeignArray  # another framework's memory, exported through DLPack
 
 
 def test_dlpack_type_codes_map_to_deviceop_dtypes():

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop.testing import ForeignArray
 from deviceop import api
 from deviceop.kernel import In, Kernel, Out
 from kernels import affine, rms_norm, store_row
@@ -109,17 +110,7 @@ def test_on_the_gpu_a_new_scalar_never_writes_past_the_table(stream, rng):
 
 # -- item 2: strided views are refused unless a parameter declares them -------------------
 
-class Exported:
-    """Another framework's memory exported through DLPack (a bare ndarray is host memory: refused)."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
+Exported = ForeignArray  # another framework's memory, exported through DLPack
 
 
 def _broadcast(value, n):

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop.testing import ForeignArray
 from deviceop import CudaGraph, api, zip_
 from deviceop.op import stats
 from kernels import add, affine
@@ -311,17 +312,7 @@ def test_a_reshape_of_a_handle_in_an_op_is_a_borrow_while_its_value_lives(stream
     assert h.try_partition([128]).grid == (2,)
 
 
-class Foreign:
-    """Another framework's array: it exports its memory through DLPack and keeps it."""
-
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
+Foreign = ForeignArray  # another framework's memory, exported through DLPack
 
 
 def test_memory_imported_from_another_framework_is_never_claimed(rng):
