@@ -21,6 +21,7 @@ from ..execution import SCOPE
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
 from .capture import Capture, preload
 from .nodes import KernelNode
+from .render import render_dot
 
 
 class CudaGraph:
@@ -263,6 +264,11 @@ class CudaGraph:
             with open(path, "w") as f:
                 f.write(text)
         return text
+
+    def render(self, path, format: str | None = None):
+        """The graph as a picture (SVG, PNG or PDF, from ``path``'s suffix or ``format``),
+        drawn by Graphviz's ``dot`` from :meth:`to_dot`; returns the path."""
+        return render_dot(self.to_dot(), path, format)
 
     # -- lifetime --------------------------------------------------------------------
     def close(self) -> None:
