@@ -65,30 +65,9 @@ def median(xs) -> float:
 # -- deviceop ---------------------------------------------------------------------------------
 
 def time_device_loop(llama: Llama, prompt, n: int, reps: int) -> dict:
-    """A whole generation in one graph launch: GPU us per token over the n - 1 steps after
-    the prompt's ((n tokens) - (1 token)), and the host time of the launch."""
-    stream, dec = llama.cuda_stream, llama.decoder
-    prompt = np.asarray(prompt, np.int32)
-
-    def timed(k):
-        tokens = llama.generate(prompt, k)  # captures and warms up
-        graph = llama._loops[llama._key(prompt.size, k, GREEDY)]
-        gpu, host = [], []
-        for _ in range(reps):
-            dec.load_prompt(prompt)
-            start = stream.record_event()
-            t0 = time.perf_counter()
-            graph.replay()
-            host.append((time.perf_counter() - t0) * 1e6)
-            end = stream.record_event()
-            end.synchronize()
-            gpu.append(start.elapsed_ms(end) * 1e3)
-        return median(gpu), median(host), tokens
-
-    full, host, tokens = timed(n)
-    one, _, _ = timed(1)
-    steps = max(1, len(tokens) - 1)
-    return {"us_per_token": (full - one) / steps, "host_us": host, "tokens": tokens, "generation_us": full}
+    """A whole generation in one graph launch (Llama.time_generation): GPU us per token over
+    the steps after the prompt, and the host time of the launch."""
+    return llama.time_generation(prompt, n, GREEDY, reps)
 
 
 def time_step_launches(llama: Llama, prompt, n: int, reps: int) -> dict:

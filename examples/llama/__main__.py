@@ -81,34 +81,12 @@ def main(argv=None) -> int:
     print(f"generated {len(tokens)} tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     if device.is_reference:
         return 0
-    per_token, host_us = time_generation(llama, prompt, args.max_new, sampling)
+    timing = llama.time_generation(prompt, args.max_new, sampling)
+    per_token, host_us = timing["us_per_token"] * 1e-6, timing["host_us"]
     floor = (cfg.weight_bytes() + cfg.kv_bytes(args.prompt_len + args.max_new // 2)) / copy_rate(llama.cuda_stream)
     print(f"{per_token * 1e6:.1f} us/token ({1 / per_token:.0f} tokens/s), floor {floor * 1e6:.1f} us: "
           f"{per_token / floor:.3f}x; host time of the one launch: {host_us:.1f} us")
     return 0
-
-
-def time_generation(llama: Llama, prompt, max_new: int, sampling: Sampling) -> tuple[float, float]:
-    """(seconds per generated token, host microseconds of the launch): a generation of
-    ``max_new`` tokens minus one of 1 token (same prompt), over ``max_new - 1``; medians of 5."""
-    def timed(n):
-        llama.generate(prompt, n, sampling)  # captures and warms up
-        runs, hosts = [], []
-        for _ in range(5):
-            graph = llama._loops[llama._key(len(prompt), n, sampling)]
-            llama.decoder.load_prompt(np.asarray(prompt, np.int32))
-            stream = llama.cuda_stream
-            start = stream.record_event()
-            h = time.perf_counter()
-            graph.replay()
-            hosts.append((time.perf_counter() - h) * 1e6)
-            end = stream.record_event()
-            end.synchronize()
-            runs.append(start.elapsed_ms(end) * 1e-3)
-        return float(np.median(runs)), float(np.median(hosts))
-    full, host = timed(max_new)
-    one, _ = timed(1)
-    return (full - one) / max(1, max_new - 1), host
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ the prompt itself, the position and the KV cache live in device memory).
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import deviceop as dop
 
 from .config import LlamaConfig
@@ -78,6 +81,35 @@ class Llama:
         self.cuda_stream.synchronize()
         dec.read_generated(tokens.size)  # raises if the device flagged a token or a position
         return out
+
+    def time_generation(self, prompt, max_new_tokens: int, sampling: Sampling | None = None,
+                        reps: int = 5) -> dict:
+        """A whole generation in one graph launch, timed: GPU µs per generated token over the
+        steps after the prompt (a generation of ``max_new_tokens`` minus one of 1 token, over
+        the tokens it generated less one), the host µs of the launch, medians of ``reps``."""
+        sampling = sampling or Sampling()
+        prompt = self.decoder.check_request(prompt, max_new_tokens)
+        stream = self.cuda_stream
+
+        def timed(n):
+            tokens = self.generate(prompt, n, sampling)  # captures and warms up
+            graph = self._loops[self._key(prompt.size, n, sampling)]
+            gpu, host = [], []
+            for _ in range(reps):
+                self.decoder.load_prompt(prompt)
+                start = stream.record_event()
+                t0 = time.perf_counter()
+                graph.replay()
+                host.append((time.perf_counter() - t0) * 1e6)
+                end = stream.record_event()
+                end.synchronize()
+                gpu.append(start.elapsed_ms(end) * 1e3)
+            return statistics.median(gpu), statistics.median(host), tokens
+
+        full, host, tokens = timed(max_new_tokens)
+        one, _, _ = timed(1)
+        return {"us_per_token": (full - one) / max(1, len(tokens) - 1), "host_us": host, "tokens": tokens,
+                "generation_us": full}
 
     def stream(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None):
         """Yield each generated token as soon as its step is done (one graph launch per token)."""
