@@ -24,19 +24,16 @@ import numpy as np
 import deviceop as dop
 from deviceop.kernel import In, Kernel, Out, Scalar
 
+from . import _checks
+from ._checks import _need
+
 HERE = Path(__file__).resolve().parent
 LOG2E = 1.4426950408889634
 
 
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise dop.ShapeError(message)
-
 
 def _aligned(name: str, *tensors) -> None:
-    for t in tensors:
-        _need(t.data_ptr % 16 == 0, f"{name} uses 16-byte loads: its tensors must start 16-byte aligned "
-                                    f"(a cache slice at a layer offset is, for head dims 64 and 128)")
+    _checks._aligned(*tensors, who=f"{name} uses")
 
 
 # -- attn_decode ---------------------------------------------------------------------------------
@@ -154,7 +151,6 @@ def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
           f"{name}: ws {ws.shape} must hold {need} floats; make it with attn_buffers(...)")
     _need(counters.ndim == 1 and counters.shape[0] >= hkv,
           f"{name}: counters {counters.shape} must hold {hkv} int32 (one per KV head), zero initially")
-    _need(all(x.is_contiguous for x in (t, q, k, v, ws, counters)), f"{name}: every tensor must be contiguous")
     for a, an in ((ws, "ws"), (counters, "counters")):
         for b, bn in ((q, "q"), (k, "k"), (v, "v"), (pos, "pos")):
             if a.overlaps(b):
@@ -288,7 +284,6 @@ def _sample_check(g, part, logits, token, state, step, vocab, temperature, top_k
           f"lower C or use fewer rows")
     for a, an in ((token, "token"), (state, "state"), (step, "step")):
         _need(a.ndim == 1 and a.shape[0] >= 1, f"{name}: {an} {a.shape} must be an int32 [1]")
-    _need(all(a.is_contiguous for a in (t, logits)), f"{name}: part and logits must be contiguous")
     for a, an in ((token, "token"), (state, "state")):
         for b, bn in ((logits, "logits"), (step, "step")):
             if a.overlaps(b):

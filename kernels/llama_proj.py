@@ -35,6 +35,9 @@ import numpy as np
 import deviceop as dop
 from deviceop.kernel import In, Kernel, Out, Scalar
 
+from . import _checks
+from ._checks import _need
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_proj.cu"
 ERR_TOKEN, ERR_POS = 1, 2     # llama::ERR_* in llama_common.cuh
@@ -43,19 +46,10 @@ MAX_LOADS = 32                # NB * NR * CH: 16-byte loads a lane holds in flig
 H100_SMS = 132
 
 
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise dop.ShapeError(message)
-
 
 def _aligned(name: str, *tensors) -> None:
-    for t in tensors:
-        _need(t.data_ptr % 16 == 0, f"{name} uses 16-byte loads: its vectors and weights must start 16-byte aligned")
+    _checks._aligned(*tensors, who=f"{name} uses")
 
-
-def _contiguous(name: str, **tensors) -> None:
-    for label, t in tensors.items():
-        _need(t.is_contiguous, f"{name}: {label} {t.shape} must be contiguous (make a contiguous copy)")
 
 
 def _one(name: str, **tensors) -> None:
@@ -106,7 +100,6 @@ def _embed_gather_check(g, hidden, embed, token, error, vocab):
     _need(B % 8 == 0 and 8 <= B <= 8192, f"{name}: B={B} must be a multiple of 8 in [8, 8192] (8 elements a thread)")
     _need(hidden.tile_shape == (B,), f"{name}<B={B}>: partition hidden with [{B}], not {list(hidden.tile_shape)}")
     _one(name, token=token, error=error)
-    _contiguous(name, embed=embed, hidden=t)
     _aligned(name, t, embed)
 
 
@@ -183,8 +176,6 @@ def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_c
     pairs, grid = qkv_pairs(HQ, HKV, HD), q.num_tiles
     _need(pairs % grid == 0, f"{name}: q's partition makes {grid} CTAs, which must divide the {pairs} RoPE pairs; "
                              f"use qkv_plan(...) for the tile")
-    _contiguous(name, q=t, hidden=hidden, norm_w=norm_w, w_qkv=w_qkv, inv_freq=inv_freq, k_cache=k_cache,
-                v_cache=v_cache)
     if k_cache.overlaps(v_cache):
         raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
     _aligned(name, hidden, norm_w, w_qkv)
@@ -242,7 +233,6 @@ def _matvec_residual_check(g, out, x, w, residual):
     _need(residual.shape == (n,), f"{name}: residual {residual.shape} must match out {t.shape}")
     _need(1 <= NR <= 32 and RPC % NR == 0, f"{name}: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
     _stream_checks(name, K, CH, NR, W, 4 * RPC * (1 + (KS if KS > 1 else 0)), NB, KS)
-    _contiguous(name, out=t, x=x, w=w, residual=residual)
     _aligned(name, x, w)
 
 
@@ -305,7 +295,6 @@ def _rms_gate_up_silu_check(g, act, hidden, norm_w, w_gate_up, eps):
     _need(w_gate_up.shape == (2 * inter, K), f"{name}: w_gate_up {w_gate_up.shape} must be [2*I, K] = "
                                              f"[{2 * inter}, {K}] (cat of gate_proj and up_proj)")
     _stream_checks(name, K, CH, 2, W, 4 * W)
-    _contiguous(name, act=t, hidden=hidden, norm_w=norm_w, w_gate_up=w_gate_up)
     _aligned(name, hidden, norm_w, w_gate_up)
 
 
@@ -353,7 +342,6 @@ def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, eps, vo
     _one(name, token=token)
     _need(work.shape == (2,), f"{name}: work must be a uint64 [2] workspace (zeroed once), got shape {work.shape}")
     _stream_checks(name, K, CH, NR, W, 12 * W)
-    _contiguous(name, logits=t, hidden=hidden, norm_w=norm_w, w=w)
     if work.overlaps(token):
         raise dop.AliasingError(f"{name}: work and token overlap; give each its own memory")
     _aligned(name, hidden, norm_w, w, work)

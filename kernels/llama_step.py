@@ -7,15 +7,12 @@
 """
 from pathlib import Path
 
-import deviceop as dop
 from deviceop.kernel import In, Kernel, Out, Scalar
+
+from ._checks import _need
 
 HERE = Path(__file__).resolve().parent
 
-
-def _need(cond: bool, message: str) -> None:
-    if not cond:
-        raise dop.ShapeError(message)
 
 
 def _step_ref(g, tokens, state, sampled, eos, n_eos, prompt_len, max_new, cap):
