@@ -43,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
 from deviceop.runtime import launch as launch_mod  # noqa: E402
 from deviceop.runtime.launch import Function, LaunchConfig  # noqa: E402
+from deviceop.runtime.device import device_key  # noqa: E402
 from token_model import Config, LayerBuffers, LayerWeights, build_forward  # noqa: E402
 from kernels import add, matvec, rms_norm  # noqa: E402
 
@@ -93,7 +94,7 @@ def install_fake_functions(device, cfg: Config) -> dict:
                               ("add", add, [cfg.block])):
         gen = kernel.check_generics(gen)
         fn = HostFunction(None, 0, kernel.name_expression(gen), kernel.signature)
-        kernel._functions[(type(device), device.ordinal, gen)] = fns[name] = fn
+        kernel._functions[(*device_key(device), gen)] = fns[name] = fn
     return fns
 
 

@@ -22,6 +22,7 @@ import deviceop as dop
 from deviceop.op import stats
 from deviceop.runtime import launch as launch_mod
 from deviceop.runtime.launch import ptr
+from deviceop.runtime.device import device_key
 from kernels import add, matvec, rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +84,7 @@ def fake_gpu(monkeypatch, kernels):
         gen = kernel.check_generics(gen)
         fn = DriverlessFunction(None, len(driver.functions), kernel.name, kernel.signature)
         driver.functions.append(fn)
-        monkeypatch.setitem(kernel._functions, (type(device), device.ordinal, gen), fn)
+        monkeypatch.setitem(kernel._functions, (*device_key(device), gen), fn)
         kernel._plans.clear()  # (the generated fast path holds this dict: cleared, never replaced)
         monkeypatch.setattr(kernel, "validate", lambda *a, _v=kernel.validate, _k=kernel.name: (checks.append(_k), _v(*a)))
     return device, FakeStream(device), driver, checks
@@ -178,7 +179,7 @@ def test_a_prepared_launch_still_refuses_a_released_input_or_a_wrong_dtype(gpu_p
 
 def test_function_prepared_checks_its_arguments_and_attribute_once(gpu_path):
     cfg, device, stream, driver, checks = gpu_path
-    fn = add._functions[(type(device), device.ordinal, (cfg.block,))]
+    fn = add._functions[(*device_key(device), (cfg.block,))]
     y, a, b = dop.empty([cfg.d]), dop.empty([cfg.d]), dop.empty([cfg.d])
     config = dop.LaunchConfig(cfg.d // cfg.block, cfg.block // 4)
     go = fn.prepared(None, config, y, a, b)

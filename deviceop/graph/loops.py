@@ -36,7 +36,7 @@ import numpy as np
 from ..compile import compile_cubin
 from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
 from ..op import DeviceOp, ExecutionContext, value
-from ..runtime.device import load_module
+from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
 from ..tensor import SharedTensor, Tensor
 
@@ -75,7 +75,7 @@ _control: dict = {}  # (device type, ordinal) -> (loop_for, loop_while) Function
 
 
 def _control_functions(device):
-    key = (type(device), device.ordinal)  # a reference device 0 and GPU 0 may share a process
+    key = device_key(device)
     fns = _control.get(key)
     if fns is None:
         mod = load_module(compile_cubin(_CONTROL_SOURCE, arch=device.arch, filename="deviceop_loop.cu"), device)

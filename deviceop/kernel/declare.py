@@ -26,6 +26,7 @@ from pathlib import Path
 from ..compile import compile_cubin
 from ..errors import LaunchError
 from ..op import DeviceOp
+from ..runtime.device import device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
 from .fast import _fast_launch_type
 from .launch import KernelLaunch
@@ -107,7 +108,7 @@ class Kernel:
 
     def function(self, device, values=()):
         """The loaded kernel for ``device`` and these generics (compiled and loaded once)."""
-        key = (type(device), device.ordinal, values)  # a reference device 0 and GPU 0 may share a process
+        key = (*device_key(device), values)
         fn = self._functions.get(key)
         if fn is None:
             with self._lock:

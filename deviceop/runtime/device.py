@@ -237,10 +237,16 @@ class CudaDevice(Device):
         return f"<CUDA device {self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs, {self.total_memory / 2**30:.1f} GiB>"
 
 
+def device_key(device) -> tuple:
+    """What caches of compiled and loaded things key a device by: its kind and ordinal
+    (a reference device 0 and GPU 0 may share a process, and must not share a cache entry)."""
+    return type(device), device.ordinal
+
+
 def load_module(program, device=None) -> CudaModule:
     """Load ``program`` on ``device`` once; later calls return the same module."""
     device = device if device is not None else Device(0)
-    key = (type(device), device.ordinal, program.key or str(id(program)))
+    key = (*device_key(device), program.key or str(id(program)))
     mod = _loaded.get(key)
     if mod is None:
         with _instances_lock:
