@@ -130,5 +130,5 @@ def test_a_closed_stream_is_refused(module, device):
     y = dop.empty(8, stream=s)
     s.synchronize()
     s.close()
-    with pytest.raises(dop.StateError, match="stream was closed"):
+    with pytest.raises(dop.StateError, match="on a stream that was closed"):
         saxpy.launch(s, dop.LaunchConfig(1, 32), y, y, 1.0, 8)

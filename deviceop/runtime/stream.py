@@ -164,31 +164,33 @@ class CudaStream(Stream):
     # -- data movement on the stream (the reference stream has the same methods) --
     def memcpy(self, dst: int, src: int, nbytes: int, call: str = "cuMemcpyAsync") -> None:
         """Copy ``nbytes`` from device address ``src`` to ``dst``, ordered on this stream."""
-        code = cu.cuMemcpyAsync(dst, src, nbytes, self.handle)[0]
+        code = cu.cuMemcpyAsync(dst, src, nbytes, self._live("a copy"))[0]
         if code:
             raise_error(code, call)
 
     def memset8(self, dst: int, value: int, count: int, call: str = "cuMemsetD8Async") -> None:
-        code = cu.cuMemsetD8Async(dst, value, count, self.handle)[0]
+        code = cu.cuMemsetD8Async(dst, value, count, self._live("a memset"))[0]
         if code:
             raise_error(code, call)
 
     def memset32(self, dst: int, value: int, count: int) -> None:
-        check(cu.cuMemsetD32Async(dst, value, count, self.handle), "cuMemsetD32Async")
+        check(cu.cuMemsetD32Async(dst, value, count, self._live("a memset")), "cuMemsetD32Async")
 
     def fill(self, array, value) -> None:
         """Set every element of the CuPy ``array`` to ``value``, ordered on this stream."""
+        self._live("a fill")
         with self.cupy:
             array.fill(value)
 
     def upload(self, array, host) -> None:
         """Copy the host array ``host`` into the CuPy ``array``, ordered on this stream."""
+        self._live("an upload")
         array.set(host, stream=self.cupy)
 
     # -- interop -----------------------------------------------------------
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol (cuda.core, CuPy and others accept this object)."""
-        return (0, int(self.handle))
+        return (0, int(self._live("__cuda_stream__")))
 
     @property
     def cupy(self):
@@ -228,7 +230,7 @@ class CudaEvent:
         self.timing = timing
 
     def record(self, stream: CudaStream) -> "CudaEvent":
-        check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+        check(cu.cuEventRecord(self.handle, stream._live("recording an event")), "cuEventRecord")
         return self
 
     def synchronize(self) -> None:
