@@ -25,14 +25,6 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// __syncthreads() is bar.sync, the .aligned barrier: every thread of a warp must
-// reach it as one.  The compiler may split a warp around it (seen in StageX's
-// commit: compute-sanitizer synccheck reports "divergent thread(s) in warp"), so
-// barriers after lane-dependent code use the barrier that allows divergence.
-__device__ __forceinline__ void cta_barrier() {
-    asm volatile("barrier.sync 0;" ::: "memory");
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -114,7 +106,7 @@ struct StageX {
             ss = warp_sum(ss);
             if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
         }
-        cta_barrier();
+        __syncthreads();
         float total = 0.f;
         if (NORM) {
             #pragma unroll
