@@ -22,8 +22,8 @@ def from_numpy(array, *, device=None, stream=None, dtype=None) -> Tensor:
     return Tensor.from_numpy(array, device=device, stream=stream, dtype=dtype)
 
 
-def from_dlpack(obj, *, device=None) -> Tensor:
-    return Tensor.from_dlpack(obj, device=device)
+def from_dlpack(obj, *, device=None, stream=None) -> Tensor:
+    return Tensor.from_dlpack(obj, device=device, stream=stream)
 
 
 def as_tensor(obj, *, device=None) -> Tensor:

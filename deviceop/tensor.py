@@ -122,19 +122,23 @@ class Tensor:
         return cls._wrap(device.from_host(host, dt, stream), device, dt, stream)
 
     @classmethod
-    def from_dlpack(cls, obj, *, device=None) -> "Tensor":
+    def from_dlpack(cls, obj, *, device=None, stream=None) -> "Tensor":
         """A zero-copy tensor over ``obj``'s memory (torch, CuPy, JAX ... anything with ``__dlpack__``).
 
-        The memory stays the other framework's: ``try_partition`` on a handle to
-        it is refused (deviceop cannot see who else holds it); ``api.dup`` makes
-        a copy deviceop owns."""
+        Ordered on ``stream`` (default: the device's default stream), which
+        becomes the tensor's home stream: the producer makes it wait for the work
+        it still has queued on the memory (torch: its current stream).  The
+        memory stays the other framework's: ``try_partition`` on a handle to it
+        is refused (deviceop cannot see who else holds it); ``api.dup`` makes a
+        copy deviceop owns."""
         device = device if device is not None else Device(0)
         if isinstance(obj, Tensor):
             return obj
         if isinstance(obj, np.ndarray):  # on either device, as the GPU must: a NumPy array is host memory
             raise StateError("a NumPy array lives in host memory, and zero-copy import (dop.from_dlpack, "
                              "dop.as_tensor) takes device memory: copy it with dop.from_numpy(array)")
-        return cls._wrap(device.import_dlpack(obj), device, external=True)
+        stream = stream or device.default_stream()
+        return cls._wrap(device.import_dlpack(obj, stream), device, home_stream=stream, external=True)
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
@@ -289,8 +293,13 @@ class Tensor:
     def __cuda_array_interface__(self) -> dict:
         return self.device.cuda_array_interface(self._array)
 
-    def __dlpack__(self, *args, **kwargs):
-        return self._array.__dlpack__(*args, **kwargs)
+    def __dlpack__(self, *, stream=None, **kwargs):
+        """DLPack export, zero-copy.  The consumer's ``stream`` (torch passes its
+        current one) waits for the work queued so far on the tensor's home stream
+        (where it was made or imported; work on other streams: synchronize them
+        first, as for ``numpy()``)."""
+        home = self._home_stream or self.device.default_stream()
+        return self.device.export_dlpack(self._array, home, stream, kwargs)
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()

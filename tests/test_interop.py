@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop import api
 from kernels import add
 
 
@@ -51,3 +52,59 @@ def test_bfloat16_both_ways_with_ml_dtypes(stream, rng):
     back = np.asarray(t)
     assert back.dtype == ml_dtypes.bfloat16 and np.array_equal(back.view(np.uint16), host.view(np.uint16))
     assert np.asarray(t, dtype=np.float32).dtype == np.float32
+
+
+# -- stream order across frameworks (GPU): a long kernel still writing on one side
+# must be waited for by the other side's stream, with no host sync in between.
+
+SPIN_SRC = r"""
+extern "C" __global__ void interop_spin_fill(float* out, float value, long long cycles) {
+    const long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+    out[blockIdx.x * blockDim.x + threadIdx.x] = value;
+}
+"""
+
+
+def _spin_fill_ref(g, out, value, cycles):
+    out[...] = value
+
+
+spin_fill = dop.Kernel("interop_spin_fill", SPIN_SRC, [dop.Out("out", "float32", rank=1),
+                       dop.Scalar("value", "float32"), dop.Scalar("cycles", "int64")], block=128,
+                       reference=_spin_fill_ref)
+SPIN = 200_000_000  # ~0.1 s at the H100's clock: far longer than torch takes to queue its copy
+
+
+@pytest.mark.gpu
+def test_torch_reads_a_deviceop_tensor_after_the_work_queued_on_its_stream():
+    torch = pytest.importorskip("torch")
+    stream = dop.Device(0).new_stream()
+    t = dop.from_numpy(np.zeros(1024, np.float32), stream=stream)   # home stream: `stream`
+    spin_fill(t.partition([128]), 7.0, SPIN).async_on(stream)        # still running below
+    seen = torch.from_dlpack(t).clone()                              # torch's current stream
+    torch.cuda.synchronize()
+    assert seen.eq(7.0).all().item(), "torch read the tensor before deviceop's kernel wrote it"
+
+
+@pytest.mark.gpu
+def test_deviceop_reads_a_torch_tensor_after_the_work_torch_queued():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(1024, device="cuda")
+    torch.cuda._sleep(SPIN)                                          # torch's current stream is busy ...
+    x.fill_(5.0)                                                     # ... then writes
+    stream = dop.Device(0).new_stream()
+    t = dop.from_dlpack(x, stream=stream)
+    assert t.data_ptr == x.data_ptr()
+    copy = dop.empty(1024, stream=stream)
+    api.memcpy(copy, t).async_on(stream)                             # ordered after torch's fill
+    np.testing.assert_array_equal(copy.numpy(stream=stream), np.full(1024, 5.0, np.float32))
+
+
+def test_a_cuda_stream_for_the_reference_devices_host_memory_is_refused(device, rng):
+    if not device.is_reference:
+        pytest.skip("the reference device's rule (on a GPU, test_torch_reads_... above)")
+    t = dop.from_numpy(rng.standard_normal(4).astype(np.float32), device=device)
+    with pytest.raises(dop.StateError, match="host memory.*leave stream=None"):
+        t.__dlpack__(stream=5)
+    np.testing.assert_array_equal(np.from_dlpack(t), t.numpy())   # stream=None: a host import

@@ -200,14 +200,28 @@ class CudaDevice(Device):
         array.set(host, stream=(stream or self.default_stream()).cupy)
         return array
 
-    def import_dlpack(self, obj):
+    def import_dlpack(self, obj, stream):
+        """``obj``'s memory as a CuPy array, ordered on ``stream``: CuPy hands the
+        producer this stream (``__dlpack__(stream=...)``), and the producer makes it
+        wait for the work still writing the memory."""
         import cupy
         kind = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
         if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
             raise StateError(f"{type(obj).__name__} lives in host memory (DLPack device type {int(kind)}); "
                              "zero-copy import needs device memory: copy it with dop.from_numpy(...)")
-        with cupy.cuda.Device(self.ordinal):
+        with cupy.cuda.Device(self.ordinal), stream.cupy:
             return cupy.from_dlpack(obj)
+
+    def export_dlpack(self, array, stream, consumer, kwargs: dict):
+        """The DLPack capsule of ``array`` for a consumer on stream ``consumer`` (the
+        DLPack protocol's integer: 1 the legacy default stream, 2 per-thread, -1 no
+        ordering, None the legacy stream): the consumer's stream first waits for the
+        work queued on ``stream`` so far."""
+        if consumer != -1:
+            handle = 1 if consumer is None else int(consumer)  # None means the legacy stream (DLPack)
+            event = stream.record_event(timing=False)
+            CudaStream.from_handle(self, handle).wait_event(event)
+        return array.__dlpack__(stream=-1, **kwargs)
 
     def import_cuda_array(self, obj):
         import cupy

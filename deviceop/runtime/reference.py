@@ -136,8 +136,15 @@ class ReferenceDevice(Device):
         return host.copy()
 
     @staticmethod
-    def import_dlpack(obj):
+    def import_dlpack(obj, stream):
         return host_array_from_dlpack(obj)  # (NumPy alone refuses bfloat16)
+
+    @staticmethod
+    def export_dlpack(array, stream, consumer, kwargs: dict):
+        if consumer is not None:
+            raise StateError(f"the reference device's memory is host memory: DLPack's stream={consumer!r} "
+                             "names a CUDA stream; leave stream=None")
+        return array.__dlpack__(**kwargs)
 
     @staticmethod
     def import_cuda_array(obj):
