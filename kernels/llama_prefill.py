@@ -175,6 +175,7 @@ def _qkv_ref(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache, e
 def _qkv_check(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache, error, eps, cap):
     K, HD, HQ, HKV, T, PB, WR, WK, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"))
     name = "pf_qkv_rope"
+    _need_chunk(name, T)
     _need(HD in (64, 128) and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be 64 or 128 (RoPE pairs in tiles of "
                                                     f"16), HQ={HQ} and HKV={HKV} positive")
     width = qkv_width(HQ, HKV, HD)
@@ -282,6 +283,7 @@ def _matmul_ref(g, out, x, w, residual):
 def _matmul_check(g, out, x, w, residual):
     K, KC, T, RT, WR, WK, NB = (g[n] for n in ("K", "KC", "T", "RT", "WR", "WK", "NB"))
     name = "pf_matmul_residual"
+    _need_chunk(name, T)
     t = out.tensor
     _need(t.ndim == 2 and t.shape[0] == T, f"{name}<T={T}>: out {t.shape} must be [{T}, N]")
     n = t.shape[1]
@@ -322,6 +324,7 @@ def _gate_up_ref(g, act, hidden, norm_w, w_gate_up, eps):
 def _gate_up_check(g, act, hidden, norm_w, w_gate_up, eps):
     K, T, RT, WR, WK, NB = (g[n] for n in ("K", "T", "RT", "WR", "WK", "NB"))
     name = "pf_gate_up_silu"
+    _need_chunk(name, T)
     t = act.tensor
     _need(t.ndim == 2 and t.shape[0] == T, f"{name}<T={T}>: act {t.shape} must be [{T}, I]")
     inter = t.shape[1]
