@@ -57,6 +57,33 @@ def time_ingestion(llama: Llama, prompt, chunk: int, reps: int) -> tuple[float, 
     return float(statistics.median(times)), tokens
 
 
+def time_kernels(llama: Llama, chunk: int, p0: int, reps: int) -> dict:
+    """GPU µs of each of a chunk's five layer kernels at chunk position ``p0``: a graph of the
+    kernel of every layer (16 launches, distinct weights, with PDL) replayed, median of ``reps``."""
+    from deviceop import api
+    stream = llama.cuda_stream
+    p = llama._prefill(chunk)
+    api.memcpy(p.state, dop.from_numpy(np.array([p0, chunk, 1], np.int32), stream=stream)).sync_on(stream)
+    out = {}
+    for j, name in enumerate(("qkv_rope", "attn", "o_proj", "gate_up_silu", "down_proj")):
+        layers = [p.layer_ops(i) for i in range(llama.cfg.num_hidden_layers)]
+        for ops in layers:
+            for k, op in enumerate(ops):
+                if k != j:
+                    op.discard()  # built with the layer, not timed here
+        graph = dop.zip_(*(ops[j] for ops in layers)).graph_on(stream)
+        graph.replay()
+        times = []
+        for _ in range(reps):
+            start = stream.record_event()
+            graph.replay()
+            end = stream.record_event()
+            end.synchronize()
+            times.append(start.elapsed_ms(end) * 1e3 / llama.cfg.num_hidden_layers)
+        out[name] = float(statistics.median(times))
+    return out
+
+
 def layer_weight_bytes(cfg) -> int:
     """bf16 bytes of every decoder layer's weights (what a chunk reads; not the embedding or head)."""
     d, i = cfg.hidden_size, cfg.intermediate_size
@@ -120,6 +147,17 @@ def main(argv=None) -> int:
                 [[r["arm"], r["us"], r.get("prompt_tokens_per_s", ""), r.get("floor_us", ""), r.get("vs_floor", "")]
                  for r in rows])
     speedup = token_us / chunked_us
+    if not args.smoke:
+        kernels = time_kernels(llama, T, 3 * P // 4, max(reps, 5))
+        d, i = cfg.hidden_size, cfg.intermediate_size
+        wbytes = {"qkv_rope": 2 * d * (cfg.q_size + 2 * cfg.kv_size), "attn": cfg.kv_bytes(3 * P // 4 + T) //
+                  cfg.num_hidden_layers, "o_proj": 2 * cfg.q_size * d, "gate_up_silu": 4 * d * i, "down_proj": 2 * d * i}
+        print_table(f"one layer's kernels in a chunk at position {3 * P // 4} (16 launches a graph, us a launch)",
+                    ["kernel", "us", "bytes", "floor us", "vs floor"],
+                    [[k, round(v, 2), wbytes[k], round(wbytes[k] / rate * 1e6, 2), round(v / (wbytes[k] / rate * 1e6), 2)]
+                     for k, v in kernels.items()])
+        rows.append({"arm": f"layer kernels at position {3 * P // 4}, us a launch",
+                     **{k: round(v, 2) for k, v in kernels.items()}})
     print(f"\nchunked / token-by-token speed-up: {speedup:.2f}x; first generated token "
           f"{'equal' if same else 'DIFFERS'} ({chunked_tok} vs {token_tok})")
     if args.smoke or not os.environ.get("DEVICEOP_BENCH_OUT"):

@@ -91,44 +91,58 @@ __device__ __forceinline__ float rest(float x) { return x - __bfloat162float(__f
 
 // Stage columns [k0, k0 + KC) of the T rows of x [T, K] (times the norm weight g when NORM)
 // into hi/lo B fragments: for 32-column step j and token t, the 16 bytes of column group c
-// (8 columns) at hi[(j*T + t)*4 + c] (lo likewise).  Warp w stages rows w, w+W, ...; with
-// NORM it also leaves sum(x^2) of each row in ss[t] (K == KC: the whole row).
+// (8 columns) at hi[(j*T + t)*4 + c] (lo likewise).  A warp stages 8 rows at once (lane: row
+// lane/4, group lane%4), so its 32 stores are 512 contiguous bytes (no bank conflict); the
+// W/(T/8) warps of a row group take every (W/(T/8))-th step.  With NORM each warp leaves its
+// partial sum(x^2) of its 8 rows in ss[warp*8 + row] (row_ss adds them; K == KC: whole rows).
 template <int K, int KC, int T, int W, bool NORM>
 __device__ __forceinline__ void stage_x(uint4* hi, uint4* lo, float* ss, const float* __restrict__ x, int k0,
                                         const __nv_bfloat16* __restrict__ g) {
+    constexpr int RG = T / 8, KSN = W / RG, KB = KC / 32;
+    static_assert(W % RG == 0, "the warps must cover the T/8 row groups evenly");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    constexpr int Q = KC / 8;
-    for (int t = warp; t < T; t += W) {
-        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)t * K + k0);
-        float s = 0.f;
-        #pragma unroll 4
-        for (int q = lane; q < Q; q += 32) {
-            float4 a = __ldcg(xr + 2 * q), b = __ldcg(xr + 2 * q + 1);
-            if (NORM) {
-                s += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
-                const uint4 gv = __ldg(reinterpret_cast<const uint4*>(g + k0) + q);
-                a = make_float4(a.x * llama::bf16_lo(gv.x), a.y * llama::bf16_hi(gv.x), a.z * llama::bf16_lo(gv.y),
-                                a.w * llama::bf16_hi(gv.y));
-                b = make_float4(b.x * llama::bf16_lo(gv.z), b.y * llama::bf16_hi(gv.z), b.z * llama::bf16_lo(gv.w),
-                                b.w * llama::bf16_hi(gv.w));
-            }
-            const int at = ((q >> 2) * T + t) * 4 + (q & 3);
-            hi[at] = make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
-            lo[at] = make_uint4(pack2(rest(a.x), rest(a.y)), pack2(rest(a.z), rest(a.w)), pack2(rest(b.x), rest(b.y)),
-                                pack2(rest(b.z), rest(b.w)));
-        }
+    const int t = (warp % RG) * 8 + (lane >> 2), c = lane & 3;
+    const float* xr = x + (size_t)t * K + k0 + 8 * c;
+    float s = 0.f;
+    #pragma unroll 4
+    for (int kb = warp / RG; kb < KB; kb += KSN) {
+        const float4* x4 = reinterpret_cast<const float4*>(xr + kb * 32);
+        float4 a = __ldcg(x4), b = __ldcg(x4 + 1);
         if (NORM) {
-            s = llama::warp_sum(s);
-            if (lane == 0) ss[t] = s;
+            s += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+            const uint4 gv = __ldg(reinterpret_cast<const uint4*>(g + k0 + kb * 32 + 8 * c));
+            a = make_float4(a.x * llama::bf16_lo(gv.x), a.y * llama::bf16_hi(gv.x), a.z * llama::bf16_lo(gv.y),
+                            a.w * llama::bf16_hi(gv.y));
+            b = make_float4(b.x * llama::bf16_lo(gv.z), b.y * llama::bf16_hi(gv.z), b.z * llama::bf16_lo(gv.w),
+                            b.w * llama::bf16_hi(gv.w));
         }
+        const int at = (kb * T + t) * 4 + c;
+        hi[at] = make_uint4(pack2(a.x, a.y), pack2(a.z, a.w), pack2(b.x, b.y), pack2(b.z, b.w));
+        lo[at] = make_uint4(pack2(rest(a.x), rest(a.y)), pack2(rest(a.z), rest(a.w)), pack2(rest(b.x), rest(b.y)),
+                            pack2(rest(b.z), rest(b.w)));
     }
+    if (NORM) {
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (c == 0) ss[warp * 8 + (lane >> 2)] = s;
+    }
+}
+
+// sum(x^2) of row t from stage_x's per-warp partials, added in warp order (deterministic)
+template <int T, int W>
+__device__ __forceinline__ float row_ss(const float* ss, int t) {
+    constexpr int RG = T / 8;
+    float v = 0.f;
+    #pragma unroll
+    for (int k = 0; k < W / RG; ++k) v += ss[(k * RG + t / 8) * 8 + t % 8];
+    return v;
 }
 
 // The CTA's RT*16 weight rows times the T staged activation rows, reduced over all of K.
 // rowbase(rt): the first weight row of tile rt (its rows are rowbase .. rowbase + 15).
 // Result: red[(wk*R + r)*T + t] = the partial sum of warp slice wk for CTA row r
 // (r = rt*16 + row in tile) and token t; the caller adds the WK slices (after the
-// __syncthreads at the end).  smem: hi, lo [KC*T/8 uint4 each], ss [T] (NORM).
+// __syncthreads at the end).  smem: hi, lo [KC*T/8 uint4 each], ss [8 W] (NORM).
 template <int K, int KC, int T, int RT, int WR, int WK, int NB, bool NORM, class RowBase>
 __device__ __forceinline__ void chunk_gemm(float* red, float* ss, uint4* hi, uint4* lo, const float* __restrict__ x,
                                            const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ w,
@@ -324,7 +338,7 @@ pf_qkv_rope(float* __restrict__ qkv, const float* __restrict__ hidden, const __n
         atomicOr(error, llama::ERR_POS);
     for (int e = threadIdx.x; e < PB * 16 * T; e += NTH) {
         const int t = e / (PB * 16), lp = e - t * (PB * 16), j = lp / 16, r = lp % 16;
-        const float rs = rsqrtf(ss[t] / K + eps);
+        const float rs = rsqrtf(llama_pf::row_ss<T, WR * WK>(ss, t) / K + eps);
         const float x0 = llama_pf::reduced<WK, R, T>(red, 2 * j * 16 + r, t) * rs;
         const float x1 = llama_pf::reduced<WK, R, T>(red, (2 * j + 1) * 16 + r, t) * rs;
         const int p = (b0 + j) * 16 + r, h = p / HALF, i = p - h * HALF;
@@ -400,7 +414,7 @@ pf_attn(float* __restrict__ out, const float* __restrict__ qkv, const __nv_bfloa
     const uint4* kh = reinterpret_cast<const uint4*>(kc + (size_t)h * cap * HD);
     const uint4* vh = reinterpret_cast<const uint4*>(vc + (size_t)h * cap * HD);
     // a warp-uniform trip count (the shuffles need every lane); a lane group past pos skips the update
-    #pragma unroll 2
+    #pragma unroll 4
     for (int s0 = warp * PPW; s0 <= pos; s0 += NW * PPW) {
         const int s = s0 + pg;
         const bool in = s <= pos;
@@ -512,7 +526,7 @@ pf_gate_up_silu(float* __restrict__ act, const float* __restrict__ hidden, const
     llama_pf::chunk_gemm<K, K, T, RT, WR, WK, NB, true>(red, ss, hi, lo, hidden, norm_w, w_gate_up, rowbase);
     for (int e = threadIdx.x; e < PPC * T; e += NTH) {
         const int t = e / PPC, j = e - t * PPC;
-        const float rs = rsqrtf(ss[t] / K + eps);
+        const float rs = rsqrtf(llama_pf::row_ss<T, WR * WK>(ss, t) / K + eps);
         const float g = llama_pf::reduced<WK, R, T>(red, j, t) * rs;
         const float u = llama_pf::reduced<WK, R, T>(red, PPC + j, t) * rs;
         act[(size_t)t * inter + j0 + j] = g / (1.f + expf(-g)) * u;

@@ -49,6 +49,7 @@ from .llama_proj import ERR_POS, ERR_TOKEN, _bf16, _rope, _silu, rope_angles
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_prefill.cu"
 SMEM_LIMIT = 227 * 1024   # shared memory a CTA may opt into on sm_90
+STATIC_SMEM = 48 * 1024   # static shared memory a CTA may declare
 MAX_ACC = 64              # fp32 accumulators a lane holds (RW * T / 2)
 MAX_LOADS = 16            # 16-byte weight loads a lane holds in flight (NB * RW * 2)
 CHUNKS = (8, 16, 32, 64)  # the chunk sizes the kernels compile for (multiples of the mma's 8 tokens)
@@ -71,10 +72,10 @@ def _need_chunk(name: str, t: int) -> None:
                        "(the tensor cores take tokens 8 at a time)")
 
 
-def gemm_smem(kc: int, t: int, wk: int, rows: int) -> int:
+def gemm_smem(kc: int, t: int, wk: int, rows: int, warps: int) -> int:
     """Dynamic shared memory of a projection: x staged as bf16 hi/lo (4*KC*T bytes), the warps'
-    partial sums (4*WK*R*T) and the row norms (4*T)."""
-    return 4 * kc * t + 4 * wk * rows * t + 4 * t
+    partial sums (4*WK*R*T) and their partial row norms (4*8*W)."""
+    return 4 * kc * t + 4 * wk * rows * t + 32 * warps
 
 
 def _gemm_checks(name: str, k: int, kc: int, t: int, rt: int, wr: int, wk: int, nb: int) -> None:
@@ -89,7 +90,9 @@ def _gemm_checks(name: str, k: int, kc: int, t: int, rt: int, wr: int, wk: int, 
     _need(rw * t // 2 <= MAX_ACC, f"{name}: {rw} row tiles a warp at T={t} need {rw * t // 2} accumulators a lane, "
                                   f"more than {MAX_ACC}; raise WR")
     _need(nb * rw * 2 <= MAX_LOADS, f"{name}: NB*RW*2={nb * rw * 2} loads a lane holds must be at most {MAX_LOADS}")
-    smem = gemm_smem(kc, t, wk, 16 * rt)
+    _need((wr * wk) % (t // 8) == 0, f"{name}: WR*WK={wr * wk} warps must be a multiple of T/8={t // 8} (a warp "
+                                      "stages 8 rows of x)")
+    smem = gemm_smem(kc, t, wk, 16 * rt, wr * wk)
     _need(smem <= SMEM_LIMIT, f"{name}: T={t} tokens of KC={kc} columns need {smem} bytes of shared memory, more "
                               f"than the {SMEM_LIMIT} a CTA may have; use a smaller chunk")
 
@@ -208,7 +211,7 @@ pf_qkv_rope = Kernel(
      In("k_cache", "bfloat16", rank=3), In("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
      Scalar("eps", "float32"), Scalar("cap", "int32")],
     generics=["K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
-    shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 32 * g["PB"]),
+    shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 32 * g["PB"], g["WR"] * g["WK"]),
     reference=_qkv_ref, validate=_qkv_check)
 
 
@@ -248,6 +251,9 @@ def _attn_check(g, out, qkv, k, v, chunk, cap):
     _need(HD in (64, 128), f"{name}: head dim {HD} is not supported; HD must be 64 or 128")
     _need(1 <= G <= 8, f"{name}: G={G} query heads per KV head is not supported; G must be in [1, 8]")
     _need(1 <= NW <= 32, f"{name}: NW={NW} warps must be in [1, 32]")
+    _need(attn_static_smem(HD, G, NW) <= STATIC_SMEM, f"{name}: NW={NW} warps' partial results need "
+                                                      f"{attn_static_smem(HD, G, NW)} bytes of shared memory, more "
+                                                      f"than {STATIC_SMEM}; use fewer warps (attn_plan picks them)")
     _need(k.ndim == 3 and k.shape[2] == HD and v.shape == k.shape,
           f"{name}: k {k.shape} and v {v.shape} must be the layer's [kv_heads, cap, {HD}] slices")
     hkv = k.shape[0]
@@ -269,8 +275,16 @@ pf_attn = Kernel(
     generics=["HD", "G", "T", "NW"], block=lambda g: 32 * g["NW"], reference=_attn_ref, validate=_attn_check)
 
 
-def attn_plan(head_dim: int, group: int, t: int, *, warps: int = 4) -> tuple[list, list]:
-    """(out tile, generics) of pf_attn: a CTA of ``warps`` warps a token and KV head."""
+def attn_static_smem(head_dim: int, group: int, warps: int) -> int:
+    return 4 * warps * group * (head_dim + 2)
+
+
+def attn_plan(head_dim: int, group: int, t: int, *, warps: int | None = None) -> tuple[list, list]:
+    """(out tile, generics) of pf_attn: a CTA a token and KV head, of 16 warps (fewer when their
+    partial results would not fit 48 KB of static shared memory): the entries a query reads
+    are split over the warps, so more warps keep more of them in flight."""
+    if warps is None:
+        warps = next(w for w in (16, 8, 4, 2, 1) if attn_static_smem(head_dim, group, w) <= STATIC_SMEM)
     return [1, group * head_dim], [head_dim, group, t, warps]
 
 
@@ -301,7 +315,7 @@ pf_matmul_residual = Kernel(
     [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "bfloat16", rank=2),
      In("residual", "float32", rank=2)],
     generics=["K", "KC", "T", "RT", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
-    shared_mem=lambda g: gemm_smem(g["KC"], g["T"], g["WK"], 16 * g["RT"]),
+    shared_mem=lambda g: gemm_smem(g["KC"], g["T"], g["WK"], 16 * g["RT"], g["WR"] * g["WK"]),
     reference=_matmul_ref, validate=_matmul_check)
 
 
@@ -344,7 +358,7 @@ pf_gate_up_silu = Kernel(
     [Out("act", "float32", rank=2), In("hidden", "float32", rank=2), In("norm_w", "bfloat16", rank=1),
      In("w_gate_up", "bfloat16", rank=2), Scalar("eps", "float32")],
     generics=["K", "T", "RT", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
-    shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 16 * g["RT"]),
+    shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 16 * g["RT"], g["WR"] * g["WK"]),
     reference=_gate_up_ref, validate=_gate_up_check)
 
 

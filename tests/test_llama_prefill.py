@@ -91,7 +91,7 @@ def test_every_shipped_generics_set_compiles_to_an_sm90_cubin(shape, kernel, gen
 
 
 @pytest.mark.parametrize("chunk,match", [(12, r"T=12 tokens is not supported; T must be one of \(8, 16, 32, 64\)"),
-                                         (32, "pf_qkv_rope: T=32 tokens of KC=2048 columns need 278656 bytes of shared memory, more than the 232448"),
+                                         (32, r"pf_qkv_rope: T=32 tokens of KC=2048 columns need \d+ bytes of shared memory, more than the 232448"),
                                          (True, "must be an int")])
 def test_a_chunk_the_kernels_cannot_serve_at_the_1b_shape_is_refused(chunk, match):
     s = LLAMA_1B
@@ -306,15 +306,16 @@ def llama(weights):
     return Llama(TINY, weights, capacity=CAP)
 
 
-def assert_greedy_under_the_reference(weights, prompt, got, atol=1e-2):
-    """Each generated token is the float64 decoder's argmax along the history, up to ``atol``
-    (bf16 K and V entries move these logits, of magnitude ~5, by a few 1e-3: a closer call is a tie)."""
+def assert_greedy_under_the_reference(weights, prompt, got):
+    """Each generated token is the float64 decoder's argmax along the history, or within what
+    bf16 resolves of it (2^-7 of the top logit: issue 27's tie criterion; the device caches
+    K and V in bf16, the float64 decoder does not)."""
     ref = ReferenceLlama(TINY, weights, CAP)
     history = list(prompt) + list(got)
     for pos in range(len(history) - 1):
         logits = ref.step(history[pos], pos)
         if pos + 1 >= len(prompt):
-            assert logits[history[pos + 1]] >= logits.max() - atol, pos
+            assert logits[history[pos + 1]] >= logits.max() - 2.0 ** -7 * abs(logits.max()), pos
 
 
 @pytest.mark.parametrize("length,chunk", [(37, 16), (16, 16), (1, 16), (20, 8), (9, 32)],

@@ -67,11 +67,12 @@ class ChunkedPrefill:
         return self.state[2:3]
 
     # -- the ops -------------------------------------------------------------------------------
-    def _layer(self, i: int) -> dop.DeviceOp:
+    def layer_ops(self, i: int) -> list:
+        """Layer ``i``'s five launches (QKV, attention, O, gate/up, down), in order."""
         dec, cfg, p = self.dec, self.cfg, self.dec.pdl
         w, eps, cap = dec.w.layers[i], cfg.rms_norm_eps, dec.capacity
         k, v = dec.k_cache[i], dec.v_cache[i]
-        return dop.zip_(
+        return [
             pf.pf_qkv_rope(self.qkv.partition(self.qkv_tile), self.x0, w["input_norm"], w["qkv"], dec.inv_freq,
                            self.state, k, v, dec.error, eps, cap).generics(self.qkv_gen).pdl(p),
             pf.pf_attn(self.attn.partition(self.attn_tile), self.qkv, k, v, self.state, cap)
@@ -81,7 +82,7 @@ class ChunkedPrefill:
             pf.pf_gate_up_silu(self.act.partition(self.gu_tile), self.x1, w["post_norm"], w["gate_up"], eps)
             .generics(self.gu_gen).pdl(p),
             pf.pf_matmul_residual(self.x0.partition(self.down_tile), self.act, w["down"], self.x1)
-            .generics(self.down_gen).pdl(p))
+            .generics(self.down_gen).pdl(p)]
 
     def chunk_step(self, prompt_len: int) -> dop.DeviceOp:
         """One chunk: the prompt tokens at positions p0 .. p0 + n - 1 through every layer (their
@@ -89,7 +90,7 @@ class ChunkedPrefill:
         dec, cfg, p = self.dec, self.cfg, self.dec.pdl
         ops = [pf.pf_embed(self.x0.partition(self.embed_tile), dec.w.embed, dec.tokens, self.state, dec.error,
                            cfg.vocab_size, dec.capacity).generics(self.embed_gen).pdl(p)]
-        ops += [self._layer(i) for i in range(cfg.num_hidden_layers)]
+        ops += [dop.zip_(*self.layer_ops(i)) for i in range(cfg.num_hidden_layers)]
         ops.append(pf.prefill_step(self.state.partition([3]), prompt_len, self.chunk).pdl(p))
         return dop.zip_(*ops)
 
