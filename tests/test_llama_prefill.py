@@ -330,6 +330,8 @@ def test_chunked_prefill_generates_what_token_by_token_ingestion_does(llama, wei
 
 
 def test_chunked_prefill_fills_the_cache_and_the_logits_as_token_by_token(llama, rng):
+    """Equal up to bf16: where the two paths round a cached entry to neighbouring bf16 values
+    (2^-8 apart), the later layers' entries and the logits move by ~2^-8 of their scale."""
     prompt = [int(x) for x in rng.integers(0, TINY.vocab_size, 21)]
     dec = llama.decoder
     llama.generate(prompt, max_new_tokens=1)
@@ -338,8 +340,8 @@ def test_chunked_prefill_fills_the_cache_and_the_logits_as_token_by_token(llama,
     k2, v2, logits2 = (x.numpy(stream=llama.cuda_stream) for x in (dec.k_cache, dec.v_cache, dec.logits))
     for a, b in ((k1, k2), (v1, v2)):
         a, b = a[:, :, : len(prompt)].astype(np.float64), b[:, :, : len(prompt)].astype(np.float64)
-        assert np.all(np.abs(a - b) <= 2.0 ** -7 * np.abs(a) + 1e-6)
-    assert np.max(np.abs(logits1 - logits2)) <= 1e-6 * np.max(np.abs(logits1))
+        assert np.all(np.abs(a - b) <= 2.0 ** -7 * np.abs(a) + 2.0 ** -8 * np.max(np.abs(a)))
+    assert np.max(np.abs(logits1 - logits2)) <= 2.0 ** -8 * np.max(np.abs(logits1))
 
 
 def test_sampling_after_a_chunked_prefill_draws_what_token_by_token_does(llama, rng):
