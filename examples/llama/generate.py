@@ -2,6 +2,7 @@
 
     llama = Llama(cfg, weights, capacity=4096)
     tokens = llama.generate(prompt, max_new_tokens=128)          # one graph launch
+    tokens = llama.generate(prompt, 128, prefill_chunk=16)       # the prompt 16 tokens a pass, still one launch
     for token in llama.stream(prompt, max_new_tokens=128):        # one graph launch a token
         print(token)
 
@@ -21,35 +22,53 @@ from .model import LlamaDecoder, Sampling
 
 
 class Llama:
-    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True):
+    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
+                 prefill_chunk: int | None = None):
         self.device = dop.Device(0)
         self.cuda_stream = stream if stream is not None else self.device.new_stream()
         self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl)
         self.cfg = cfg
         self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
         self._steps: dict = {}   # same key -> graph of one step
+        self.prefill_chunk = prefill_chunk  # generate's default: None ingests the prompt token by token
+        self._prefills: dict = {}  # chunk -> ChunkedPrefill (examples/llama/prefill.py)
 
     def _key(self, prompt_len: int, max_new: int, sampling: Sampling) -> tuple:
         return prompt_len, max_new, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
 
     def generate(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None, *,
-                 graph: bool = True) -> list:
+                 graph: bool = True, prefill_chunk: int | None = None) -> list:
         """Prompt in, generated tokens out (stopping at EOS or ``max_new_tokens``).
-        ``graph=False`` runs the same ops eagerly (a host loop, for checking)."""
+        ``graph=False`` runs the same ops eagerly (a host loop, for checking).
+        ``prefill_chunk`` (default: the constructor's): ingest the prompt that many tokens a
+        pass over the weights (examples/llama/prefill.py) instead of one token a step."""
         sampling = sampling or Sampling()
         dec = self.decoder
+        chunk = prefill_chunk if prefill_chunk is not None else self.prefill_chunk
+        prefill = self._prefill(chunk) if chunk else None  # an unsupported chunk is refused here
         prompt = dec.check_request(prompt, max_new_tokens)
+
+        def generation():
+            return (prefill or dec).generation(sampling, prompt.size, max_new_tokens)
+
         dec.load_prompt(prompt)
         if not graph:
-            dec.generation(sampling, prompt.size, max_new_tokens).sync_on(self.cuda_stream)
+            generation().sync_on(self.cuda_stream)
             return dec.read_generated(prompt.size)
-        key = self._key(prompt.size, max_new_tokens, sampling)
+        key = self._key(prompt.size, max_new_tokens, sampling) + ((chunk,) if chunk else ())
         g = self._loops.get(key)
         if g is None:
-            g = self._loops[key] = dec.generation(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
+            g = self._loops[key] = generation().graph_on(self.cuda_stream)
         g.replay()
         self.cuda_stream.synchronize()
         return dec.read_generated(prompt.size)
+
+    def _prefill(self, chunk: int):
+        from .prefill import ChunkedPrefill
+        p = self._prefills.get(chunk)
+        if p is None:
+            p = self._prefills[chunk] = ChunkedPrefill(self.decoder, chunk)
+        return p
 
     def logits_along(self, tokens, positions=None):
         """Teacher forcing: the decoder reads ``tokens`` one position at a time (the per-token

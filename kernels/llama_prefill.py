@@ -1,0 +1,451 @@
+"""The chunked-prefill kernels of the Llama decoder (kernels/llama_prefill.cu).
+
+A chunk is T prompt tokens; ``chunk`` int32 [3] = [p0, n, cond] in device memory
+holds its first position, its valid tokens (a partial last chunk has n < T) and
+the prefill loop's condition, so one captured chunk serves every chunk.
+Activations are fp32 ``[T, width]``, row t the token at position p0 + t.
+
+* ``pf_embed<T, B>(hidden [T, D] tile [T, B], embed bf16 [V, D], tokens int32 [ntok], chunk [3],
+  error [1], vocab, ntok)``
+* ``pf_qkv_rope<K, HD, HQ, HKV, T, PB, WR, WK, NB>(qkv [T, (HQ+2HKV)*HD] tile [T, 32*PB], hidden [T, K],
+  norm_w bf16 [K], w_qkv bf16 [(HQ+2HKV)*HD, K], inv_freq [HD/2], chunk [3], k_cache bf16 [HKV, cap, HD],
+  v_cache bf16 [HKV, cap, HD], error [1], eps, cap)``: also writes the caches (rows t < n at p0 + t), error
+* ``pf_attn<HD, G, T, NW>(out [T, HQ*HD] tile [1, G*HD], qkv [T, (HQ+2HKV)*HD], k_cache, v_cache, chunk, cap)``
+* ``pf_matmul_residual<K, KC, T, RT, WR, WK, NB>(out [T, N] tile [T, 16*RT], x [T, K], w bf16 [N, K],
+  residual [T, N])``
+* ``pf_gate_up_silu<K, T, RT, WR, WK, NB>(act [T, I] tile [T, 8*RT], hidden [T, K], norm_w bf16 [K],
+  w_gate_up bf16 [2I, K], eps)``
+* ``prefill_start`` / ``prefill_step(chunk [3] tile [3], prompt_len, chunk_len)``: the loop's control
+* ``prefill_finish<T>(h_last [D] tile [D], hidden [T, D], chunk, state int32 [4], tokens, prompt_len, d)``:
+  also writes ``state`` = [prompt_len - 1, 1, tokens[prompt_len - 1], 0]
+
+Generics of the projections: K the input width, KC the columns of x staged in
+shared memory at once (KC = K for the RMSNorm kernels), T the chunk, RT tiles of
+16 weight rows a CTA, WR x WK warps (tiles split WR ways, K split WK ways), NB
+32-column steps in flight a warp, PB blocks of 16 RoPE pairs a CTA.  The
+``*_plan`` functions give tile and generics for a shape; the checks refuse what
+the kernels cannot serve, naming the limit.
+
+Errors the device reports (the decode kernels' sticky word): ``pf_embed`` ORs
+``ERR_TOKEN`` (1) for a valid row whose token is outside [0, vocab) (the row is
+not written); ``pf_qkv_rope`` ORs ``ERR_POS`` (2) when a valid row's position is
+outside [0, cap) (nothing of it is appended); ``pf_attn`` writes NaN rows then.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+import deviceop as dop
+from deviceop.kernel import In, Kernel, Out, Scalar
+
+from . import _checks
+from ._checks import _need
+from .llama_attn import LOG2E
+from .llama_proj import ERR_POS, ERR_TOKEN, _bf16, _rope, _silu, rope_angles
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "llama_prefill.cu"
+SMEM_LIMIT = 227 * 1024   # shared memory a CTA may opt into on sm_90
+STATIC_SMEM = 48 * 1024   # static shared memory a CTA may declare
+MAX_ACC = 64              # fp32 accumulators a lane holds (RW * T / 2)
+MAX_LOADS = 16            # 16-byte weight loads a lane holds in flight (NB * RW * 2)
+CHUNKS = (8, 16, 32, 64)  # the chunk sizes the kernels compile for (multiples of the mma's 8 tokens)
+
+
+def _aligned(name: str, *tensors) -> None:
+    _checks._aligned(*tensors, who=f"{name} uses")
+
+
+def _chunk_state(name: str, chunk) -> None:
+    _need(chunk.shape == (3,), f"{name}: chunk {chunk.shape} must be the int32 [3] chunk state [p0, n, cond]")
+
+
+def _read_chunk(chunk, t: int) -> tuple[int, int]:
+    return int(chunk[0]), min(max(int(chunk[1]), 0), t)
+
+
+def _need_chunk(name: str, t: int) -> None:
+    _need(t in CHUNKS, f"{name}: a chunk of T={t} tokens is not supported; T must be one of {CHUNKS} "
+                       "(the tensor cores take tokens 8 at a time)")
+
+
+def gemm_smem(kc: int, t: int, wk: int, rows: int, warps: int) -> int:
+    """Dynamic shared memory of a projection: x staged as bf16 hi/lo (4*KC*T bytes), the warps'
+    partial sums (4*WK*R*T) and their partial row norms (4*8*W)."""
+    return 4 * kc * t + 4 * wk * rows * t + 32 * warps
+
+
+def _gemm_checks(name: str, k: int, kc: int, t: int, rt: int, wr: int, wk: int, nb: int) -> None:
+    _need_chunk(name, t)
+    _need(all(isinstance(v, int) and v >= 1 for v in (k, kc, rt, wr, wk, nb)),
+          f"{name}: K, KC, RT, WR, WK and NB must be positive ints")
+    _need(rt % wr == 0, f"{name}: WR={wr} must divide the RT={rt} row tiles")
+    _need(k % kc == 0 and kc % (32 * wk) == 0,
+          f"{name}: KC={kc} must divide K={k} and be a multiple of 32*WK={32 * wk} (32-column steps a warp)")
+    _need(1 <= wr * wk <= 32, f"{name}: WR*WK={wr * wk} warps a CTA must be in [1, 32]")
+    rw = rt // wr
+    _need(rw * t // 2 <= MAX_ACC, f"{name}: {rw} row tiles a warp at T={t} need {rw * t // 2} accumulators a lane, "
+                                  f"more than {MAX_ACC}; raise WR")
+    _need(nb * rw * 2 <= MAX_LOADS, f"{name}: NB*RW*2={nb * rw * 2} loads a lane holds must be at most {MAX_LOADS}")
+    _need((wr * wk) % (t // 8) == 0, f"{name}: WR*WK={wr * wk} warps must be a multiple of T/8={t // 8} (a warp "
+                                      "stages 8 rows of x)")
+    smem = gemm_smem(kc, t, wk, 16 * rt, wr * wk)
+    _need(smem <= SMEM_LIMIT, f"{name}: T={t} tokens of KC={kc} columns need {smem} bytes of shared memory, more "
+                              f"than the {SMEM_LIMIT} a CTA may have; use a smaller chunk")
+
+
+def _rms64(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of the rows of x [T, K] (fp32) times g, in float64."""
+    x64 = x.astype(np.float64)
+    rs = 1.0 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + float(np.float32(eps)))
+    return x64 * rs * g.astype(np.float64)
+
+
+# -- pf_embed -----------------------------------------------------------------------------------
+
+def _embed_ref(g, hidden, embed, tokens, chunk, error, vocab, ntok):
+    p0, n = _read_chunk(chunk, g["T"])
+    for t in range(g["T"]):
+        if t >= n:
+            hidden[t] = 0.0
+            continue
+        p = p0 + t
+        tok = int(tokens[p]) if 0 <= p < ntok else -1
+        if 0 <= tok < vocab:
+            hidden[t] = embed[tok].astype(np.float64)
+        else:
+            error[0] |= ERR_TOKEN
+
+
+def _embed_check(g, hidden, embed, tokens, chunk, error, vocab, ntok):
+    T, B, name = g["T"], g["B"], "pf_embed"
+    _need_chunk(name, T)
+    h = hidden.tensor
+    _need(h.shape[0] == T, f"{name}<T={T}>: hidden {h.shape} must have T={T} rows")
+    d = h.shape[1]
+    _need(embed.ndim == 2 and embed.shape[1] == d, f"{name}: embed {embed.shape} must be [vocab, {d}]")
+    _need(vocab == embed.shape[0], f"{name}: vocab={vocab} but embed has {embed.shape[0]} rows; pass embed.shape[0]")
+    _need(ntok == tokens.shape[0], f"{name}: ntok={ntok} but tokens holds {tokens.shape[0]}; pass tokens.shape[0]")
+    _need(B % 8 == 0 and 8 <= B <= 8192, f"{name}: B={B} must be a multiple of 8 in [8, 8192] (8 columns a thread)")
+    _need(hidden.tile_shape == (T, B), f"{name}<B={B}>: partition hidden with [{T}, {B}], not "
+                                       f"{list(hidden.tile_shape)}")
+    _chunk_state(name, chunk)
+    _need(error.shape == (1,), f"{name}: error must be an int32 [1] device word, got shape {error.shape}")
+    _aligned(name, h, embed)
+
+
+pf_embed = Kernel(
+    "pf_embed", SOURCE,
+    [Out("hidden", "float32", rank=2), In("embed", "bfloat16", rank=2), In("tokens", "int32", rank=1),
+     In("chunk", "int32", rank=1), In("error", "int32", rank=1), Scalar("vocab", "int32"), Scalar("ntok", "int32")],
+    generics=["T", "B"], block=lambda g: g["B"] // 8, reference=_embed_ref, validate=_embed_check)
+
+
+def embed_plan(d: int, t: int) -> tuple[list, list]:
+    """(tile, generics) of pf_embed: 32 threads (256 columns) a CTA."""
+    _need(d % 256 == 0 and d > 0, f"pf_embed: D={d} must be a positive multiple of 256")
+    return [t, 256], [t, 256]
+
+
+# -- pf_qkv_rope --------------------------------------------------------------------------------
+
+def qkv_width(hq: int, hkv: int, hd: int) -> int:
+    return (hq + 2 * hkv) * hd
+
+
+def _qkv_ref(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache, error, eps, cap):
+    T, hd, hq, hkv = g["T"], g["HD"], g["HQ"], g["HKV"]
+    p0, n = _read_chunk(chunk, T)
+    y = _rms64(hidden, norm_w, eps) @ w_qkv.astype(np.float64).T
+    if n > 0 and (p0 < 0 or p0 + n > cap):
+        error[0] |= ERR_POS
+    for t in range(T):
+        pos = p0 + t
+        ang = rope_angles(pos, inv_freq).astype(np.float64)
+        cos, sin = np.cos(ang), np.sin(ang)
+        qh = _rope(y[t, : hq * hd].reshape(hq, hd), cos, sin)
+        kh = _rope(y[t, hq * hd: (hq + hkv) * hd].reshape(hkv, hd), cos, sin)
+        vh = y[t, (hq + hkv) * hd:].reshape(hkv, hd)
+        qkv[t] = np.concatenate([qh.reshape(-1), kh.reshape(-1), vh.reshape(-1)])
+        if t < n and 0 <= pos < cap:
+            k_cache[:, pos, :] = _bf16(kh)
+            v_cache[:, pos, :] = _bf16(vh)
+
+
+def _qkv_check(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache, error, eps, cap):
+    K, HD, HQ, HKV, T, PB, WR, WK, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"))
+    name = "pf_qkv_rope"
+    _need_chunk(name, T)
+    _need(HD in (64, 128) and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be 64 or 128 (RoPE pairs in tiles of "
+                                                    f"16), HQ={HQ} and HKV={HKV} positive")
+    width = qkv_width(HQ, HKV, HD)
+    t = qkv.tensor
+    _need(t.shape == (T, width), f"{name}<T={T}, HQ={HQ}, HKV={HKV}, HD={HD}>: qkv {t.shape} must be [{T}, {width}]")
+    _need(qkv.tile_shape == (T, 32 * PB), f"{name}<PB={PB}>: partition qkv with [{T}, {32 * PB}] (PB blocks of 16 "
+                                          f"RoPE pairs a CTA), not {list(qkv.tile_shape)}")
+    _need(hidden.shape == (T, K) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} must be "
+                                                            f"[{T}, {K}] and norm_w {norm_w.shape} [{K}]")
+    _need(w_qkv.shape == (width, K), f"{name}: w_qkv {w_qkv.shape} must be [(HQ + 2*HKV)*HD, K] = [{width}, {K}] "
+                                     "(cat of q_proj, k_proj, v_proj)")
+    _need(inv_freq.shape == (HD // 2,), f"{name}: inv_freq {inv_freq.shape} must be [HD/2] = [{HD // 2}]")
+    _need(k_cache.ndim == 3 and k_cache.shape[0] == HKV and k_cache.shape[2] == HD and k_cache.shape == v_cache.shape,
+          f"{name}: k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be this layer's [HKV={HKV}, cap, "
+          f"HD={HD}] slices")
+    _need(cap == k_cache.shape[1], f"{name}: cap={cap} but the cache holds {k_cache.shape[1]} rows; pass "
+                                   "k_cache.shape[1]")
+    _chunk_state(name, chunk)
+    _need(error.shape == (1,), f"{name}: error must be an int32 [1] device word, got shape {error.shape}")
+    _gemm_checks(name, K, K, T, 2 * PB, WR, WK, NB)
+    if k_cache.overlaps(v_cache):
+        raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
+    _aligned(name, t, hidden, norm_w, w_qkv)
+
+
+pf_qkv_rope = Kernel(
+    "pf_qkv_rope", SOURCE,
+    [Out("qkv", "float32", rank=2), In("hidden", "float32", rank=2), In("norm_w", "bfloat16", rank=1),
+     In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("chunk", "int32", rank=1),
+     In("k_cache", "bfloat16", rank=3), In("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
+     Scalar("eps", "float32"), Scalar("cap", "int32")],
+    generics=["K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
+    shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 32 * g["PB"], g["WR"] * g["WK"]),
+    reference=_qkv_ref, validate=_qkv_check)
+
+
+def qkv_plan(d: int, hq: int, hkv: int, hd: int, t: int, *, pb: int = 1, nb: int = 4) -> tuple[list, list]:
+    """(qkv tile, generics) of pf_qkv_rope: PB blocks of 16 pairs a CTA (96 CTAs at the 1B
+    shape), 8 warps (the two row tiles split 2 ways, K 4 ways)."""
+    _need(d % 128 == 0, f"pf_qkv_rope: K={d} must be a multiple of 128 (4 warps of 32-column steps)")
+    _need(qkv_width(hq, hkv, hd) % (32 * pb) == 0, f"pf_qkv_rope: PB={pb} blocks of 16 pairs must divide the "
+                                                   f"{qkv_width(hq, hkv, hd) // 2} RoPE pairs")
+    return [t, 32 * pb], [d, hd, hq, hkv, t, pb, 2, 4, nb]
+
+
+# -- pf_attn ------------------------------------------------------------------------------------
+
+def _attn_ref(g, out, qkv, k, v, chunk, cap):
+    HD, G, T = g["HD"], g["G"], g["T"]
+    hkv = k.shape[0]
+    p0, n = _read_chunk(chunk, T)
+    for t in range(T):
+        pos = p0 + t
+        if t >= n:
+            out[t] = 0.0
+        elif not 0 <= pos < cap:
+            out[t] = np.nan
+        else:
+            q64 = qkv[t, : hkv * G * HD].astype(np.float64).reshape(hkv, G, HD) * (LOG2E / math.sqrt(HD))
+            k64, v64 = k[:, : pos + 1].astype(np.float64), v[:, : pos + 1].astype(np.float64)
+            s = np.einsum("hgd,hsd->hgs", q64, k64)
+            w = np.exp2(s - s.max(axis=-1, keepdims=True))
+            out[t] = (np.einsum("hgs,hsd->hgd", w, v64) / w.sum(axis=-1, keepdims=True)).reshape(-1)
+
+
+def _attn_check(g, out, qkv, k, v, chunk, cap):
+    HD, G, T, NW = g["HD"], g["G"], g["T"], g["NW"]
+    name = f"pf_attn<HD={HD}, G={G}, T={T}, NW={NW}>"
+    _need_chunk(name, T)
+    _need(HD in (64, 128), f"{name}: head dim {HD} is not supported; HD must be 64 or 128")
+    _need(1 <= G <= 8, f"{name}: G={G} query heads per KV head is not supported; G must be in [1, 8]")
+    _need(1 <= NW <= 32, f"{name}: NW={NW} warps must be in [1, 32]")
+    _need(attn_static_smem(HD, G, NW) <= STATIC_SMEM, f"{name}: NW={NW} warps' partial results need "
+                                                      f"{attn_static_smem(HD, G, NW)} bytes of shared memory, more "
+                                                      f"than {STATIC_SMEM}; use fewer warps (attn_plan picks them)")
+    _need(k.ndim == 3 and k.shape[2] == HD and v.shape == k.shape,
+          f"{name}: k {k.shape} and v {v.shape} must be the layer's [kv_heads, cap, {HD}] slices")
+    hkv = k.shape[0]
+    _need(cap == k.shape[1], f"{name}: cap={cap} but the cache slices hold {k.shape[1]} entries; pass k.shape[1]")
+    t = out.tensor
+    _need(t.shape == (T, hkv * G * HD), f"{name}: out {t.shape} must be [T, kv_heads*G*HD] = [{T}, {hkv * G * HD}]")
+    _need(qkv.shape == (T, (hkv * G + 2 * hkv) * HD),
+          f"{name}: qkv {qkv.shape} must be pf_qkv_rope's [{T}, {(hkv * G + 2 * hkv) * HD}]")
+    _need(out.tile_shape == (1, G * HD), f"{name}: partition out with [1, {G * HD}] (a CTA a token and KV head), "
+                                         f"not {list(out.tile_shape)}")
+    _chunk_state(name, chunk)
+    _aligned(name, t, qkv, k, v)
+
+
+pf_attn = Kernel(
+    "pf_attn", SOURCE,
+    [Out("out", "float32", rank=2), In("qkv", "float32", rank=2), In("k", "bfloat16", rank=3),
+     In("v", "bfloat16", rank=3), In("chunk", "int32", rank=1), Scalar("cap", "int32")],
+    generics=["HD", "G", "T", "NW"], block=lambda g: 32 * g["NW"], reference=_attn_ref, validate=_attn_check)
+
+
+def attn_static_smem(head_dim: int, group: int, warps: int) -> int:
+    return 4 * warps * group * (head_dim + 2)
+
+
+def attn_plan(head_dim: int, group: int, t: int, *, warps: int | None = None) -> tuple[list, list]:
+    """(out tile, generics) of pf_attn: a CTA a token and KV head, of 16 warps (fewer when their
+    partial results would not fit 48 KB of static shared memory): the entries a query reads
+    are split over the warps, so more warps keep more of them in flight."""
+    if warps is None:
+        warps = next(w for w in (16, 8, 4, 2, 1) if attn_static_smem(head_dim, group, w) <= STATIC_SMEM)
+    return [1, group * head_dim], [head_dim, group, t, warps]
+
+
+# -- pf_matmul_residual ---------------------------------------------------------------------------
+
+def _matmul_ref(g, out, x, w, residual):
+    out[...] = residual.astype(np.float64) + x.astype(np.float64) @ w.astype(np.float64).T
+
+
+def _matmul_check(g, out, x, w, residual):
+    K, KC, T, RT, WR, WK, NB = (g[n] for n in ("K", "KC", "T", "RT", "WR", "WK", "NB"))
+    name = "pf_matmul_residual"
+    _need_chunk(name, T)
+    t = out.tensor
+    _need(t.ndim == 2 and t.shape[0] == T, f"{name}<T={T}>: out {t.shape} must be [{T}, N]")
+    n = t.shape[1]
+    _need(out.tile_shape == (T, 16 * RT), f"{name}<RT={RT}>: partition out with [{T}, {16 * RT}], not "
+                                          f"{list(out.tile_shape)}")
+    _need(x.shape == (T, K) and w.shape == (n, K), f"{name}<K={K}>: x {x.shape} must be [{T}, {K}] and w {w.shape} "
+                                                   f"[{n}, {K}]")
+    _need(residual.shape == (T, n), f"{name}: residual {residual.shape} must match out {t.shape}")
+    _gemm_checks(name, K, KC, T, RT, WR, WK, NB)
+    _aligned(name, t, x, w)
+
+
+pf_matmul_residual = Kernel(
+    "pf_matmul_residual", SOURCE,
+    [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "bfloat16", rank=2),
+     In("residual", "float32", rank=2)],
+    generics=["K", "KC", "T", "RT", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
+    shared_mem=lambda g: gemm_smem(g["KC"], g["T"], g["WK"], 16 * g["RT"], g["WR"] * g["WK"]),
+    reference=_matmul_ref, validate=_matmul_check)
+
+
+def matmul_residual_plan(n: int, k: int, t: int, *, kc: int | None = None, nb: int = 4) -> tuple[list, list]:
+    """(tile, generics) of pf_matmul_residual: 16 rows a CTA (128 CTAs at the 1B shapes), 8 warps
+    splitting K, x staged 2048 columns at a time (or ``kc``)."""
+    _need(n % 16 == 0, f"pf_matmul_residual: N={n} rows must be a multiple of 16 (a tile)")
+    kc = kc or next((c for c in (2048, 1024, 512, 256) if k % c == 0), k)
+    return [t, 16], [k, kc, t, 1, 1, 8, nb]
+
+
+# -- pf_gate_up_silu ------------------------------------------------------------------------------
+
+def _gate_up_ref(g, act, hidden, norm_w, w_gate_up, eps):
+    inter = act.shape[1]
+    y = _rms64(hidden, norm_w, eps) @ w_gate_up.astype(np.float64).T
+    act[...] = _silu(y[:, :inter]) * y[:, inter:]
+
+
+def _gate_up_check(g, act, hidden, norm_w, w_gate_up, eps):
+    K, T, RT, WR, WK, NB = (g[n] for n in ("K", "T", "RT", "WR", "WK", "NB"))
+    name = "pf_gate_up_silu"
+    _need_chunk(name, T)
+    t = act.tensor
+    _need(t.ndim == 2 and t.shape[0] == T, f"{name}<T={T}>: act {t.shape} must be [{T}, I]")
+    inter = t.shape[1]
+    _need(RT % 2 == 0, f"{name}: RT={RT} must be even (gate tiles, then as many up tiles)")
+    _need(act.tile_shape == (T, 8 * RT), f"{name}<RT={RT}>: partition act with [{T}, {8 * RT}], not "
+                                         f"{list(act.tile_shape)}")
+    _need(hidden.shape == (T, K) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} must be "
+                                                            f"[{T}, {K}] and norm_w {norm_w.shape} [{K}]")
+    _need(w_gate_up.shape == (2 * inter, K), f"{name}: w_gate_up {w_gate_up.shape} must be [2*I, K] = "
+                                             f"[{2 * inter}, {K}] (cat of gate_proj and up_proj)")
+    _gemm_checks(name, K, K, T, RT, WR, WK, NB)
+    _aligned(name, t, hidden, norm_w, w_gate_up)
+
+
+pf_gate_up_silu = Kernel(
+    "pf_gate_up_silu", SOURCE,
+    [Out("act", "float32", rank=2), In("hidden", "float32", rank=2), In("norm_w", "bfloat16", rank=1),
+     In("w_gate_up", "bfloat16", rank=2), Scalar("eps", "float32")],
+    generics=["K", "T", "RT", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
+    shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 16 * g["RT"], g["WR"] * g["WK"]),
+    reference=_gate_up_ref, validate=_gate_up_check)
+
+
+def gate_up_plan(d: int, inter: int, t: int, *, nb: int = 2) -> tuple[list, list]:
+    """(tile, generics) of pf_gate_up_silu: 64 gate/up pairs a CTA (128 CTAs at the 1B shape;
+    16 when I is not a multiple of 64), 8 warps (tiles split 2 ways, K 4 ways); at T > 16 the
+    tiles are split 4 ways (accumulators)."""
+    _need(inter % 16 == 0, f"pf_gate_up_silu: I={inter} must be a multiple of 16 (a tile)")
+    _need(d % 128 == 0, f"pf_gate_up_silu: K={d} must be a multiple of 128 (4 warps of 32-column steps)")
+    rt = 8 if inter % 64 == 0 else 2
+    wr = min(rt, 2 if t <= 16 else 4 if t <= 32 else 8)
+    return [t, 8 * rt], [d, t, rt, wr, 4 if wr <= 2 else 2, nb]
+
+
+# -- control ------------------------------------------------------------------------------------
+
+def _start_ref(g, chunk, prompt_len, chunk_len):
+    chunk[:] = [0, min(chunk_len, prompt_len), 1]
+
+
+def _step_ref(g, chunk, prompt_len, chunk_len):
+    nxt = int(chunk[0]) + chunk_len
+    if nxt < prompt_len:
+        chunk[0], chunk[1] = nxt, min(chunk_len, prompt_len - nxt)
+    else:
+        chunk[2] = 0
+
+
+def _control_check(name):
+    def check(g, chunk, prompt_len, chunk_len):
+        _need(chunk.tile_shape == (3,) and chunk.tensor.shape == (3,),
+              f"{name}: partition the int32 [3] chunk state with [3] (one thread)")
+        _need(prompt_len >= 1 and chunk_len >= 1, f"{name}: prompt_len={prompt_len} and chunk_len={chunk_len} must "
+                                                  "be at least 1")
+    return check
+
+
+prefill_start = Kernel(
+    "prefill_start", SOURCE, [Out("chunk", "int32", rank=1), Scalar("prompt_len", "int32"),
+                              Scalar("chunk_len", "int32")],
+    block=1, reference=_start_ref, validate=_control_check("prefill_start"))
+
+prefill_step = Kernel(
+    "prefill_step", SOURCE, [Out("chunk", "int32", rank=1), Scalar("prompt_len", "int32"),
+                             Scalar("chunk_len", "int32")],
+    block=1, reference=_step_ref, validate=_control_check("prefill_step"))
+
+
+def _finish_ref(g, h_last, hidden, chunk, state, tokens, prompt_len, d):
+    n = int(chunk[1])
+    h_last[...] = hidden[n - 1] if 1 <= n <= g["T"] else np.nan
+    state[:] = [prompt_len - 1, 1, tokens[prompt_len - 1], 0]
+
+
+def _finish_check(g, h_last, hidden, chunk, state, tokens, prompt_len, d):
+    T, name = g["T"], "prefill_finish"
+    t = h_last.tensor
+    _need(t.shape == (d,) and h_last.tile_shape == (d,), f"{name}: h_last {t.shape} must be [d={d}], partitioned "
+                                                         f"whole ([{d}]: one CTA)")
+    _need(hidden.shape == (T, d), f"{name}<T={T}>: hidden {hidden.shape} must be [{T}, {d}]")
+    _chunk_state(name, chunk)
+    _need(state.shape == (4,), f"{name}: state {state.shape} must be the int32 [4] decode state")
+    _need(1 <= prompt_len <= tokens.shape[0], f"{name}: prompt_len={prompt_len} must be in [1, {tokens.shape[0]}] "
+                                              "(the token buffer)")
+
+
+prefill_finish = Kernel(
+    "prefill_finish", SOURCE,
+    [Out("h_last", "float32", rank=1), In("hidden", "float32", rank=2), In("chunk", "int32", rank=1),
+     In("state", "int32", rank=1), In("tokens", "int32", rank=1), Scalar("prompt_len", "int32"), Scalar("d", "int32")],
+    generics=["T"], block=256, reference=_finish_ref, validate=_finish_check)
+
+
+__all__ = ["pf_embed", "pf_qkv_rope", "pf_attn", "pf_matmul_residual", "pf_gate_up_silu", "prefill_start",
+           "prefill_step", "prefill_finish", "embed_plan", "qkv_plan", "attn_plan", "matmul_residual_plan",
+           "gate_up_plan", "check_chunk", "qkv_width", "gemm_smem", "CHUNKS", "ERR_TOKEN", "ERR_POS"]
+
+
+def check_chunk(d: int, inter: int, hq: int, hkv: int, hd: int, t: int) -> None:
+    """Refuse a chunk of ``t`` tokens that the plans of a model's shape cannot serve (a deviceop
+    ShapeError naming the limit), before any buffer is made."""
+    _need(isinstance(t, int) and not isinstance(t, bool), f"a prefill chunk must be an int, got {t!r}")
+    _need_chunk("chunked prefill", t)
+    q = qkv_plan(d, hq, hkv, hd, t)[1]
+    _gemm_checks("pf_qkv_rope", d, d, t, 2 * q[5], q[6], q[7], q[8])
+    for name, (k, kc, tt, rt, wr, wk, nb) in (("pf_matmul_residual (O)", matmul_residual_plan(d, hq * hd, t)[1]),
+                                              ("pf_matmul_residual (down)", matmul_residual_plan(d, inter, t)[1])):
+        _gemm_checks(name, k, kc, tt, rt, wr, wk, nb)
+    k, tt, rt, wr, wk, nb = gate_up_plan(d, inter, t)[1]
+    _gemm_checks("pf_gate_up_silu", k, k, tt, rt, wr, wk, nb)
