@@ -58,10 +58,15 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=int, default=0, help="0 = off (default 0)")
     ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (default 1)")
     ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="ingest the prompt this many tokens a pass over the weights (8 or 16 at the 1B shape; "
+                         "default 0: token by token), still in the one launch")
     args = ap.parse_args(argv)
     for name in ("prompt_len", "max_new", "capacity"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefill_chunk < 0:
+        ap.error("--prefill-chunk must be 0 (token by token) or a chunk size")
     if args.prompt_len + args.max_new > args.capacity:
         ap.error(f"--prompt-len {args.prompt_len} + --max-new {args.max_new} exceed --capacity {args.capacity}")
 
@@ -72,12 +77,16 @@ def main(argv=None) -> int:
           f"{'reference (NumPy; no timing)' if device.is_reference else device.name}")
     t0 = time.perf_counter()
     weights = load_checkpoint(args.weights) if args.weights else random_weights(cfg, args.seed)
-    llama = Llama(cfg, weights, capacity=args.capacity, pdl=not args.no_pdl)
+    llama = Llama(cfg, weights, capacity=args.capacity, pdl=not args.no_pdl,
+                  prefill_chunk=args.prefill_chunk or None)
     print(f"weights on the device in {time.perf_counter() - t0:.1f} s")
     prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
-    tokens = llama.generate(prompt, args.max_new, sampling)
+    try:
+        tokens = llama.generate(prompt, args.max_new, sampling)
+    except dop.DeviceOpError as exc:  # a request the model cannot serve: the flag's constraint, no traceback
+        ap.error(str(exc))
     print(f"generated {len(tokens)} tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     if device.is_reference:
         return 0
