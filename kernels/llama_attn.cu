@@ -49,18 +49,8 @@
 // promise (a chunked prefill appending several entries in the same chain) launches PREFETCH=0.
 // Reads of the cache go through L2 (cp.async.cg, ld.cg): the entries were written by other kernels.
 //
-// Measured (H100, bench/llama_kernels_attn.py, 1B shapes, cap 4096, PDL; us per layer at pos 32 / 160 /
-// 1024 / 4095).  Attention's marginal cost in its chain (16 x QKV -> attention -> O minus the same chain
-// without attention, 9.6-9.7 us a layer): S=16 MINL=64 PREFETCH=1 RG=4 (16 warps, attn_plan's default,
-// the model's) 3.00 / 6.03 / 7.62 / 11.47; the previous kernel (4 warps holding all G heads, two tiles in
-// registers, all reads after the wait) 3.30 / 6.66 / 9.08 / 12.11.  Alone (16 launches a graph):
-// 2.65 / 5.55 / 7.20 / 10.53 (before 3.30 / 6.56 / 8.87 / 11.86).  PREFETCH=0: chain 3.39 / 6.66 / 8.16 /
-// 12.36.  RG=2 (8 warps, fits beside the QKV CTA) 2.87 / 7.01 / 8.34 / 15.94; MINL=256 (one chunk to
-// 256 entries) 3.03 / 6.01 / 10.15 / 11.38; S=32 RG=2 3.11 / 7.03 / 7.46 / 11.09.  With 4 warps of all G
-// heads a 64-row tile took ~1 us (latency-bound, one warp a scheduler): a warp per head fixed most of
-// that.  What is left: the combine (partials, a fence, the counter, the reload: ~3 us at pos 160 for 3
-// chunks vs one) and the kernel boundary itself (~2.5 us at pos 32 with almost no work); at 4095 the
-// K/V stream is ~4x its copy-rate time (10.5 us alone for 8.4 MB).
+// Measurements, and what was tried: docs/llama.md ("Kernel measurements").
+//
 #include <cuda_bf16.h>
 
 #include "llama_common.cuh"

@@ -42,13 +42,7 @@
 // (row g, words 2s and 2s+1) and (row g+8, same), its B registers the same
 // words of its token's 8 columns.
 //
-// Measured (H100, bench/llama_prefill.py, 1B shape, T=16, chunk at position 768, us a layer):
-// QKV 10.8 (2.58x its weights' copy-rate time), attention 16.7, O 8.0 (2.86x), gate/up 34.4 (1.54x),
-// down 35.8 (3.21x); a chunk 1661 us = 2.54x its floor; 1024 prompt tokens 102.4 ms (10.0k tokens/s)
-// against 963.6 ms token by token.  What is left: x is staged before the stream starts and, at
-// K = 8192, four times in turn (down); attention reads every entry per query token (no reuse of
-// K/V across the chunk's queries) with one lane group an entry.  Before staging 8 rows a warp and
-// 16-warp attention: a chunk 2284 us (3.49x).
+// Measurements, and what was tried: docs/llama.md ("Kernel measurements").
 //
 // Errors (llama_common.cuh's sticky word): pf_embed ORs ERR_TOKEN for a valid
 // row whose token is outside [0, vocab) or whose position is outside the token

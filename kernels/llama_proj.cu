@@ -24,32 +24,7 @@
 // may start streaming their weights as soon as SMs free up.  Launched without
 // PDL the wait is a no-op.
 //
-// Measured (H100, bench/llama_kernels_proj.py, graphs of 16 launches with PDL
-// over distinct weights, copy rate 3.01 TB/s; "was" = the previous version of
-// this file in the same run): LM head 173.0 us (1.01x the copy rate), gate/up
-// 22.4 (1.00x), down 11.78 (0.95x; was 13.33), qkv 5.47 (0.77x; was 5.64), O 3.93
-// (0.71x; was 3.97); a 1 MB matvec launch (latency probe) 1.43 us (was 1.62).
-// embed + 16 layers + LM head without attention, these plans: 869.9 us = 1.059x
-// its floor (the previous version's: 901.2 = 1.097x; 970.8 without PDL).
-//   - what paid: every post-wait load in one L2 round trip (StageX; the staging
-//     loop was one round trip a trip, and the residual one more before it: down's
-//     K=8192 paid five, now one): down 13.33 -> 12.51 us, the probe 1.59 -> 1.41;
-//     then down's K split over the warps of a row pair at one CTA of 16 warps a SM
-//     (more loads in flight a row, x staged once a SM): 12.51 -> 11.89 (KS=2),
-//     11.78 (KS=4); qkv at 256 CTAs of 6 warps: 5.49-5.51 -> 5.47-5.48.
-//   - did not pay: down with 4 buffers (NB=4) at 256 CTAs 12.11, KS=2 NR=1 NB=4
-//     12.01, 128 CTAs of 8 warps NR=2 12.83 (KS=2 12.59), 16 warps NR=1 NB=4 12.24;
-//     O with 4 buffers 4.38, 128 CTAs of 8 warps NR=2 4.04, 256 of 4 warps NR=2
-//     4.19; qkv with 3 buffers at 8 warps 6.25, 128 CTAs of 6 warps 5.96, 4 warps
-//     NB=3 6.78, 256 CTAs of 3 warps 6.33; down KS=2 NR=1 NB=3 12.40, KS=2 NR=2 NB=3
-//     11.90; O with K split in two 4.46, NB=3 4.02.
-//   - co-residency (the next kernel's CTAs beside this one's, preloading): chains
-//     with every kernel at half the register file 905.4 us, the small kernels at a
-//     quarter 913.7, small at half and the big ones full 880.1, against 872.3 for
-//     the fastest plans then: fewer bytes in flight a kernel cost more than the overlap.
-//   - what is left: qkv and O cost their stream plus ~1.1-1.3 us, the latency
-//     probe's ~1.1 us over its stream: a dependent launch's ramp (the next
-//     kernel's CTAs, and so its first loads, start only as this one's exit).
+// Measurements, and what was tried: docs/llama.md ("Kernel measurements").
 //
 // Device-side values (token, pos) are read after the wait and bound-checked;
 // an out-of-range value writes nothing it would index with and ORs a bit into

@@ -35,15 +35,10 @@
 //   with top_p < 1 and no top_k), the last CTA redoes the selection on all V logits (exact, slower: four
 //   reads of the logits from L2 per threshold by one CTA).
 //
-// Measured (H100, graph of 16 launches over 128256 logits, PDL): greedy 4.25 us, pure temperature
-// 4.7 us, top_k 50 + top_p 0.9 65 us, top_k 1000 64 us, the fallback (flat logits, top_p 0.9, no
-// top_k) 853 us.  The sorted-candidate path is bound by one CTA bitonic-sorting 4096 candidates (~160k
-// compare-exchanges on one SM); fewer candidates (C = 8 or 16) or a merge of the CTAs' sorted runs
-// would cut it (not measured yet).
+// Measurements, and what was tried: docs/llama.md ("Kernel measurements").
 //
 // PDL: the logits come from the previous kernel and the step from an earlier one, so everything is
 // read after griddepcontrol.wait; the dependents are released at the start (they wait for the token).
-
 #include "llama_common.cuh"
 
 namespace llama_sample {
