@@ -23,7 +23,7 @@ from cuda.bindings import driver as cu
 
 import deviceop as dop
 from deviceop import CudaGraph, GraphModel, api, zip_
-from kernels import add, affine
+from deviceop.kernels import add, affine
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 1024

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import deviceop as dop
-from kernels import conv
-from kernels.conv import ConvGnAct, conv_gn_act_reference
+from deviceop.kernels import conv
+from deviceop.kernels.conv import ConvGnAct, conv_gn_act_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
-from kernels import add
+from deviceop.kernels import add
 
 
 def test_np_asarray_is_a_host_copy_after_the_stream_is_done(stream, rng):

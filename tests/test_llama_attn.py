@@ -16,7 +16,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
-from kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference, gumbel_noise,
+from deviceop.kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference, gumbel_noise,
                                 philox4x32_10, sample, sample_buffers, sample_distribution, sample_reference)
 
 BF16 = ml_dtypes.bfloat16
