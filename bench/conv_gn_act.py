@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from _common import gpu_device, headline, print_headlines, print_table, write_result  # noqa: E402
-from kernels.conv import MAX_SPLIT_K, SPLIT_FIXUPS, TILES, WGMMA_MAX_SPLIT_K, WGMMA_TILES, ConvGnAct  # noqa: E402
+from deviceop.kernels.conv import MAX_SPLIT_K, SPLIT_FIXUPS, TILES, WGMMA_MAX_SPLIT_K, WGMMA_TILES, ConvGnAct  # noqa: E402
 
 SHAPES = [(c, hw, n) for c, hw in ((320, 64), (640, 32), (1280, 16)) for n in (1, 2, 8)]
 PEAK_TFLOPS = 989.4
@@ -240,7 +240,7 @@ def main() -> int:
         sweep_path = ROOT / "bench" / "results" / f"conv_gn_act_{'wgmma' if args.sweep == 'wgmma' else 'tile'}_sweep.json"
         record = {"device": device.name, "command": " ".join(sys.argv), "tile_sweep": sweep_rows}
         if args.sweep == "wgmma":   # what the cost model counts rounds of clusters against
-            from kernels.conv import cluster_capacity
+            from deviceop.kernels.conv import cluster_capacity
             record["cluster_capacity"] = cluster_capacity(device)
         sweep_path.write_text(json.dumps(record, indent=1) + "\n")
         print(f"sweep written to {sweep_path}")

@@ -45,7 +45,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
 from _common import gpu_device, print_headlines, headline, print_table, write_result  # noqa: E402
 from token_model import Config, LayerBuffers, build_forward, numpy_forward, random_weights  # noqa: E402
-from kernels import add, matvec, rms_norm  # noqa: E402
+from deviceop.kernels import add, matvec, rms_norm  # noqa: E402
 
 
 def main() -> int:

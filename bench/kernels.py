@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec  # noqa: E402
 from _common import gpu_device, print_table, write_result  # noqa: E402
-from kernels import add, matvec, rms_norm  # noqa: E402
+from deviceop.kernels import add, matvec, rms_norm  # noqa: E402
 
 
 def graph_us_per_launch(make_launch, stream, n=100, reps=20) -> float:

@@ -35,8 +35,8 @@ from deviceop import DeviceOpVec, api  # noqa: E402
 from deviceop.kernel import Kernel  # noqa: E402
 from _common import gpu_device, print_table, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
-from kernels import llama_proj as lp  # noqa: E402
-from kernels.llama_attn import attn_buffers, attn_decode, attn_plan, sample, sample_buffers  # noqa: E402
+from deviceop.kernels import llama_proj as lp  # noqa: E402
+from deviceop.kernels.llama_attn import attn_buffers, attn_decode, attn_plan, sample, sample_buffers  # noqa: E402
 
 LAYERS, HKV, G, HD, CAP, V = 16, 8, 4, 64, 4096, 128256
 HQ, D, EPS = HKV * G, 2048, 1e-5

@@ -44,7 +44,7 @@ import deviceop as dop  # noqa: E402
 from _common import gpu_device, print_table, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
 from deviceop import api, zip_  # noqa: E402
-from kernels import llama_proj as lp  # noqa: E402
+from deviceop.kernels import llama_proj as lp  # noqa: E402
 
 D, I, HQ, HKV, HD, V, L, CAP = 2048, 8192, 32, 8, 64, 128256, 16, 4096
 QKV_ROWS = (HQ + 2 * HKV) * HD

@@ -5,9 +5,44 @@ This package's layers, bottom up, each importing only those below it
 launch primitive, the driver's graph work, and the reference device behind
 the same interface), ``tensor`` and ``compile``, the op algebra (``op``,
 ``api``), ``kernel`` (declarations and the launch plan), ``graph`` (CudaGraph,
-Scope, nodes, loops, GraphCache, GraphModel).  ``kernels/`` and ``examples/``
-use only what this module exports.
+Scope, nodes, loops, GraphCache, GraphModel).  ``deviceop.kernels`` (the
+kernel library, the ``kernels/`` folder) and ``examples/`` sit above them all.
 """
+
+
+def _serve_the_kernels_folder() -> None:
+    """In a source checkout, serve the top-level ``kernels/`` folder as ``deviceop.kernels``.
+
+    The kernel library is imported as ``deviceop.kernels`` because a top-level
+    ``kernels`` would collide with Hugging Face's PyPI package of that name.  A
+    wheel and an editable install map the folder there (pyproject's package-dir);
+    a bare checkout on PYTHONPATH (as scripts/gpu-check runs) has only this
+    finder, which answers for that one name and nothing else.
+    """
+    import importlib.machinery
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if (here / "kernels").is_dir() or not (here.parent / "kernels" / "__init__.py").is_file():
+        return  # installed from a wheel (deviceop/kernels is there), or no kernel library beside this package
+    folder = str(here.parent / "kernels")
+
+    class KernelsFolder:
+        kernels_folder = folder
+
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            # PathFinder names the spec deviceop.kernels and searches submodules in the folder
+            return importlib.machinery.PathFinder.find_spec(name, [str(here.parent)]) \
+                if name == "deviceop.kernels" else None
+
+    # first, so that the kernels beside this deviceop win over another checkout's editable install
+    sys.meta_path[:] = [KernelsFolder] + [f for f in sys.meta_path if not hasattr(f, "kernels_folder")]
+
+
+_serve_the_kernels_folder()
+del _serve_the_kernels_folder
 from . import dtypes
 from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,

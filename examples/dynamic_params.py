@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
-from kernels import affine  # noqa: E402
+from deviceop.kernels import affine  # noqa: E402
 from token_model import HelpFormatter, positive  # noqa: E402
 
 TILE = 256

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
 from deviceop import CudaGraph, GraphModel, api  # noqa: E402
-from kernels import add, matvec, rms_norm  # noqa: E402
+from deviceop.kernels import add, matvec, rms_norm  # noqa: E402
 from token_model import (HelpFormatter, LayerBuffers, bf16_weights, build_device_loop, build_forward,  # noqa: E402
                          build_fused_forward, fused_buffers, numpy_forward, positive, random_weights, size_problem,
                          sized)

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec, shared, zip_  # noqa: E402
-from kernels import (add, batch_tile, load_row, matvec, matvec_add, matvec_add_bf16, matvec_batched,  # noqa: E402
+from deviceop.kernels import (add, batch_tile, load_row, matvec, matvec_add, matvec_add_bf16, matvec_batched,  # noqa: E402
                      rms_matvec, rms_matvec_bf16, rms_norm, store_row)
 
 

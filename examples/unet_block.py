@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import deviceop as dop  # noqa: E402
-from kernels.conv import ConvGnAct, add_f16, conv_gn_act_reference  # noqa: E402
+from deviceop.kernels.conv import ConvGnAct, add_f16, conv_gn_act_reference  # noqa: E402
 from token_model import HelpFormatter, positive  # noqa: E402
 
 # (N, C, HW, G, steps): the block's size on a GPU, and on the reference device (NumPy: seconds, not minutes)

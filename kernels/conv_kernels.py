@@ -87,7 +87,7 @@ CUTLASS_OPTIONS = ("-default-device", "-DNDEBUG", "-diag-suppress=20044")
 
 class CutlassKernel(Kernel):
     """A kernel that includes CUTLASS: its include directories are looked up when
-    it compiles, so importing ``kernels`` never needs the nvidia-cutlass wheel."""
+    it compiles, so importing ``deviceop.kernels`` never needs the nvidia-cutlass wheel."""
 
     def compile(self, values=(), arch=None):
         self.include_dirs = (str(HERE), *cutlass_include_dirs())

@@ -45,7 +45,7 @@ from deviceop.runtime import launch as launch_mod  # noqa: E402
 from deviceop.runtime.launch import Function, LaunchConfig  # noqa: E402
 from deviceop.runtime.device import device_key  # noqa: E402
 from token_model import Config, LayerBuffers, LayerWeights, build_forward  # noqa: E402
-from kernels import add, matvec, rms_norm  # noqa: E402
+from deviceop.kernels import add, matvec, rms_norm  # noqa: E402
 
 
 # Stands in for launch_kernel (cuLaunchKernel): the driver call is the one cost not

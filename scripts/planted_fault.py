@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import deviceop as dop  # noqa: E402
 from deviceop import GraphModel  # noqa: E402
 from deviceop.kernel import In, Kernel, Out, Scalar  # noqa: E402
-from kernels import add  # noqa: E402
+from deviceop.kernels import add  # noqa: E402
 
 SOURCE = 'extern "C" __global__ void poke(float* out, const float* x, long long at) { out[at] = x[0]; }'
 poke = Kernel("poke", SOURCE, [Out("out", "float32"), In("x", "float32"), Scalar("at", "int64")], block=32)

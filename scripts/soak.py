@@ -33,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from deviceop import GraphCache, GraphModel  # noqa: E402
 from deviceop.testing import DriverSpy, device_used_bytes, host_rss_bytes, loaded_modules  # noqa: E402
-from kernels import affine  # noqa: E402
+from deviceop.kernels import affine  # noqa: E402
 from token_model import Config, LayerBuffers, build_forward, numpy_forward, random_weights  # noqa: E402
 
 MIB = 2**20

@@ -1,11 +1,16 @@
 """The shape of the library, checked: deviceop's layers import only downward, no
 module imports itself round a cycle (function-level imports count too), the
 reference device lives in one backend, and no module grows past a readable size.
+The kernel library (the kernels/ folder, imported as deviceop.kernels) is the top
+layer: it is checked with the package, and nothing imports it as ``kernels``.
 docs/architecture.md describes the layers."""
 import ast
+import re
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "deviceop"
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "deviceop"
+LIBRARY = ROOT / "kernels"   # installed and imported as deviceop.kernels (pyproject's package-dir)
 
 # Bottom up; a module may import its own layer and those below it.
 LAYERS = [
@@ -16,17 +21,20 @@ LAYERS = [
     ("kernels", ("deviceop.kernel",)),
     ("graphs", ("deviceop.graph",)),
     ("package", ("deviceop", "deviceop.__main__", "deviceop.testing")),
+    ("kernel library", ("deviceop.kernels",)),
 ]
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "kernels":
+        parts.insert(0, "deviceop")
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-MODULES = {module_name(p): p for p in PKG.rglob("*.py")}
+MODULES = {module_name(p): p for p in [*PKG.rglob("*.py"), *LIBRARY.rglob("*.py")]}
 
 
 def imports_of(name: str) -> set[str]:
@@ -101,13 +109,37 @@ def test_the_checks_see_function_level_and_relative_imports():
         "deviceop.errors", "deviceop.kernel.launch", "deviceop.graph", "deviceop.op"}
 
 
+def test_the_kernel_library_is_in_the_import_graph():
+    """The checks above see kernels/ under its import name, and its relative imports."""
+    assert {"deviceop.kernels", "deviceop.kernels.conv", "deviceop.kernels._checks"} <= set(GRAPH)
+    assert {"deviceop.kernels._checks", "deviceop.kernels.conv_kernels", "deviceop.kernels"} <= GRAPH["deviceop.kernels.conv"]
+    assert layer_of("deviceop.kernels.conv") > layer_of("deviceop.kernel") == layer_of("deviceop.kernel.launch")
+
+
+TOP_LEVEL_KERNELS = re.compile(r"^\s*(from\s+kernels[\s.]|import\s+kernels\b)", re.M)
+
+
+def test_nothing_imports_the_kernel_library_as_a_top_level_kernels():
+    """Code and docs say ``deviceop.kernels``: a top-level ``kernels`` is another project on PyPI
+    (and, in a checkout, a second copy of every kernel declaration)."""
+    sources = [p for d in ("deviceop", "kernels", "tests", "examples", "bench", "scripts", "docs")
+               for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md") or p.parent.name == "scripts"]
+    sources += [ROOT / "README.md"]
+    found = [f"{p.relative_to(ROOT)}:{source[:m.start()].count(chr(10)) + 1}"
+             for p in sources if p.is_file() for source in [p.read_text(errors="replace")]
+             for m in TOP_LEVEL_KERNELS.finditer(source)]
+    assert not found, f"import deviceop.kernels instead of kernels at {found}"
+
+
 def test_the_reference_device_is_one_backend():
     """Only the runtime's device modules name ``is_reference``: every other layer
     asks the device, stream or function what to do, whichever it is."""
-    naming = sorted(name for name, path in MODULES.items() if "is_reference" in path.read_text())
+    naming = sorted(name for name, path in MODULES.items() if "is_reference" in path.read_text()
+                    and layer_of(name) < layer_of("deviceop.kernels"))  # the library above may ask, as a user may
     assert naming == ["deviceop.runtime.device", "deviceop.runtime.reference"], naming
 
 
 def test_no_module_is_over_450_lines():
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 450}
+    long = {name: n for name, path in MODULES.items()
+            if path.is_relative_to(PKG) and (n := len(path.read_text().splitlines())) > 450}
     assert not long, f"split these modules by concern: {long}"

@@ -23,7 +23,7 @@ from cuda.bindings import driver as cu
 
 import deviceop as dop
 from deviceop import CudaGraph, GraphModel, api, zip_
-from kernels import add, affine
+from deviceop.kernels import add, affine
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 1024
@@ -227,6 +227,7 @@ import hashlib, os, sys, time, warnings
 warnings.simplefilter("error")  # a corrupt entry is a warning: make it fail this process
 import deviceop as dop
 start = sys.argv[1]
+open(f"{start}.ready.{os.getpid()}", "w").close()
 while not os.path.exists(start):  # all processes start compiling at once
     time.sleep(0.001)
 prog = dop.compile_cubin(sys.argv[2], arch="sm_90")
@@ -271,7 +272,9 @@ def _finish(procs):
 def test_processes_compiling_one_kernel_at_once_leave_one_whole_entry(tmp_path):
     start = tmp_path / "start"
     procs = [_spawn(COMPILER, [start, SOURCE], tmp_path / "cache") for _ in range(6)]
-    time.sleep(1.0)
+    deadline = time.time() + 120
+    while len(list(tmp_path.glob("start.ready.*"))) < len(procs) and time.time() < deadline:
+        time.sleep(0.01)   # every process has imported deviceop and waits at the line
     start.touch()
     outs = _finish(procs)
     assert len({digest for _, digest in outs}) == 1, "processes got different CUBINs"
@@ -282,12 +285,14 @@ def test_processes_compiling_one_kernel_at_once_leave_one_whole_entry(tmp_path):
     assert hashlib.sha256(comp._read_entry(entries[0], key).cubin).hexdigest() == outs[0][1]
 
 
-def test_readers_never_see_half_an_entry_while_writers_rewrite_it(tmp_path):
+# Half a second is thousands of rewrites and reads; the full sweep (gpu-check) stresses for 2 s.
+@pytest.mark.parametrize("seconds", [0.5, pytest.param(2.0, marks=pytest.mark.full_sweep)])
+def test_readers_never_see_half_an_entry_while_writers_rewrite_it(tmp_path, seconds):
     cache = tmp_path / "cache"
     prog = _finish([_spawn(COMPILER, [tmp_path, SOURCE], cache)])  # tmp_path exists: starts at once
     assert prog[0][0] == "compiled"
     key = next(cache.iterdir()).stem
-    procs = [_spawn(STRESS, [role, key, 2.0], cache) for role in ("writer", "writer", "reader", "reader", "reader")]
+    procs = [_spawn(STRESS, [role, key, seconds], cache) for role in ("writer", "writer", "reader", "reader", "reader")]
     counts = {}
     for role, n in _finish(procs):
         counts[role] = counts.get(role, 0) + int(n)

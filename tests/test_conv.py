@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import deviceop as dop
-from kernels import conv
-from kernels.conv import ConvGnAct, conv_gn_act_reference
+from deviceop.kernels import conv
+from deviceop.kernels.conv import ConvGnAct, conv_gn_act_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,6 +51,22 @@ def run(stream, plan, host, out_dtype="float16"):
     out = dop.empty([plan.n, plan.h, plan.w, plan.k], out_dtype, stream=stream)
     plan(out, *map(t, host)).sync_on(stream)
     return out.numpy()
+
+
+# The configurations the unmarked tests compile: one of each kernel family, both intermediate
+# dtypes among them, seconds of NVRTC each.  conftest compiles them in a background process
+# while the other modules run, and runs this module last.
+_WG = conv.WGMMA_TILES["wg64x128"]
+PRECOMPILE = [
+    (conv.conv2d_gn_stats["float16"], conv.TILES["64x64"].generics("float16")),
+    (conv.conv2d_params["float32"], conv.TILES["128x128"].generics("float32")),
+    (conv.conv2d_gn_stats_wgmma["float16"], conv.WGMMA_TILES["wg128x160"].generics("float16", 2)),
+    (conv.conv2d_gn_act_wgmma[("float16", "float16")], ["__half", "__half", _WG.tm, _WG.tn, _WG.stages, 1]),
+    *[(conv.gn_act_apply[("float16", "float16")], [conv.ACTS[act], "__half", "__half", pad])
+      for act, pad in (("identity", 3), ("silu", 3), ("mish", 3), ("silu", 2))],
+    (conv.gn_act_apply_inplace["float16"], [conv.ACTS["mish"], "__half", 3]),
+    (conv.gn_act_apply_inplace["float32"], [conv.ACTS["mish"], "float", 3]),
+]
 
 
 # -- everywhere (reference device on CPU, the kernels on the GPU) -------------------------
@@ -307,17 +323,10 @@ def test_bad_inputs_are_refused_with_the_fix(stream, rng):
 # -- NVRTC: every shipped configuration compiles for sm_90 (CPU CI too) -------------------------
 
 def test_one_configuration_of_each_conv_kernel_compiles_for_sm90():
-    """Each kernel family once, both intermediate dtypes among them; mostly the
+    """Each kernel family once, both intermediate dtypes among them (PRECOMPILE): the
     configurations the tests above run, so a whole run compiles little more (the
     sweep below compiles all 84 and takes minutes on two cores)."""
-    wg = conv.WGMMA_TILES["wg64x128"]
-    cases = [(conv.conv2d_gn_stats_wgmma["float16"], conv.WGMMA_TILES["wg128x160"].generics("float16", 2)),
-             (conv.conv2d_gn_act_wgmma[("float16", "float16")], ["__half", "__half", wg.tm, wg.tn, wg.stages, 1]),
-             (conv.conv2d_gn_stats["float16"], conv.TILES["64x64"].generics("float16")),
-             (conv.conv2d_params["float32"], conv.TILES["128x128"].generics("float32")),
-             (conv.gn_act_apply_inplace["float32"], [conv.ACTS["mish"], "float", 3]),
-             (conv.gn_act_apply[("float16", "float16")], [conv.ACTS["silu"], "__half", "__half", 2])]
-    for kern, gen in cases:
+    for kern, gen in PRECOMPILE:
         program, expr = kern.compile(gen, arch="sm_90")
         assert program.cubin[:4] == b"\x7fELF" and program.symbol(expr).startswith("_Z"), expr
 

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from deviceop.kernels import conv
+
 ROOT = Path(__file__).resolve().parent.parent
+# docs/conv.md compiles the fused conv (seconds of NVRTC): conftest compiles it in a
+# background process while the other modules run, and runs this module after them.
+PRECOMPILE = [(conv.conv2d_gn_stats["float16"], conv.TILES["64x64"].generics("float16")),
+              (conv.gn_act_apply[("float16", "float16")], [conv.ACTS["silu"], "__half", "__half", 3])]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 CONTINUES = "# continues"

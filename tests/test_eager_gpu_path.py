@@ -23,7 +23,7 @@ from deviceop.op import stats
 from deviceop.runtime import launch as launch_mod
 from deviceop.runtime.launch import ptr
 from deviceop.runtime.device import device_key
-from kernels import add, matvec, rms_norm
+from deviceop.kernels import add, matvec, rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

@@ -4,7 +4,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import CudaGraph, api
-from kernels import add
+from deviceop.kernels import add
 
 
 def test_tensor_is_not_a_constructor_and_dop_zeros_exists(stream):

@@ -13,7 +13,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import CudaGraph, api, zip_
-from kernels import add, affine, matvec, rms_norm
+from deviceop.kernels import add, affine, matvec, rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = re.compile(r"^\| `(\w+)` \|(.+?)\|(.+?)\| `(tests/\w+\.py)::(test_\w+)` \|$", re.M)

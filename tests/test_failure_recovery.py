@@ -25,7 +25,7 @@ import deviceop as dop
 from deviceop import CudaGraph, GraphCache, api, zip_
 from deviceop.graph import CudaGraph as _Graph
 from deviceop.testing import DriverSpy
-from kernels import add, affine
+from deviceop.kernels import add, affine
 
 N = 256
 INJECTED = []  # (test, fault) for every fault injected and survived: the summary counts them

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
-from kernels import matvec_add, rms_matvec, rms_matvec_bf16
+from deviceop.kernels import matvec_add, rms_matvec, rms_matvec_bf16
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from token_model import (Config, bf16_weights, build_fused_forward, fused_buffers, numpy_forward,  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import CudaGraph, GraphModel, api, zip_
-from kernels import add, matvec, rms_norm
+from deviceop.kernels import add, matvec, rms_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from token_model import Config, LayerBuffers, build_forward, numpy_forward, random_weights  # noqa: E402

@@ -11,7 +11,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import GraphCache, default_sizes
-from kernels import batch_tile, matvec_batched
+from deviceop.kernels import batch_tile, matvec_batched
 
 K, N, BN, BK = 256, 128, 16, 2
 

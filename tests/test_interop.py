@@ -1,15 +1,16 @@
 """NumPy and DLPack interop on whatever Device(0) is (issue 26, item 4):
 ``np.asarray(tensor)`` is a host copy once the device is done with the tensor,
 ``dop.as_tensor`` and ``dop.from_dlpack`` agree on a NumPy array, and
-bfloat16 travels both ways as ml_dtypes arrays.  (Zero-copy with torch and
-CuPy on the GPU: tests/test_tensor.py's gpu tests.)"""
+bfloat16 travels both ways as ml_dtypes arrays, and DLPack exchanges keep
+stream order both ways (GPU tests below).  (Zero-copy with torch and CuPy on
+the GPU: tests/test_tensor.py's gpu tests.)"""
 import ml_dtypes
 import numpy as np
 import pytest
 
 import deviceop as dop
 from deviceop import api
-from kernels import add
+from deviceop.kernels import add
 
 
 def test_np_asarray_is_a_host_copy_after_the_stream_is_done(stream, rng):

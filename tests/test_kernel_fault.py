@@ -24,7 +24,7 @@ from cuda.bindings import driver as cu
 import deviceop as dop
 from deviceop import zip_
 from deviceop.runtime.driver import raise_error
-from kernels import add, affine
+from deviceop.kernels import add, affine
 
 ROOT = Path(__file__).resolve().parent.parent
 

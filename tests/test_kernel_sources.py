@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "examples")]
-import kernels  # noqa: E402
+from deviceop import kernels  # noqa: E402
 from token_model import Config  # noqa: E402
 
 CFG = Config()

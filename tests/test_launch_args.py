@@ -190,7 +190,7 @@ def test_cooperative_launches_carry_the_cooperative_attribute(monkeypatch, rng):
 
 
 def test_a_launch_is_pdl_or_cooperative_not_both():
-    from kernels import add
+    from deviceop.kernels import add
     launch = add(dop.empty([1024]).partition([1024]), dop.empty([1024]), dop.empty([1024])).pdl()
     with pytest.raises(dop.LaunchError, match="either PDL or cooperative"):
         launch.cooperative()

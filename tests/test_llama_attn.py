@@ -16,7 +16,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
-from kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference, gumbel_noise,
+from deviceop.kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference, gumbel_noise,
                                 philox4x32_10, sample, sample_buffers, sample_distribution, sample_reference)
 
 BF16 = ml_dtypes.bfloat16
@@ -212,13 +212,12 @@ def test_reference_draws_the_renormalised_top_k_top_p_softmax(rng):
     # the NumPy draw itself (Philox -> Gumbel-max), checked statistically: what the GPU test holds it to
     from scipy.stats import chisquare
     x = (rng.standard_normal(40) * 1.5).astype(np.float32)
+    assert gumbel_noise(np.arange(40)[None, :], 0, 0).shape == (1, 40)  # noise shape check
+    n = 4000
+    noise = np.stack([gumbel_noise(np.arange(40), s, 77) for s in range(n)])  # draws 0..n-1, one per row
     for t, k, p in ((1.0, 0, 1.0), (0.8, 10, 1.0), (1.2, 0, 0.7), (0.9, 12, 0.8)):
         want = sample_distribution(x, t, k, p)
         kept = want > 0
-        g = gumbel_noise(np.arange(40)[None, :], 0, 0)  # noise shape check
-        assert g.shape == (1, 40)
-        n = 4000
-        noise = np.stack([gumbel_noise(np.arange(40), s, 77) for s in range(n)])
         score = np.where(kept, x / t, -np.inf) + noise
         counts = np.bincount(np.argmax(score, axis=1), minlength=40)
         assert counts[~kept].sum() == 0

@@ -25,8 +25,8 @@ import deviceop as dop
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
-from kernels import llama_attn as la  # noqa: E402
-from kernels import llama_prefill as pf  # noqa: E402
+from deviceop.kernels import llama_attn as la  # noqa: E402
+from deviceop.kernels import llama_prefill as pf  # noqa: E402
 from llama.config import LLAMA_3_2_1B, TINY  # noqa: E402
 from llama.generate import Llama  # noqa: E402
 from llama.model import Sampling  # noqa: E402

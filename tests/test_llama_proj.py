@@ -24,7 +24,7 @@ import deviceop as dop
 from deviceop import api
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import llama_proj as lp  # noqa: E402
+from deviceop.kernels import llama_proj as lp  # noqa: E402
 
 BF16 = ml_dtypes.bfloat16
 EPS = 1e-5

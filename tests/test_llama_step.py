@@ -6,7 +6,7 @@ import pytest
 
 import deviceop as dop
 from deviceop.kernel import In, Kernel, Out
-from kernels.llama_step import llama_step, llama_step_start
+from deviceop.kernels.llama_step import llama_step, llama_step_start
 
 # A stand-in for the model: sampled = (7 * cur + pos) % 50, read from the loop state.
 _FAKE = r'''

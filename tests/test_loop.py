@@ -11,7 +11,7 @@ import pytest
 import deviceop as dop
 from deviceop import api
 from deviceop.kernel import In, Kernel, Out
-from kernels import affine, load_row, store_row
+from deviceop.kernels import affine, load_row, store_row
 
 # Two small kernels for these tests: a countdown (the body of a while_ loop
 # changes its own condition) and a 2-D visit counter for nested loops.

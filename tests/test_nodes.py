@@ -12,7 +12,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import CudaGraph, api
-from kernels import add, affine
+from deviceop.kernels import add, affine
 
 N, B = 1024, 256
 

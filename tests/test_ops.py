@@ -11,7 +11,7 @@ import pytest
 import deviceop as dop
 from deviceop import api, zip_, DeviceOpVec
 from deviceop.op import stats
-from kernels import add, affine, matvec, rms_norm
+from deviceop.kernels import add, affine, matvec, rms_norm
 
 
 def counts():

@@ -9,7 +9,7 @@ import pytest
 import deviceop as dop
 from deviceop import GraphCache
 from deviceop.kernel import precompile as pc
-from kernels import add, batch_tile, matvec_batched
+from deviceop.kernels import add, batch_tile, matvec_batched
 
 
 class Terminal:

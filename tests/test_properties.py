@@ -33,7 +33,7 @@ from hypothesis import example, given, strategies as st
 import deviceop as dop
 from deviceop import CudaGraph, GraphCache, api, shared, zip_
 from deviceop.op import stats
-from kernels import add, affine, matvec, rms_norm
+from deviceop.kernels import add, affine, matvec, rms_norm
 
 LENGTHS = (128, 256, 512)  # every kernel here takes multiples of 128 (16-byte loads, 128-element tiles)
 KINDS = ("add", "affine", "matvec", "rms_norm", "memcpy")
@@ -328,7 +328,7 @@ def _expected_refusal(kernel, view, scalar):
 
 @given(launch_histories())
 def test_every_launch_is_checked_whatever_launched_before(history):
-    from kernels import store_row
+    from deviceop.kernels import store_row
     steps, row, seed = history
     device = dop.Device()
     stream = device.new_stream()

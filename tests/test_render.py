@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
-from kernels import affine
+from deviceop.kernels import affine
 
 
 def small_graph(stream):

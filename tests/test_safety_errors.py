@@ -20,7 +20,7 @@ from deviceop import CudaGraph, DeviceOpVec, api, zip_
 from deviceop import compile as comp
 from deviceop.graph import GraphCache
 from deviceop.kernel import In, Kernel, Out
-from kernels import add, affine, matvec
+from deviceop.kernels import add, affine, matvec
 
 
 # -- item 4: the reference device refuses what the GPU refuses --------------------------

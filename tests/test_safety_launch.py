@@ -21,7 +21,7 @@ import deviceop as dop
 from deviceop.testing import ForeignArray
 from deviceop import api
 from deviceop.kernel import In, Kernel, Out
-from kernels import affine, rms_norm, store_row
+from deviceop.kernels import affine, rms_norm, store_row
 from test_eager_gpu_path import fake_gpu
 
 D = 128
@@ -281,7 +281,7 @@ def test_an_entry_the_cubin_lacks_is_refused(stream, rng):
 
 def test_the_cubin_says_what_cuFuncGetParamInfo_says():
     """The parameter layout read from the CUBIN's EIATTR_KPARAM_INFO records."""
-    from kernels import affine, rms_norm, store_row
+    from deviceop.kernels import affine, rms_norm, store_row
     expected = {affine: [(0, 8), (8, 8), (16, 4), (20, 4)],
                 store_row: [(0, 8), (8, 8), (16, 8), (24, 4)],
                 rms_norm: [(0, 8), (8, 8), (16, 8), (24, 4)]}
@@ -307,7 +307,7 @@ def test_a_kernel_is_compiled_once_per_generics_on_the_reference_device(stream, 
 @pytest.mark.gpu
 def test_on_the_gpu_the_cubin_layout_matches_cuFuncGetParamInfo_for_every_shipped_kernel(device):
     from cuda.bindings import driver as cu
-    import kernels as lib
+    import deviceop.kernels as lib
     cases = [(lib.affine, (256,)), (lib.add, (128,)), (lib.rms_norm, (512, 128)), (lib.matvec, (16, 1, 256)),
              (lib.store_row, (128,)), (lib.load_row, (128,)), (lib.rms_matvec_bf16, (8, 1, 256)),
              (lib.matvec_add, (8, 1, 256)), (lib.matvec_batched, (8, 1, 256, 4))]

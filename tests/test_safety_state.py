@@ -25,7 +25,7 @@ import deviceop as dop
 from deviceop.testing import ForeignArray
 from deviceop import CudaGraph, api, zip_
 from deviceop.op import stats
-from kernels import add, affine
+from deviceop.kernels import add, affine
 
 N = 256
 

@@ -10,7 +10,7 @@ import pytest
 import deviceop as dop
 from deviceop import CudaGraph, DeviceOpVec, GraphModel, Module, api, shared, zip_
 from deviceop.kernel import In, Kernel, Out, Scalar
-from kernels import add, matvec, rms_norm
+from deviceop.kernels import add, matvec, rms_norm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

@@ -13,7 +13,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
-from kernels import add
+from deviceop.kernels import add
 
 
 def unexecuted_warnings(build) -> list[str]:

@@ -25,9 +25,9 @@ import numpy as np
 
 import deviceop as dop
 from deviceop import api
-from kernels import llama_attn as attn_k
-from kernels import llama_proj as proj
-from kernels.llama_step import llama_step, llama_step_start
+from deviceop.kernels import llama_attn as attn_k
+from deviceop.kernels import llama_proj as proj
+from deviceop.kernels.llama_step import llama_step, llama_step_start
 
 from .config import LlamaConfig
 from .weights import BF16, check_weights, layer_names

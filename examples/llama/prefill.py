@@ -27,10 +27,10 @@ from __future__ import annotations
 import numpy as np
 
 import deviceop as dop
-from kernels import llama_attn as attn_k
-from kernels import llama_prefill as pf
-from kernels import llama_proj as proj
-from kernels.llama_step import llama_step
+from deviceop.kernels import llama_attn as attn_k
+from deviceop.kernels import llama_prefill as pf
+from deviceop.kernels import llama_proj as proj
+from deviceop.kernels.llama_step import llama_step
 
 from .model import SAMPLE_CANDIDATES, LlamaDecoder, Sampling
 
