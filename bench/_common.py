@@ -69,6 +69,24 @@ def host_us_per_call(fn, calls: int, reps: int, sync) -> tuple[float, float, flo
     return statistics.median(samples), min(samples), max(samples)
 
 
+def replay_us(graph, stream, *, per: int = 1, batch: int = 1, reps: int = 30, warmup: int = 5) -> float:
+    """GPU microseconds of one replay of ``graph`` divided by ``per`` (e.g. the launches it
+    holds): after ``warmup`` replays, the median over ``reps`` runs of ``batch`` back-to-back
+    replays between two CUDA events."""
+    for _ in range(warmup):
+        graph.replay()
+    stream.synchronize()
+    runs = []
+    for _ in range(reps):
+        start = stream.record_event()
+        for _ in range(batch):
+            graph.replay()
+        end = stream.record_event()
+        end.synchronize()
+        runs.append(start.elapsed_ms(end) * 1e3 / (batch * per))
+    return statistics.median(runs)
+
+
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(header)]
     print(f"\n{title}")

@@ -21,7 +21,6 @@ Sampler: a graph of 16 sample launches over fp32 logits [128256], per launch, fo
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -33,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import deviceop as dop  # noqa: E402
 from deviceop import DeviceOpVec, api  # noqa: E402
 from deviceop.kernel import Kernel  # noqa: E402
-from _common import gpu_device, print_table, write_result  # noqa: E402
+from _common import gpu_device, print_table, replay_us, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
 from deviceop.kernels import llama_proj as lp  # noqa: E402
 from deviceop.kernels.llama_attn import attn_buffers, attn_decode, attn_plan, sample, sample_buffers  # noqa: E402
@@ -41,19 +40,6 @@ from deviceop.kernels.llama_attn import attn_buffers, attn_decode, attn_plan, sa
 LAYERS, HKV, G, HD, CAP, V = 16, 8, 4, 64, 4096, 128256
 HQ, D, EPS = HKV * G, 2048, 1e-5
 POSITIONS = (32, 160, 1024, 4095)
-
-
-def replay_us(graph, stream, per: int, reps: int = 30) -> float:
-    for _ in range(5):
-        graph.launch().sync_on(stream)
-    times = []
-    for _ in range(reps):
-        start = stream.record_event()
-        graph.replay()
-        end = stream.record_event()
-        end.synchronize()
-        times.append(start.elapsed_ms(end) * 1e3 / per)
-    return statistics.median(times)
 
 
 def variants():
@@ -124,7 +110,7 @@ def main() -> int:
     graph = chain(None)
     for p in POSITIONS:
         set_pos(p)
-        chain_none[p] = replay_us(graph, stream, LAYERS)
+        chain_none[p] = replay_us(graph, stream, per=LAYERS)
         ctable.append(["no attention", p, f"{chain_none[p]:.2f}", "", ""])
         rows.append({"kernel": "chain qkv+o", "pos": p, "us_per_layer": round(chain_none[p], 3)})
     graph.close()
@@ -137,7 +123,7 @@ def main() -> int:
                                  .generics(gen).pdl() for i in range(LAYERS)]).graph_on(stream)
             for p in POSITIONS:
                 set_pos(p)
-                us = replay_us(alone, stream, LAYERS)
+                us = replay_us(alone, stream, per=LAYERS)
                 nbytes = kv_bytes(p) + 2 * HQ * HD * 4
                 floor_us = nbytes / rate * 1e6
                 rows.append({"kernel": "attn_decode", "variant": label, "generics": gen, "pos": p,
@@ -150,7 +136,7 @@ def main() -> int:
                           .generics(gen).pdl())
             for p in POSITIONS:
                 set_pos(p)
-                us = replay_us(graph, stream, LAYERS)
+                us = replay_us(graph, stream, per=LAYERS)
                 rows.append({"kernel": "chain qkv+attn+o", "variant": label, "generics": gen, "pos": p,
                              "us_per_layer": round(us, 3), "attn_marginal_us": round(us - chain_none[p], 3)})
                 ctable.append([label, p, f"{us:.2f}", f"{us - chain_none[p]:.2f}",
@@ -181,7 +167,7 @@ def main() -> int:
             ops = [sample(part.partition([1, 68]), lg, token, state, step, V, t, k, p, 7).generics([32])
                    for _ in range(16)]
             graph = DeviceOpVec([o.pdl() if pdl else o for o in ops]).graph_on(stream)
-            us = replay_us(graph, stream, 16)
+            us = replay_us(graph, stream, per=16)
             graph.close()
             rows.append({"kernel": "sample", "mode": label, "pdl": pdl, "us": round(us, 3),
                          "bytes": V * 4, "GBps": round(V * 4 / us / 1e3, 1)})

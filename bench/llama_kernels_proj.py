@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import ml_dtypes  # noqa: E402
 
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, print_table, write_result  # noqa: E402
+from _common import gpu_device, print_table, replay_us, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
 from deviceop import api, zip_  # noqa: E402
 from deviceop.kernels import llama_proj as lp  # noqa: E402
@@ -129,18 +128,7 @@ class Pool:
 
 def time_graph(graph, stream, replays: int) -> float:
     """GPU microseconds of one replay: median of 5 runs of ``replays`` back-to-back replays."""
-    for _ in range(3):
-        graph.replay()
-    stream.synchronize()
-    runs = []
-    for _ in range(5):
-        start = stream.record_event()
-        for _ in range(replays):
-            graph.replay()
-        end = stream.record_event()
-        end.synchronize()
-        runs.append(start.elapsed_ms(end) * 1e3 / replays)
-    return statistics.median(runs)
+    return replay_us(graph, stream, batch=replays, reps=5, warmup=3)
 
 
 class Step:
