@@ -8,6 +8,7 @@ import threading
 import warnings
 
 from .errors import LaunchError, ReentrancyError, StateError, UnexecutedOpWarning
+from .runtime.stream import not_a_stream
 
 _tls = threading.local()
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
@@ -29,11 +30,6 @@ class ExecutionContext:
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
-
-
-def not_a_stream(what: str, stream) -> LaunchError:
-    return LaunchError(f"{what} needs a deviceop stream (device.new_stream(), or CudaStream.from_handle(...) for "
-                       f"another library's), got {'None' if stream is None else type(stream).__name__}")
 
 
 def check_stream(what: str, stream) -> None:

@@ -21,7 +21,7 @@ from .errors import DTypeError, LaunchError, ShapeError, StateError
 from .memory import (Partition, _Allocation, _Borrow, _owned, _owned_lock, _owner_of, _resolve_shape, _shape_tuple,
                      _sig_id, _sig_ids, claim)  # noqa: F401 (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
-from .runtime.device import Device
+from .runtime.device import Device, placed
 from .runtime.stream import sync_in_capture
 
 
@@ -105,7 +105,7 @@ class Tensor:
     def empty(cls, shape, dtype="float32", *, device=None, stream=None) -> "Tensor":
         """An uninitialised tensor.  Allocation is ordered on ``stream``
         (default: the device's default stream)."""
-        device = device if device is not None else Device(0)
+        device, stream = placed("dop.empty", device, stream)
         dt = as_dtype(dtype)
         dims = _shape_tuple(shape)
         if any(d < 0 for d in dims):
@@ -115,7 +115,7 @@ class Tensor:
     @classmethod
     def from_numpy(cls, array, *, device=None, stream=None, dtype=None) -> "Tensor":
         """A new tensor holding a copy of the host ``array``."""
-        device = device if device is not None else Device(0)
+        device, stream = placed("dop.from_numpy", device, stream)
         host = np.asarray(array)
         dt = as_dtype(dtype if dtype is not None else host.dtype)
         host = np.ascontiguousarray(host, dtype=dt.np)
@@ -131,7 +131,7 @@ class Tensor:
         memory stays the other framework's: ``try_partition`` on a handle to it
         is refused (deviceop cannot see who else holds it); ``api.dup`` makes a
         copy deviceop owns."""
-        device = device if device is not None else Device(0)
+        device, stream = placed("dop.from_dlpack", device, stream)
         if isinstance(obj, Tensor):
             return obj
         if isinstance(obj, np.ndarray):  # on either device, as the GPU must: a NumPy array is host memory
@@ -255,6 +255,7 @@ class Tensor:
     def contiguous(self, *, stream=None) -> "Tensor":
         """This tensor if it is dense (C-contiguous), else a dense copy of it in new
         memory (on the GPU, ordered on ``stream``, default: the tensor's home stream)."""
+        _, stream = placed("tensor.contiguous", self.device, stream)
         if self._contig:
             return self
         stream = stream or self._home_stream or self.device.default_stream()
@@ -272,6 +273,7 @@ class Tensor:
     def numpy(self, *, stream=None) -> np.ndarray:
         """A host copy.  With ``stream`` the copy is ordered after that stream's
         work; without, the whole device is synchronized first."""
+        _, stream = placed("tensor.numpy", self.device, stream)
         if stream is not None and stream.is_capturing():  # a copy to the host is a host sync: not in a capture
             raise sync_in_capture("tensor.numpy(stream=...)", "cuStreamSynchronize")
         if stream is None:
@@ -298,6 +300,9 @@ class Tensor:
         current one) waits for the work queued so far on the tensor's home stream
         (where it was made or imported; work on other streams: synchronize them
         first, as for ``numpy()``)."""
+        if stream is not None and (type(stream) is not int or stream == 0 or stream < -1):
+            raise LaunchError(f"__dlpack__(stream={stream!r}): DLPack's stream is an int: a CUDA stream handle, "
+                              "1 (the legacy default stream), 2 (per-thread default) or -1 (no ordering)")
         home = self._home_stream or self.device.default_stream()
         return self.device.export_dlpack(self._array, home, stream, kwargs)
 

@@ -109,3 +109,35 @@ def test_a_cuda_stream_for_the_reference_devices_host_memory_is_refused(device, 
     with pytest.raises(dop.StateError, match="host memory.*leave stream=None"):
         t.__dlpack__(stream=5)
     np.testing.assert_array_equal(np.from_dlpack(t), t.numpy())   # stream=None: a host import
+
+
+def test_a_stream_that_is_not_a_live_stream_of_the_device_is_refused_by_every_tensor_entry_point(device, rng):
+    host = rng.standard_normal(4).astype(np.float32)
+    t = dop.from_numpy(host, device=device)
+    closed = device.new_stream()
+    closed.close()
+    entry_points = {
+        "dop.empty": lambda s: dop.empty(4, device=device, stream=s),
+        "dop.from_numpy": lambda s: dop.from_numpy(host, device=device, stream=s),
+        "dop.from_dlpack": lambda s: dop.from_dlpack(t, device=device, stream=s),
+        "tensor.numpy": lambda s: t.numpy(stream=s),
+        "tensor.contiguous": lambda s: t.contiguous(stream=s),
+    }
+    for name, call in entry_points.items():
+        with pytest.raises(dop.LaunchError, match=rf"{name} needs a deviceop stream .* got str"):
+            call("s")
+        with pytest.raises(dop.StateError, match=rf"{name} on a stream that was closed"):
+            call(closed)
+    other = dop.ReferenceDevice(0) if not device.is_reference else None
+    if other is not None:  # a GPU run: the reference device's stream is another device's
+        with pytest.raises(dop.LaunchError, match="the stream is on reference, the tensor on"):
+            dop.empty(4, device=device, stream=other.new_stream())
+    s = device.new_stream()
+    assert dop.empty(4, stream=s).device is device  # an omitted device is the stream's
+
+
+@pytest.mark.parametrize("stream", ["x", 0, -2, 1.5, True])
+def test_a_dlpack_consumer_stream_that_is_not_dlpacks_int_is_refused(device, rng, stream):
+    t = dop.from_numpy(rng.standard_normal(4).astype(np.float32), device=device)
+    with pytest.raises(dop.LaunchError, match=r"DLPack's stream is an int"):
+        t.__dlpack__(stream=stream)

@@ -14,11 +14,11 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from ..errors import NoDeviceError, OutOfMemoryError, StateError
+from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
 from .driver import check
 from .module import CudaModule
-from .stream import CudaEvent, CudaStream, sync_failed
+from .stream import _CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, sync_failed
 
 _instances: dict[tuple[type, int], "Device"] = {}
 _loaded: dict[tuple[int, str], CudaModule] = {}  # (ordinal, program key) -> the module loaded once
@@ -255,6 +255,24 @@ def device_key(device) -> tuple:
     """What caches of compiled and loaded things key a device by: its kind and ordinal
     (a reference device 0 and GPU 0 may share a process, and must not share a cache entry)."""
     return type(device), device.ordinal
+
+
+def placed(what: str, device, stream):
+    """``(device, stream)`` of a tensor operation given either or both: ``stream`` (None:
+    the device's default) must be a live deviceop stream of ``device``; an omitted
+    ``device`` is the stream's, else Device(0)."""
+    if stream is not None:
+        home = getattr(stream, "device", None)
+        if home is None:
+            raise not_a_stream(what, stream)
+        if home is _CLOSED:
+            raise closed_stream(what)
+        if device is None:
+            return home, stream
+        if device_key(home) != device_key(device):
+            raise LaunchError(f"{what}: the stream is on {home.label}, the tensor on {device.label}; "
+                              "use a stream of the tensor's device (device.new_stream())")
+    return (device if device is not None else Device(0)), stream
 
 
 def load_module(program, device=None) -> CudaModule:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from cuda.bindings import driver as cu
 
-from ..errors import CaptureError, CaptureSyncError, StateError
+from ..errors import CaptureError, CaptureSyncError, LaunchError, StateError
 from .driver import check, error_name, raise_error
 
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
@@ -44,6 +44,11 @@ def sync_failed(code, call: str, what: str, whose: str = "the stream is") -> Non
     if name in _CAPTURE_REFUSALS or name == _CAPTURED_EVENT:
         raise sync_in_capture(what, call, name, whose)
     raise_error(code, call)
+
+
+def not_a_stream(what: str, stream) -> LaunchError:
+    return LaunchError(f"{what} needs a deviceop stream (device.new_stream(), or CudaStream.from_handle(...) for "
+                       f"another library's), got {'None' if stream is None else type(stream).__name__}")
 
 
 def closed_stream(what: str) -> StateError:
