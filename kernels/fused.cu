@@ -100,17 +100,7 @@
 #define FUSED_MIN_BLOCKS 1
 #endif
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+#include "pdl.cuh"
 
 // A 16-byte vector of weights and its elements as floats.
 template <typename W> struct WeightVec;

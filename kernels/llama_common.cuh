@@ -3,6 +3,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include "pdl.cuh"
+
 namespace llama {
 
 // Error bits of the int32 error word the kernels OR into (sticky: the host zeroes it).
@@ -13,17 +15,8 @@ constexpr int ERR_POS = 2;     // rms_qkv_rope: pos < 0 or >= cap (k and v not a
 // registers a thread) keep every CTA of a one-wave grid resident at once.
 __host__ __device__ constexpr int min_ctas(int w) { return w >= 16 ? 1 : 16 / w; }
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using ::pdl_launch_dependents;  // kernels/pdl.cuh
+using ::pdl_wait;
 
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll

@@ -38,13 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-import deviceop as dop
 from deviceop.kernel import In, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
 from .llama_attn import LOG2E
-from .llama_proj import ERR_POS, ERR_TOKEN, _bf16, _rope, _silu, rope_angles
+from .llama_proj import ERR_POS, ERR_TOKEN, _bf16, _rope, _silu, qkv_cache_checks, rope_angles
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_prefill.cu"
@@ -188,19 +187,10 @@ def _qkv_check(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache,
                                           f"RoPE pairs a CTA), not {list(qkv.tile_shape)}")
     _need(hidden.shape == (T, K) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} must be "
                                                             f"[{T}, {K}] and norm_w {norm_w.shape} [{K}]")
-    _need(w_qkv.shape == (width, K), f"{name}: w_qkv {w_qkv.shape} must be [(HQ + 2*HKV)*HD, K] = [{width}, {K}] "
-                                     "(cat of q_proj, k_proj, v_proj)")
-    _need(inv_freq.shape == (HD // 2,), f"{name}: inv_freq {inv_freq.shape} must be [HD/2] = [{HD // 2}]")
-    _need(k_cache.ndim == 3 and k_cache.shape[0] == HKV and k_cache.shape[2] == HD and k_cache.shape == v_cache.shape,
-          f"{name}: k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be this layer's [HKV={HKV}, cap, "
-          f"HD={HD}] slices")
-    _need(cap == k_cache.shape[1], f"{name}: cap={cap} but the cache holds {k_cache.shape[1]} rows; pass "
-                                   "k_cache.shape[1]")
+    qkv_cache_checks(name, w_qkv, inv_freq, k_cache, v_cache, cap, K, HD, HQ, HKV)
     _chunk_state(name, chunk)
     _need(error.shape == (1,), f"{name}: error must be an int32 [1] device word, got shape {error.shape}")
     _gemm_checks(name, K, K, T, 2 * PB, WR, WK, NB)
-    if k_cache.overlaps(v_cache):
-        raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
     _aligned(name, t, hidden, norm_w, w_qkv)
 
 

@@ -153,15 +153,11 @@ def qkv_pairs(hq: int, hkv: int, hd: int) -> int:
     return (hq + 2 * hkv) * hd // 2
 
 
-def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
-    K, HD, HQ, HKV, W, CH, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "W", "CH", "NB"))
-    name = "rms_qkv_rope"
-    t = q.tensor
-    _need(HD % 2 == 0 and HD >= 2 and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be even, HQ={HQ} and HKV={HKV} "
-                                                            "positive")
-    _need(t.shape == (HQ * HD,), f"{name}<HQ={HQ}, HD={HD}>: q {t.shape} must be [{HQ * HD}]")
-    _need(hidden.shape == (K,) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} and norm_w "
-                                                          f"{norm_w.shape} must be [{K}]")
+def qkv_cache_checks(name: str, w_qkv, inv_freq, k_cache, v_cache, cap: int, K: int, HD: int, HQ: int,
+                     HKV: int) -> None:
+    """The operands a QKV + RoPE + cache-append kernel shares with the others of its kind
+    (rms_qkv_rope here, pf_qkv_rope in llama_prefill.py): the concatenated weight, the
+    RoPE table, this layer's K and V cache slices (separate memory) and their capacity."""
     rows = (HQ + 2 * HKV) * HD
     _need(w_qkv.shape == (rows, K), f"{name}: w_qkv {w_qkv.shape} must be [(HQ + 2*HKV)*HD, K] = [{rows}, {K}] "
                                     "(cat of q_proj, k_proj, v_proj)")
@@ -171,13 +167,25 @@ def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_c
           f"HD={HD}] slices")
     _need(cap == k_cache.shape[1], f"{name}: cap={cap} but the cache holds {k_cache.shape[1]} rows; pass "
                                    "k_cache.shape[1]")
+    if k_cache.overlaps(v_cache):
+        raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
+
+
+def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
+    K, HD, HQ, HKV, W, CH, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "W", "CH", "NB"))
+    name = "rms_qkv_rope"
+    t = q.tensor
+    _need(HD % 2 == 0 and HD >= 2 and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be even, HQ={HQ} and HKV={HKV} "
+                                                            "positive")
+    _need(t.shape == (HQ * HD,), f"{name}<HQ={HQ}, HD={HD}>: q {t.shape} must be [{HQ * HD}]")
+    _need(hidden.shape == (K,) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} and norm_w "
+                                                          f"{norm_w.shape} must be [{K}]")
+    qkv_cache_checks(name, w_qkv, inv_freq, k_cache, v_cache, cap, K, HD, HQ, HKV)
     _one(name, pos=pos, error=error)
     _stream_checks(name, K, CH, 2, W, 4 * W, NB)
     pairs, grid = qkv_pairs(HQ, HKV, HD), q.num_tiles
     _need(pairs % grid == 0, f"{name}: q's partition makes {grid} CTAs, which must divide the {pairs} RoPE pairs; "
                              f"use qkv_plan(...) for the tile")
-    if k_cache.overlaps(v_cache):
-        raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
     _aligned(name, hidden, norm_w, w_qkv)
 
 
@@ -374,4 +382,4 @@ def lm_head_plan(d: int, vocab: int, *, sms: int = H100_SMS, ctas_per_sm: int = 
 
 __all__ = ["embed_gather", "rms_qkv_rope", "matvec_residual", "rms_gate_up_silu", "rms_lm_head_argmax",
            "embed_plan", "qkv_plan", "matvec_residual_plan", "gate_up_plan", "lm_head_plan", "lm_head_rows",
-           "rope_angles", "qkv_pairs", "ERR_TOKEN", "ERR_POS"]
+           "rope_angles", "qkv_pairs", "qkv_cache_checks", "ERR_TOKEN", "ERR_POS"]
