@@ -73,14 +73,14 @@ class Group:
         gigabytes of weights when that is cheaper)."""
         digest = fingerprint(obj)
         digests = self.exchange((name, digest))
-        differ = [r for r, (n, d) in enumerate(digests) if (n, d) != (name, digest)]
+        differ = [r for r, nd in enumerate(digests) if nd != digests[0]]  # named alike on every rank
         if differ:
             names = sorted({n for n, _ in digests})
             what = f"{name!r}" if names == [name] else f"{name!r} (the ranks checked {names} at this point)"
             self.abort(f"check_same({name!r}) found ranks that disagree")
             raise DistributedError(
-                f"check_same: ranks disagree on {what}: rank(s) {differ} hold a different value than rank "
-                f"{self.rank}. Every rank must load the same config and weights (same files, same arguments); "
+                f"check_same: ranks disagree on {what}: rank(s) {differ} hold a different value than rank 0. "
+                "Every rank must load the same config and weights (same files, same arguments); "
                 "the group is aborted: fix the inputs and start again")
         return digest
 

@@ -157,6 +157,7 @@ class Watchdog:
 
     def _run(self) -> None:
         beat, store, prefix = 0, self.exchanger.store, self.exchanger.prefix
+        self.group.device.bind()  # event queries and ncclCommAbort from this thread need the rank's context
         while not self._stop.wait(self.interval):
             try:
                 beat += 1
