@@ -95,7 +95,7 @@ def symmetric_window_output(group, seed):
     mem = cupy.cuda.UnownedMemory(int(buf.handle), n * 4, buf, group.device.ordinal)
     window = cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
     handle = group._backend.comm.register_window(window, nccl.WindowFlag.COLL_SYMMETRIC)
-    out = dop.as_tensor(window)  # deviceop writes NCCL's symmetric memory
+    out = dop.from_dlpack(window, stream=s)  # deviceop writes NCCL's symmetric memory
     rng = np.random.default_rng(seed)
     data = rng.standard_normal((20, world, n)).astype(np.float32)
     x = upload(group, data[0, r])

@@ -27,6 +27,22 @@ from ..errors import DistributedError
 _groups_made = 0  # groups this process made: every rank makes them in the same order, so it names them alike
 
 
+class MemoryStore:
+    """A one-rank group's store: a dict (nobody else to meet)."""
+
+    def __init__(self):
+        self._data = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self._data[key] = value
+
+    def get(self, key: str):
+        return self._data.get(key)
+
+    def close(self) -> None:
+        pass
+
+
 class FileStore:
     """Keys are files of a directory (written whole: a temporary file renamed)."""
 
@@ -161,6 +177,8 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
         return TcpStore(host, int(port), serve=rank == 0, timeout=timeout)
     if store is not None:
         return FileStore(store)
+    if world_size == 1:
+        return MemoryStore()
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if addr is None or port is None:
         if launcher == "mpirun":
