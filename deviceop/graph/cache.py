@@ -40,11 +40,15 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..dtypes import dtype as as_dtype
-from ..errors import AliasingError, DTypeError, ShapeError, StateError
+from ..errors import AliasingError, DTypeError, LaunchError, ShapeError, StateError
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..op import DeviceOp
+from ..runtime.device import placed
+from ..runtime.stream import not_a_stream
 from ..tensor import Partition, SharedTensor, Tensor
 
 
@@ -121,6 +125,19 @@ class GraphCache:
     def __init__(self, fn, *, stream, sizes=None, max_size: int = 64, key=None, max_graphs: int | None = None,
                  max_bytes: int | None = None, fallback: bool = True, share_buffers: bool = True,
                  pad_value: float | None = 0, copy: bool = False):
+        if not callable(fn):
+            raise LaunchError(f"the GraphCache's function must be callable as fn(ws, *inputs) -> op, "
+                              f"got {type(fn).__name__}")
+        if key is not None and not callable(key):
+            raise LaunchError(f"the GraphCache's key must be a callable (or None), called as key(*inputs); "
+                              f"got {type(key).__name__}")
+        if stream is None:  # placed() would take None for the default stream; a cache needs its own
+            raise not_a_stream("a GraphCache (stream=...)", stream)
+        placed("a GraphCache (stream=...)", None, stream)  # not a stream, or a closed one: refused now
+        if pad_value is not None and (isinstance(pad_value, (bool, np.bool_))
+                                      or not isinstance(pad_value, (int, float, np.integer, np.floating))):
+            raise DTypeError(f"pad_value must be a number (or None: leave padded rows as they are), "
+                             f"got {pad_value!r}")
         self.fn, self.stream, self.key_fn = fn, stream, key
         if sizes is None:
             sizes = default_sizes(max_size)
@@ -135,11 +152,14 @@ class GraphCache:
         self.sizes = sizes
         if max_graphs is not None:
             max_graphs = _count("max_graphs (or None)", max_graphs)
+        if max_bytes is not None:
+            max_bytes = _count("max_bytes (or None)", max_bytes)
         self.max_graphs, self.max_bytes = max_graphs, max_bytes
         self.fallback, self.share_buffers, self.pad_value, self.copy = fallback, share_buffers, pad_value, copy
         self._entries: OrderedDict = OrderedDict()  # (size, key) -> _Entry, least recently used first
         self._arena: dict = {}                      # slot key -> the largest buffer made for it
         self._lock = threading.RLock()
+        self._pads_checked: set = set()             # input dtypes pad_value is known to fit
         self._stats = CacheStats()
         self._closed = False
 
@@ -171,6 +191,7 @@ class GraphCache:
                                      "fallback is off; raise max_size/sizes, or pass fallback=True")
                 self._stats.fallbacks += 1
                 return self._eager(batch, inputs)
+            self._check_pad(inputs)
             key = (size, self._key_of(inputs))
             entry = self._entries.get(key)
             if entry is None:
@@ -238,15 +259,37 @@ class GraphCache:
                              f"{[t.shape for t in inputs]}")
         return batch
 
+    def _check_pad(self, inputs) -> None:
+        """Refuse a pad value an input's dtype cannot hold (300 in int8, 0.5 in int32) before anything is
+        captured or copied: a fill would wrap it on the GPU and raise NumPy's error on the reference device."""
+        if self.pad_value is None or self.pad_value == 0:
+            return
+        for i, t in enumerate(inputs):
+            if t.dtype in self._pads_checked:
+                continue
+            try:
+                t.dtype.coerce(self.pad_value)
+            except DTypeError as exc:
+                raise DTypeError(f"pad_value {self.pad_value!r} does not fit GraphCache input {i} "
+                                 f"({t.dtype.name}): {exc}; pass a pad_value the inputs' dtype holds") from None
+            self._pads_checked.add(t.dtype)
+
     def _key_of(self, inputs):
         if self.key_fn is None:
             return tuple((t.shape[1:], t.dtype.name) for t in inputs)
         try:
             key = self.key_fn(*inputs)
             hash(key)
+            odd = _unequal_part(key)  # its == may raise too: a key that cannot be compared is refused here
         except Exception as exc:
             raise StateError(f"the GraphCache key function failed on inputs of shapes "
-                             f"{[t.shape for t in inputs]}: {exc!r}; it must return a hashable key") from exc
+                             f"{[t.shape for t in inputs]}: {exc!r}; it must return a hashable key that "
+                             "equals itself") from exc
+        if odd is not _EQUAL:
+            part = "" if odd is key else f" holds {odd!r}, which"
+            raise StateError(f"the GraphCache key {key!r}{part} does not equal itself (NaN never does): it would "
+                             "never hit, and every call would capture and hold another graph; return a key that "
+                             "equals itself (replace the NaN, e.g. by None)")
         return key
 
     # -- buffers -------------------------------------------------------------------
@@ -360,6 +403,22 @@ class GraphCache:
         used = {id(s) for e in self._entries.values() for s in e.slots}
         for k in [k for k, s in self._arena.items() if id(s) not in used]:
             del self._arena[k]
+
+
+_EQUAL = object()
+
+
+def _unequal_part(key):
+    """The part of ``key`` that does not equal itself (a NaN), else ``_EQUAL``.  Tuples and
+    frozensets compare their items by identity first, so a fresh NaN inside one would still
+    miss: they are searched item by item."""
+    if isinstance(key, (tuple, frozenset)):
+        for part in key:
+            odd = _unequal_part(part)
+            if odd is not _EQUAL:
+                return odd
+        return _EQUAL
+    return _EQUAL if bool(key == key) else key
 
 
 def _outputs_of(value, batch: int):
