@@ -28,7 +28,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-from .errors import ArchError, CompileError
+from .errors import ArchError, CompileError, ConfigError
 
 DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo")
 # Format 2: the checksum covers the metadata as well as the CUBIN (format 1's
@@ -202,8 +202,21 @@ def cache_dir() -> Path:
     return base / "deviceop"
 
 
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
 def disk_cache_enabled() -> bool:
-    return os.environ.get("DEVICEOP_DISK_CACHE", "1") not in ("0", "false", "no", "off")
+    """``DEVICEOP_DISK_CACHE``: 0/false/no/off or 1/true/yes/on, any case; unset or empty is on.
+    Anything else is refused, not read as on: a typo must not leave the cache on unnoticed."""
+    value = os.environ.get("DEVICEOP_DISK_CACHE", "")
+    word = value.strip().lower()
+    if word in _OFF:
+        return False
+    if word in _ON or not word:
+        return True
+    raise ConfigError(f"DEVICEOP_DISK_CACHE={value!r} is not understood: set it to {', '.join(_OFF[:-1])} or "
+                      f"{_OFF[-1]} to compile without the disk cache, or {', '.join(_ON[:-1])} or {_ON[-1]} "
+                      "(or unset it) to use it")
 
 
 def _cache_problem(what: str, path: Path, exc: OSError, then: str) -> None:
@@ -360,12 +373,13 @@ def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), in
         raise CompileError("pass the architecture as arch=..., not as an -arch option")
     full_opts = [f"-arch={arch}", *opts] + [f"-I{d}" for d in user_dirs + tk_dirs]
     key = _cache_key(source, filename, opts, names, arch, user_dirs, tk_dirs)
+    disk = cache and disk_cache_enabled()  # refused whether or not this compile reaches the disk
 
     if cache:
         hit = _memory.get(key)
         if hit is not None:
             return replace(hit, origin="memory")
-        if disk_cache_enabled():
+        if disk:
             prog = _read_entry(cache_dir() / f"{key}.cubin", key)
             if prog is not None:
                 with _memory_lock:
@@ -376,7 +390,7 @@ def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), in
     if cache:
         with _memory_lock:
             _memory[key] = prog
-        if disk_cache_enabled():
+        if disk:
             _write_entry(cache_dir() / f"{key}.cubin", prog)
     return prog
 

@@ -121,6 +121,28 @@ def test_truncated_cache_entry_is_recompiled(cache):
         assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "compiled"
 
 
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("False", False), ("OFF", False),
+                                       ("No", False), (" no ", False), ("1", True), ("TRUE", True), ("Yes", True),
+                                       ("on", True), ("", True)])
+def test_disk_cache_switch_accepts_the_usual_spellings(cache, monkeypatch, value, on):
+    monkeypatch.setenv("DEVICEOP_DISK_CACHE", value)
+    assert comp.disk_cache_enabled() is on
+    dop.compile_cubin(SAXPY, arch="sm_90")
+    assert comp.cache_stats()["entries"] == (1 if on else 0)
+
+
+@pytest.mark.parametrize("value", ["2", "disable", "nope", "of"])
+def test_an_unknown_disk_cache_switch_is_refused_naming_the_spellings(cache, monkeypatch, value):
+    monkeypatch.setenv("DEVICEOP_DISK_CACHE", value)
+    with pytest.raises(dop.ConfigError, match=f"DEVICEOP_DISK_CACHE={value!r} .*0, false, no or off.*1, true, "
+                                              "yes or on"):
+        dop.compile_cubin(SAXPY, arch="sm_90")
+    assert comp.cache_stats()["entries"] == 0
+    from deviceop.__main__ import info_lines
+    cache_line = next(line for line in info_lines() if line.startswith("compile cache"))
+    assert f"DEVICEOP_DISK_CACHE={value!r} is not understood" in cache_line  # info still prints
+
+
 def test_compile_error_shows_the_log_and_the_failing_line(cache):
     bad = 'extern "C" __global__ void k(float* p) {\n    float x = 1.0f;\n    p[0] = undefined_thing + x;\n}\n'
     with pytest.raises(dop.CompileError) as info:
