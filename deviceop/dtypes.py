@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import struct
 from dataclasses import dataclass
 
 import ml_dtypes  # registers bfloat16 with NumPy (and, through NumPy, with CuPy)
 import numpy as np
 
-from .errors import DTypeError
+from .errors import DTypeError, StateError
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,6 +152,66 @@ _capsule_name = ctypes.pythonapi.PyCapsule_GetName
 _capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+_CAPSULES = (b"dltensor", b"dltensor_versioned")
+_CONSUMED = (b"used_dltensor", b"used_dltensor_versioned")  # a consumer renames what it imported
+
+
+class _CheckedExport:
+    """A DLPack producer whose exports are checked before a consumer (NumPy, CuPy)
+    reads them: a ``__dlpack__`` that returns no capsule, or one already consumed,
+    is a deviceop error here rather than the consumer's raw ValueError.  Calls
+    pass through, stream and version arguments included."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __dlpack_device__(self):
+        device = self.obj.__dlpack_device__()
+        try:
+            kind, ordinal = (operator.index(v) for v in device)
+        except (TypeError, ValueError):
+            raise DTypeError(f"{type(self.obj).__name__}.__dlpack_device__() returned {device!r}, not DLPack's "
+                             "(device type, device id) pair of ints; the producer is broken: export through "
+                             "another framework, or copy host data with dop.from_numpy(array)") from None
+        return kind, ordinal
+
+    def __dlpack__(self, *args, **kwargs):
+        capsule = self.obj.__dlpack__(*args, **kwargs)
+        producer = f"{type(self.obj).__name__}.__dlpack__()"
+        if type(capsule).__name__ != "PyCapsule":
+            raise DTypeError(f"{producer} returned a {type(capsule).__name__}, not a DLPack capsule; the "
+                             "producer is broken: export through another framework, or copy host data with "
+                             "dop.from_numpy(array)")
+        name = _capsule_name(capsule)
+        if name in _CONSUMED:
+            raise StateError(f"{producer} returned a DLPack capsule that was already consumed (a capsule is "
+                             "imported once); the producer must make a fresh capsule on each __dlpack__() call: "
+                             "pass the array itself to dop.from_dlpack, not a holder of one capsule")
+        if name not in _CAPSULES:
+            raise DTypeError(f"{producer} returned a capsule named {name!r}, not a DLPack tensor "
+                             f"({_CAPSULES[0]!r} or {_CAPSULES[1]!r})")
+        return capsule
+
+
+def producer_name(obj) -> str:
+    """The type name of the array behind ``obj`` (a checked producer, or the array itself)."""
+    return type(obj.obj if isinstance(obj, _CheckedExport) else obj).__name__
+
+
+def dlpack_producer(obj) -> _CheckedExport:
+    """``obj`` as a checked DLPack producer: it needs ``__dlpack__`` and ``__dlpack_device__``."""
+    if not callable(getattr(obj, "__dlpack__", None)):
+        raise DTypeError(f"{type(obj).__name__!r} object has no __dlpack__, so dop.from_dlpack cannot view it as a "
+                         "tensor; pass an array of a framework that exports DLPack (torch, CuPy, JAX ...), or copy "
+                         "host data with dop.from_numpy(array)")
+    if not callable(getattr(obj, "__dlpack_device__", None)):
+        raise DTypeError(f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack requires "
+                         "(it says where the memory lives); copy host data with dop.from_numpy(array)")
+    producer = _CheckedExport(obj)
+    producer.__dlpack_device__()  # checked now: NumPy never asks, the GPU path does
+    return producer
 
 
 class _HostImport:

@@ -77,3 +77,86 @@ def test_precompile_takes_pairs_of_a_kernel_and_a_list_of_generics():
         dop.precompile(add, arch="sm_90")
     with pytest.raises(dop.LaunchError, match="generic B of add is the string '128'"):
         dop.precompile([(add, ["128"])], arch="sm_90")
+
+
+# -- device= on the tensor entry points ------------------------------------------------
+
+ENTRY_POINTS = {
+    "dop.empty": lambda device, host, t: dop.empty(4, device=device),
+    "dop.zeros": lambda device, host, t: dop.zeros(4, device=device),
+    "dop.from_numpy": lambda device, host, t: dop.from_numpy(host, device=device),
+    "dop.from_dlpack": lambda device, host, t: dop.from_dlpack(t, device=device),
+    "dop.as_tensor": lambda device, host, t: dop.as_tensor(_Producer(t), device=device),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_device_is_a_device_or_its_ordinal_on_every_tensor_entry_point(device, rng, entry):
+    make = ENTRY_POINTS[entry]
+    host = rng.standard_normal(4).astype(np.float32)
+    t = dop.from_numpy(host)
+    with pytest.raises(dop.NoDeviceError, match=r"no CUDA device 99"):
+        make(99, host, t)
+    with pytest.raises(dop.NoDeviceError, match=r"a device ordinal is an int .0 for the first GPU., got 'cuda:0'"):
+        make("cuda:0", host, t)
+    with pytest.raises(dop.NoDeviceError, match=r"a device ordinal is an int .0 for the first GPU., got True"):
+        make(True, host, t)
+    assert make(0, host, t).device is device and make(np.int64(0), host, t).device is device
+
+
+# -- DLPack producers that misbehave -------------------------------------------------
+
+class _Producer:
+    """Another framework's array: exports ``t``'s memory, or ``capsule`` (whatever it is)."""
+
+    def __init__(self, t, capsule=None):
+        self.t, self.capsule = t, capsule
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        return self.t.__dlpack__(**kwargs) if self.capsule is None else self.capsule
+
+
+@pytest.mark.parametrize("obj", [None, 5, "array", object()], ids=["None", "int", "str", "object"])
+def test_from_dlpack_of_something_without_dlpack_names_from_numpy(obj):
+    with pytest.raises(dop.DTypeError, match=r"object has no __dlpack__.*dop.from_numpy"):
+        dop.from_dlpack(obj)
+
+
+def test_a_producer_without_dlpack_device_or_with_a_bad_one_is_refused(rng):
+    t = dop.from_numpy(rng.standard_normal(4).astype(np.float32))
+
+    class NoDevice:
+        def __dlpack__(self, **kwargs):
+            return t.__dlpack__(**kwargs)
+
+    with pytest.raises(dop.DTypeError, match=r"NoDevice has __dlpack__ but no __dlpack_device__"):
+        dop.from_dlpack(NoDevice())
+
+    class BadDevice(_Producer):
+        def __dlpack_device__(self):
+            return "cuda"
+
+    with pytest.raises(dop.DTypeError, match=r"BadDevice.__dlpack_device__\(\) returned 'cuda'"):
+        dop.from_dlpack(BadDevice(t))
+
+
+@pytest.mark.parametrize("capsule", [42, None, b"bytes"], ids=["int", "None", "bytes"])
+def test_a_dlpack_export_that_is_not_a_capsule_is_refused(rng, capsule):
+    t = dop.from_numpy(rng.standard_normal(4).astype(np.float32))
+    producer = _Producer(t, capsule)
+    if capsule is None:  # None means "export t" to _Producer: a producer returning None is its own class
+        producer = type("NoneExport", (_Producer,), {"__dlpack__": lambda self, **kw: None})(t)
+    with pytest.raises(dop.DTypeError, match=r"__dlpack__\(\) returned a .*, not a DLPack capsule"):
+        dop.from_dlpack(producer)
+
+
+def test_a_capsule_that_was_already_consumed_is_refused(rng):
+    host = rng.standard_normal(4).astype(np.float32)
+    t = dop.from_numpy(host)
+    once = _Producer(t, t.__dlpack__())  # a producer that hands out the same capsule every time
+    np.testing.assert_array_equal(dop.from_dlpack(once).numpy(), host)  # the first import consumes it
+    with pytest.raises(dop.StateError, match=r"returned a DLPack capsule that was already consumed.*a fresh capsule"):
+        dop.from_dlpack(once)
