@@ -80,6 +80,58 @@ class DType:
         return bool(value)
 
 
+    def from_host(self, host) -> np.ndarray:
+        """``host`` (array-like) copied to a C-contiguous NumPy array of this dtype.  A value the
+        conversion would change beyond rounding is refused, as ``coerce`` refuses a scalar:
+        out of an integer type's range, a fraction or NaN into an integer type, a finite
+        number that would become inf.  Arrays of another kind than numbers are refused."""
+        host = np.asarray(host)
+        if host.dtype == self.np:
+            return np.ascontiguousarray(host)
+        src = _BY_NP.get(host.dtype)
+        kind = src.kind if src is not None else host.dtype.kind
+        if kind not in "biuf":
+            raise DTypeError(f"from_numpy copies arrays of numbers (bool, int, float), not an array of {host.dtype}; "
+                             f"convert it to numbers first (array.astype(...))")
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = np.ascontiguousarray(host, dtype=self.np)
+        if host.size == 0 or self.kind == "b":
+            return out
+        if self.kind in "iu":
+            self._check_whole(host, kind)
+        elif not np.all(np.isfinite(out) | ~np.isfinite(host.astype(np.float64))):
+            bad = host.reshape(-1)[np.flatnonzero(~np.isfinite(out.reshape(-1).astype(np.float64)))[0]]
+            raise DTypeError(f"{_short(bad.item())} does not fit in {self.name} (it would become inf); "
+                             f"{_CONVERT.format(self.np.name)}")
+        return out
+
+    def _check_whole(self, host, kind: str) -> None:
+        """Refuse what an integer copy of ``host`` (of NumPy kind ``kind``) would change."""
+        flat = host.reshape(-1)
+        if kind == "f":
+            wide = flat.astype(np.float64)
+            finite = np.isfinite(wide)
+            if not finite.all():
+                raise DTypeError(f"{flat[np.flatnonzero(~finite)[0]].item()} has no {self.name} value; "
+                                 f"{_CONVERT.format(self.np.name)}")
+            whole = wide == np.floor(wide)
+            if not whole.all():
+                v = flat[np.flatnonzero(~whole)[0]].item()
+                raise DTypeError(f"{v} is not a whole number: the copy to {self.name} would make it "
+                                 f"{int(v)}; {_CONVERT.format(self.np.name)}")
+        lo, hi = self.bounds
+        for v in (flat.min().item(), flat.max().item()):  # Python numbers: compared exactly
+            if not lo <= v <= hi:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    became = np.array([v]).astype(self.np)[0].item()
+                raise DTypeError(f"{_short(v)} does not fit in {self.name} [{lo}, {hi}]: the copy would make it "
+                                 f"{became}; {_CONVERT.format(self.np.name)}")
+
+
+_CONVERT = ("deviceop never changes a value silently: convert the array yourself if that is meant "
+            "(array.astype(np.{})), or pick a dtype that holds it")
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 24 else f"{text[:8]}...{text[-4:]} ({len(text)} digits)"

@@ -160,3 +160,51 @@ def test_a_capsule_that_was_already_consumed_is_refused(rng):
     np.testing.assert_array_equal(dop.from_dlpack(once).numpy(), host)  # the first import consumes it
     with pytest.raises(dop.StateError, match=r"returned a DLPack capsule that was already consumed.*a fresh capsule"):
         dop.from_dlpack(once)
+
+
+# -- from_numpy(..., dtype=) never changes a value silently ----------------------------
+
+@pytest.mark.parametrize("value, dtype, says", [
+    (300, "int8", r"300 does not fit in int8 \[-128, 127\]: the copy would make it 44"),
+    (-1, "uint8", r"-1 does not fit in uint8 \[0, 255\]: the copy would make it 255"),
+    (2.0 ** 63, "int64", r"9.223372036854776e\+18 does not fit in int64"),
+    (0.5, "int32", r"0.5 is not a whole number: the copy to int32 would make it 0"),
+    (float("nan"), "int32", r"nan has no int32 value"),
+    (1e40, "float32", r"1e\+40 does not fit in float32 .it would become inf."),
+    (70000, "float16", r"70000 does not fit in float16 .it would become inf."),
+    (1e39, "bfloat16", r"1e\+39 does not fit in bfloat16 .it would become inf."),
+])
+def test_from_numpy_with_a_dtype_refuses_a_value_the_copy_would_change(stream, rng, value, dtype, says):
+    host = rng.integers(0, 100, 6).astype(np.float64 if isinstance(value, float) else np.int64)
+    host[rng.integers(0, 6)] = value
+    with pytest.raises(dop.DTypeError, match=says + r".*array.astype"):
+        dop.from_numpy(host, dtype=dtype)
+    with pytest.raises(dop.DTypeError, match=says):
+        dop.api.from_numpy(host, dtype=dtype)  # refused when built, as api.full refuses its value
+    with pytest.raises(dop.DTypeError):
+        dop.api.full([2], value, dtype)
+
+
+def test_from_numpy_with_a_dtype_converts_what_it_can_keep(stream, rng):
+    ints = rng.integers(-128, 128, 16)
+    floats = rng.standard_normal(16)
+    np.testing.assert_array_equal(dop.from_numpy(ints, dtype="int8").numpy(), ints)
+    np.testing.assert_array_equal(dop.from_numpy(ints.astype(np.float64), dtype="int16").numpy(), ints)  # whole
+    np.testing.assert_array_equal(dop.from_numpy(floats, dtype="float32").numpy(), floats.astype(np.float32))  # rounds
+    np.testing.assert_array_equal(dop.from_numpy(floats, dtype="bfloat16").numpy().astype(np.float32),
+                                  floats.astype(dop.bfloat16.np).astype(np.float32))
+    np.testing.assert_array_equal(dop.api.from_numpy(ints, dtype="int8").sync_on(stream).numpy(stream=stream), ints)
+    np.testing.assert_array_equal(dop.from_numpy(ints != 0, dtype="uint8").numpy(), ints != 0)
+    assert dop.from_numpy(np.empty((0, 3)), dtype="int8").shape == (0, 3)
+
+
+@pytest.mark.parametrize("host", [np.array(["1", "2"]), np.array([1 + 2j]), np.array([1, None], dtype=object)],
+                         ids=["str", "complex", "object"])
+def test_from_numpy_with_a_dtype_copies_numbers_only(host):
+    with pytest.raises(dop.DTypeError, match=r"copies arrays of numbers .bool, int, float."):
+        dop.from_numpy(host, dtype="float32")
+
+
+def test_api_arange_refuses_a_length_its_dtype_cannot_count_to():
+    with pytest.raises(dop.DTypeError, match=r"299 does not fit in int8"):
+        dop.api.arange(300, "int8")
