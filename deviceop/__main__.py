@@ -59,6 +59,7 @@ def info_lines() -> list[str]:
         lines.append(f"git commit      {commit}")
     device = dop.Device(0)
     lines.append(f"device          {device.describe()}")
+    lines.append(f"kernels         {device.what_runs}")
     lines.append(f"cuda driver     {driver.driver_version() or 'none'}")
     try:
         archs = comp.supported_archs()

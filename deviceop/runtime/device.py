@@ -132,6 +132,11 @@ class CudaDevice(Device):
     def label(self) -> str:
         return f"cuda:{self.ordinal}"
 
+    @property
+    def what_runs(self) -> str:
+        """What a kernel launch runs here (python -m deviceop info; the reference device says its own)."""
+        return f"each kernel's CUDA C++, compiled by NVRTC to a CUBIN for {self.arch}"
+
     def describe(self) -> str:
         free, total = self.memory_info()
         return (f"{self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs, "
