@@ -211,7 +211,8 @@ def test_options_are_checked_when_the_cache_is_made(device, stream, weights):
         GraphCache("forward", stream=stream)
     with pytest.raises(dop.LaunchError, match="key must be a callable .or None"):
         GraphCache(forward, stream=stream, key=("seq", 1))
-    assert GraphCache(forward, stream=stream, max_bytes=np.int64(1 << 20), pad_value=np.float32(-1)).max_bytes == 1 << 20
+    made = GraphCache(forward, stream=stream, max_bytes=np.int64(1 << 20), pad_value=np.float32(-1))
+    assert made.max_bytes == 1 << 20
 
 
 def test_a_pad_value_the_inputs_dtype_cannot_hold_is_refused_before_any_capture(stream, rng):

@@ -26,9 +26,11 @@ def _rms_args(rng):
 # -- generics ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, says", [
-    (128, r"takes its generics <B> as a list, got 128: write \.generics\(\[128\]\)"),
-    ("128", r"takes its generics <B> as a list, got '128': write \.generics\(\[128\]\)"),
-    (b"128", r"takes its generics <B> as a list, got b'128'"),
+    (128, r"takes its generics <B> as a list, in that order, got 128: write \.generics\(\[128\]\)"),
+    ("128", r"takes its generics <B> as a list, in that order, got '128': write \.generics\(\[128\]\)"),
+    (b"128", r"takes its generics <B> as a list, in that order, got b'128'"),
+    ({"B": 128}, r"takes its generics <B> as a list, in that order, got \{'B': 128\}: write \.generics\(\[B\]\)"),
+    (None, r"as a list, in that order, got None: write \.generics\(\[B\]\)"),
     (["128"], r"generic B of add is the string '128': a number is given as an int, \.generics\(\[128\]\)"),
     ([" -4 "], r"generic B of add is the string ' -4 '"),
     (["1.5"], r"generic B of add is the string '1.5'"),
@@ -69,9 +71,9 @@ def test_on_the_gpu_path_a_generic_of_the_wrong_kind_is_refused_before_the_drive
 
 
 def test_precompile_takes_pairs_of_a_kernel_and_a_list_of_generics():
-    with pytest.raises(dop.LaunchError, match=r"takes its generics <B> as a list, got 128: write \(add, \[128\]\)"):
+    with pytest.raises(dop.LaunchError, match=r"as a list, in that order, got 128: write \(add, \[128\]\)"):
         dop.precompile([(add, 128)], arch="sm_90")
-    with pytest.raises(dop.LaunchError, match=r"precompile takes \(kernel, generics\) pairs or kernels, got \(Kernel add"):
+    with pytest.raises(dop.LaunchError, match=r"takes \(kernel, generics\) pairs or kernels, got \(Kernel add"):
         dop.precompile([(add,)], arch="sm_90")
     with pytest.raises(dop.LaunchError, match=r"precompile takes a list of \(kernel, generics\) pairs"):
         dop.precompile(add, arch="sm_90")

@@ -14,6 +14,7 @@ the ones given, naming the parameter, the generic and the two values.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,14 +179,15 @@ def check_generics(kernel, values, fix: str) -> tuple:
     kernel's rules would compute with the string.  ``fix`` spells, with a ``{}``
     for the list, how the caller passes generics (``.generics({})``)."""
     names = ", ".join(kernel.generic_names)
-    try:
-        given = None if isinstance(values, (str, bytes)) else tuple(values)
+    try:  # a dict would pass its keys, a string its characters
+        given = None if isinstance(values, (str, bytes, Mapping)) else tuple(values)
     except TypeError:
         given = None
     if given is None:
-        shown = [_as_int(values)] if len(kernel.generic_names) == 1 else f"[{names}]"
-        raise LaunchError(f"{kernel.name} takes its generics <{names}> as a list, got {values!r}: write "
-                          + fix.format(shown))
+        one = _as_int(values)
+        shown = [one] if len(kernel.generic_names) == 1 and type(one) is int else f"[{names}]"
+        raise LaunchError(f"{kernel.name} takes its generics <{names}> as a list, in that order, got {values!r}: "
+                          "write " + fix.format(shown))
     if len(given) != len(kernel.generic_names):
         raise LaunchError(f"{kernel.name} takes {len(kernel.generic_names)} generics <{names}>, got "
                           f"{len(given)}: {list(given)}")
@@ -211,7 +213,7 @@ def run_rule(kernel, rule, generics: tuple, *args):
         return rule(*args)
     except DeviceOpError:
         raise
-    except (TypeError, ValueError, ArithmeticError) as exc:
+    except (TypeError, ValueError, ArithmeticError, AttributeError, LookupError) as exc:
         shown = ", ".join(f"{n}={v!r}" for n, v in zip(kernel.generic_names, generics))
         raise LaunchError(f"{kernel.name}'s rules failed on generics <{shown}>: {type(exc).__name__}: {exc}; give "
                           "each generic the kind the kernel's docstring names: ints for sizes and counts, strings "
