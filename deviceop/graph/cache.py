@@ -34,39 +34,23 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
 from ..dtypes import dtype as as_dtype
-from ..errors import AliasingError, DTypeError, LaunchError, ShapeError, StateError
+from ..errors import AliasingError, DTypeError, ShapeError, StateError
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..op import DeviceOp
-from ..runtime.device import placed
-from ..runtime.stream import not_a_stream
+from .cache_checks import check_new_key, check_options, check_pad, checked_key, count
 from ..tensor import Partition, SharedTensor, Tensor
-
-
-def _count(name: str, v) -> int:
-    """``v`` as an int >= 1 (NumPy ints too); a float, even 2.0, is refused rather than truncated."""
-    if not isinstance(v, bool):
-        try:
-            n = operator.index(v)
-        except TypeError:
-            n = 0
-        if n >= 1:
-            return n
-    raise ShapeError(f"{name} must be an int >= 1, got {v!r}")
 
 
 def default_sizes(max_size: int = 64) -> tuple[int, ...]:
     """1, 2, 4, then every 8 up to 64, every 16 to 128, every 32 to 256, every 64 beyond; max_size last."""
-    max_size = _count("max_size", max_size)
+    max_size = count("max_size", max_size)
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 257, 32))
     sizes += list(range(320, max_size + 1, 64))
     sizes = [s for s in sizes if s <= max_size]
@@ -125,19 +109,7 @@ class GraphCache:
     def __init__(self, fn, *, stream, sizes=None, max_size: int = 64, key=None, max_graphs: int | None = None,
                  max_bytes: int | None = None, fallback: bool = True, share_buffers: bool = True,
                  pad_value: float | None = 0, copy: bool = False):
-        if not callable(fn):
-            raise LaunchError(f"the GraphCache's function must be callable as fn(ws, *inputs) -> op, "
-                              f"got {type(fn).__name__}")
-        if key is not None and not callable(key):
-            raise LaunchError(f"the GraphCache's key must be a callable (or None), called as key(*inputs); "
-                              f"got {type(key).__name__}")
-        if stream is None:  # placed() would take None for the default stream; a cache needs its own
-            raise not_a_stream("a GraphCache (stream=...)", stream)
-        placed("a GraphCache (stream=...)", None, stream)  # not a stream, or a closed one: refused now
-        if pad_value is not None and (isinstance(pad_value, (bool, np.bool_))
-                                      or not isinstance(pad_value, (int, float, np.integer, np.floating))):
-            raise DTypeError(f"pad_value must be a number (or None: leave padded rows as they are), "
-                             f"got {pad_value!r}")
+        check_options(fn, stream, key, pad_value, fallback=fallback, share_buffers=share_buffers, copy=copy)
         self.fn, self.stream, self.key_fn = fn, stream, key
         if sizes is None:
             sizes = default_sizes(max_size)
@@ -146,14 +118,14 @@ class GraphCache:
                 given = list(sizes)
             except TypeError:
                 raise ShapeError(f"sizes is a list of batch sizes (ints >= 1), got {sizes!r}") from None
-            sizes = tuple(sorted({_count(f"capture size {s!r} in sizes", s) for s in given}))
+            sizes = tuple(sorted({count(f"capture size {s!r} in sizes", s) for s in given}))
             if not sizes:
                 raise ShapeError("sizes is empty: give at least one batch size to capture (or leave it None)")
         self.sizes = sizes
         if max_graphs is not None:
-            max_graphs = _count("max_graphs (or None)", max_graphs)
+            max_graphs = count("max_graphs (or None)", max_graphs)
         if max_bytes is not None:
-            max_bytes = _count("max_bytes (or None)", max_bytes)
+            max_bytes = count("max_bytes (or None)", max_bytes)
         self.max_graphs, self.max_bytes = max_graphs, max_bytes
         self.fallback, self.share_buffers, self.pad_value, self.copy = fallback, share_buffers, pad_value, copy
         self._entries: OrderedDict = OrderedDict()  # (size, key) -> _Entry, least recently used first
@@ -191,10 +163,12 @@ class GraphCache:
                                      "fallback is off; raise max_size/sizes, or pass fallback=True")
                 self._stats.fallbacks += 1
                 return self._eager(batch, inputs)
-            self._check_pad(inputs)
+            if self.pad_value is not None and self.pad_value != 0:
+                check_pad(self.pad_value, inputs, self._pads_checked)
             key = (size, self._key_of(inputs))
             entry = self._entries.get(key)
             if entry is None:
+                check_new_key(self.key_fn, key, self._entries)
                 self._stats.misses += 1
                 entry = self._capture(size, key, inputs)
             else:
@@ -214,6 +188,7 @@ class GraphCache:
                 if size not in self.sizes:
                     raise ShapeError(f"size {size} is not one of the cache's sizes {self.sizes}")
                 if (size, key) not in self._entries:
+                    check_new_key(self.key_fn, (size, key), self._entries)
                     self._capture(size, (size, key), inputs)
                     n += 1
             return n
@@ -259,38 +234,10 @@ class GraphCache:
                              f"{[t.shape for t in inputs]}")
         return batch
 
-    def _check_pad(self, inputs) -> None:
-        """Refuse a pad value an input's dtype cannot hold (300 in int8, 0.5 in int32) before anything is
-        captured or copied: a fill would wrap it on the GPU and raise NumPy's error on the reference device."""
-        if self.pad_value is None or self.pad_value == 0:
-            return
-        for i, t in enumerate(inputs):
-            if t.dtype in self._pads_checked:
-                continue
-            try:
-                t.dtype.coerce(self.pad_value)
-            except DTypeError as exc:
-                raise DTypeError(f"pad_value {self.pad_value!r} does not fit GraphCache input {i} "
-                                 f"({t.dtype.name}): {exc}; pass a pad_value the inputs' dtype holds") from None
-            self._pads_checked.add(t.dtype)
-
     def _key_of(self, inputs):
         if self.key_fn is None:
             return tuple((t.shape[1:], t.dtype.name) for t in inputs)
-        try:
-            key = self.key_fn(*inputs)
-            hash(key)
-            odd = _unequal_part(key)  # its == may raise too: a key that cannot be compared is refused here
-        except Exception as exc:
-            raise StateError(f"the GraphCache key function failed on inputs of shapes "
-                             f"{[t.shape for t in inputs]}: {exc!r}; it must return a hashable key that "
-                             "equals itself") from exc
-        if odd is not _EQUAL:
-            part = "" if odd is key else f" holds {odd!r}, which"
-            raise StateError(f"the GraphCache key {key!r}{part} does not equal itself (NaN never does): it would "
-                             "never hit, and every call would capture and hold another graph; return a key that "
-                             "equals itself (replace the NaN, e.g. by None)")
-        return key
+        return checked_key(self.key_fn, inputs)
 
     # -- buffers -------------------------------------------------------------------
     def _scratch(self, slot_key, shape, dt):
@@ -369,7 +316,7 @@ class GraphCache:
         stream = self.stream
         if src.data_ptr != dst.data_ptr:  # else the input already is the graph's buffer
             stream.memcpy(dst.data_ptr, src.data_ptr, nbytes, "cuMemcpyAsync (GraphCache input)")
-        if pad and self.pad_value == 0:
+        if pad and self.pad_value == 0 and not math.copysign(1, self.pad_value) < 0:  # -0.0 is filled
             stream.memset8(dst.data_ptr + nbytes, 0, pad_bytes, "cuMemsetD8Async (GraphCache padding)")
         elif pad:
             stream.fill(dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:], self.pad_value)
@@ -403,22 +350,6 @@ class GraphCache:
         used = {id(s) for e in self._entries.values() for s in e.slots}
         for k in [k for k, s in self._arena.items() if id(s) not in used]:
             del self._arena[k]
-
-
-_EQUAL = object()
-
-
-def _unequal_part(key):
-    """The part of ``key`` that does not equal itself (a NaN), else ``_EQUAL``.  Tuples and
-    frozensets compare their items by identity first, so a fresh NaN inside one would still
-    miss: they are searched item by item."""
-    if isinstance(key, (tuple, frozenset)):
-        for part in key:
-            odd = _unequal_part(part)
-            if odd is not _EQUAL:
-                return odd
-        return _EQUAL
-    return _EQUAL if bool(key == key) else key
 
 
 def _outputs_of(value, batch: int):
