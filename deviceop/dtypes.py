@@ -254,6 +254,9 @@ def producer_name(obj) -> str:
 
 def dlpack_producer(obj) -> _CheckedExport:
     """``obj`` as a checked DLPack producer: it needs ``__dlpack__`` and ``__dlpack_device__``."""
+    if type(obj).__name__ == "PyCapsule":
+        raise DTypeError("dop.from_dlpack takes the array that exports DLPack, not a capsule it made (a capsule "
+                         "carries no stream to order the import on): pass the array itself")
     if not callable(getattr(obj, "__dlpack__", None)):
         raise DTypeError(f"{type(obj).__name__!r} object has no __dlpack__, so dop.from_dlpack cannot view it as a "
                          "tensor; pass an array of a framework that exports DLPack (torch, CuPy, JAX ...), or copy "

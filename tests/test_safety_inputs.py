@@ -127,6 +127,12 @@ def test_from_dlpack_of_something_without_dlpack_names_from_numpy(obj):
         dop.from_dlpack(obj)
 
 
+def test_from_dlpack_of_a_bare_capsule_names_the_array(rng):
+    t = dop.from_numpy(rng.standard_normal(4).astype(np.float32))
+    with pytest.raises(dop.DTypeError, match="takes the array that exports DLPack, not a capsule"):
+        dop.from_dlpack(t.__dlpack__())
+
+
 def test_a_producer_without_dlpack_device_or_with_a_bad_one_is_refused(rng):
     t = dop.from_numpy(rng.standard_normal(4).astype(np.float32))
 

@@ -42,7 +42,8 @@ def precompile(items, *, arch: str | None = None, threads: int | None = None) ->
         if not hasattr(kernel, "check_compiled"):
             raise LaunchError(f"precompile takes (kernel, generics) pairs or kernels, got {item!r}")
         fix = f"({kernel.name}, {{}})"
-        work.append((kernel, kernel.check_generics(generics, fix) if kernel.generic_names else ()))
+        given = kernel.generic_names or generics not in ((), [], None)  # generics for a kernel without: refused
+        work.append((kernel, kernel.check_generics(generics, fix) if given else ()))
     arch = arch if arch is not None else Device(0).arch
     workers = max(1, min(threads or os.cpu_count() or 1, len(work)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deviceop-precompile") as pool:
