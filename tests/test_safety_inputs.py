@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop.kernel import Kernel, Out
 from deviceop.kernels import add, rms_norm
 from test_eager_gpu_path import fake_gpu
 
@@ -79,6 +80,9 @@ def test_precompile_takes_pairs_of_a_kernel_and_a_list_of_generics():
         dop.precompile(add, arch="sm_90")
     with pytest.raises(dop.LaunchError, match="generic B of add is the string '128'"):
         dop.precompile([(add, ["128"])], arch="sm_90")
+    plain = Kernel("plain", 'extern "C" __global__ void plain(float* out) {}', [Out("out", "float32", rank=1)])
+    with pytest.raises(dop.LaunchError, match=r"plain takes 0 generics <>, got 1: \[128\]"):
+        dop.precompile([(plain, [128])], arch="sm_90")
 
 
 # -- device= on the tensor entry points ------------------------------------------------
