@@ -47,7 +47,7 @@ from . import dtypes
 from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
                      uint8, uint32, uint64)
-from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError,
+from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, ConfigError, CudaError,
                      DeviceOpError, DistributedError, DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
                      NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError,
                      UnexecutedOpWarning)
@@ -67,7 +67,8 @@ __all__ = [
     "dtypes", "CompiledProgram", "cache_dir", "compile_cubin", "nvrtc_version",
     "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
     "int64", "uint8", "uint32", "uint64",
-    "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
+    "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "ConfigError", "CudaError",
+    "DeviceOpError",
     "DistributedError", "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
     "OutOfMemoryError",
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError", "UnexecutedOpWarning",

@@ -59,6 +59,7 @@ def info_lines() -> list[str]:
         lines.append(f"git commit      {commit}")
     device = dop.Device(0)
     lines.append(f"device          {device.describe()}")
+    lines.append(f"kernels         {device.what_runs}")
     lines.append(f"cuda driver     {driver.driver_version() or 'none'}")
     try:
         archs = comp.supported_archs()
@@ -70,7 +71,10 @@ def info_lines() -> list[str]:
         lines.append(f"{dist:<16}{_version(dist)}" if len(dist) < 16 else f"{dist} {_version(dist)}")
     lines.append(f"include dirs    {', '.join(comp.toolkit_include_dirs()) or 'none found'}")
     stats = comp.cache_stats()
-    state = "" if comp.disk_cache_enabled() else " (disk cache disabled by DEVICEOP_DISK_CACHE)"
+    try:
+        state = "" if comp.disk_cache_enabled() else " (disk cache disabled by DEVICEOP_DISK_CACHE)"
+    except dop.ConfigError as exc:  # info is what a bug report pastes: say it, do not fail
+        state = f" ({exc})"
     lines.append(f"compile cache   {stats['dir']}: {stats['entries']} entries, {stats['bytes'] / 2**20:.1f} MiB{state}")
     env = deviceop_variables()
     lines.append("environment     " + (" ".join(f"{k}={v}" for k, v in env.items()) or "no DEVICEOP_* variables set")

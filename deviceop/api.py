@@ -51,7 +51,7 @@ def _fill(value):
 
 def _upload(host_fn):
     def make(t, ctx):
-        ctx.stream.upload(t._array, np.ascontiguousarray(host_fn(t), dtype=t.dtype.np))
+        ctx.stream.upload(t._array, t.dtype.from_host(host_fn(t)))
     return make
 
 
@@ -89,13 +89,15 @@ def randn(shape, dtype="float32", seed=None) -> DeviceOp:
 
 
 def arange(n: int, dtype="int32") -> DeviceOp:
+    if n > 0:
+        as_dtype(dtype).coerce(n - 1)  # the last value must fit, now rather than at execution
     return AllocOp("arange", (n,), dtype, _upload(lambda t: np.arange(t.shape[0])))
 
 
 def from_numpy(array, dtype=None) -> DeviceOp:
     """A new tensor holding a copy of the host ``array``."""
-    host = np.asarray(array)
-    dt = as_dtype(dtype if dtype is not None else host.dtype)
+    dt = as_dtype(dtype if dtype is not None else np.asarray(array).dtype)
+    host = dt.from_host(array)  # converted and checked now, as full checks its value
     return AllocOp("from_numpy", host.shape, dt, _upload(lambda t: host))
 
 

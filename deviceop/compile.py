@@ -7,10 +7,10 @@ CUBIN loads.  Compiling needs no GPU, so CI compiles every kernel for sm_90.
 Cache key: SHA-256 of the source, the file name, the options, the name
 expressions, the NVRTC version, the arch and the contents of every header in
 the user's include directories (toolkit headers are identified by their path
-and the NVRTC version).  Disk entries carry a checksum; a corrupt or
-truncated entry is recompiled and rewritten, never loaded.  Writes go to a
-temporary file that is renamed into place, so concurrent processes never see
-half an entry.
+and the NVRTC version).  Disk entries carry a checksum of their metadata
+and CUBIN; a corrupt, edited or truncated entry is recompiled and rewritten,
+never loaded.  Writes go to a temporary file that is renamed into place, so
+concurrent processes never see half an entry.
 """
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-from .errors import ArchError, CompileError
+from .errors import ArchError, CompileError, ConfigError
 
 DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo")
-_MAGIC = b"DEVICEOP-CUBIN-1\n"
+# Format 2: the checksum covers the metadata as well as the CUBIN (format 1's
+# covered only the CUBIN, so an edited lowered name loaded as a hit).
+_MAGIC = b"DEVICEOP-CUBIN-2\n"
+_MAGIC_FAMILY = b"DEVICEOP-CUBIN-"
 _HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".hh", ".inl", ".cu")
 
 
@@ -199,8 +202,21 @@ def cache_dir() -> Path:
     return base / "deviceop"
 
 
+_OFF, _ON = ("0", "false", "no", "off"), ("1", "true", "yes", "on")
+
+
 def disk_cache_enabled() -> bool:
-    return os.environ.get("DEVICEOP_DISK_CACHE", "1") not in ("0", "false", "no", "off")
+    """``DEVICEOP_DISK_CACHE``: 0/false/no/off or 1/true/yes/on, any case; unset or empty is on.
+    Anything else is refused, not read as on: a typo must not leave the cache on unnoticed."""
+    value = os.environ.get("DEVICEOP_DISK_CACHE", "")
+    word = value.strip().lower()
+    if word in _OFF:
+        return False
+    if word in _ON or not word:
+        return True
+    raise ConfigError(f"DEVICEOP_DISK_CACHE={value!r} is not understood: set it to {', '.join(_OFF[:-1])} or "
+                      f"{_OFF[-1]} to compile without the disk cache, or {', '.join(_ON[:-1])} or {_ON[-1]} "
+                      "(or unset it) to use it")
 
 
 def _cache_problem(what: str, path: Path, exc: OSError, then: str) -> None:
@@ -274,6 +290,12 @@ def _cache_key(source: str, filename: str, options: list[str], names: tuple, arc
     return h.hexdigest()
 
 
+def _entry_digest(meta: bytes, cubin: bytes) -> bytes:
+    """SHA-256 over the metadata (length-prefixed, so no byte can move between the
+    two) and the CUBIN: an edit to either is caught."""
+    return hashlib.sha256(struct.pack("<Q", len(meta)) + meta + cubin).digest()
+
+
 def _read_entry(path: Path, key: str) -> CompiledProgram | None:
     try:
         data = path.read_bytes()
@@ -282,17 +304,22 @@ def _read_entry(path: Path, key: str) -> CompiledProgram | None:
     except OSError as exc:  # a directory where the entry or the cache dir should be, no permission ...
         _cache_problem("cannot read compile-cache entry", path, exc, "compiling without it")
         return None
+    if data.startswith(_MAGIC_FAMILY) and not data.startswith(_MAGIC):
+        return None  # another format version's entry: a miss, rewritten in this one (not corruption)
     try:
         if not data.startswith(_MAGIC):
             raise ValueError("bad magic")
         off = len(_MAGIC)
         (meta_len,) = struct.unpack_from("<Q", data, off)
         off += 8
-        meta = json.loads(data[off:off + meta_len])
+        meta_bytes = data[off:off + meta_len]
         off += meta_len
         digest, payload = data[off:off + 32], data[off + 32:]
-        if hashlib.sha256(payload).digest() != digest or meta.get("key") != key:
+        if _entry_digest(meta_bytes, payload) != digest:
             raise ValueError("checksum mismatch")
+        meta = json.loads(meta_bytes)
+        if meta.get("key") != key:
+            raise ValueError("the entry's key is not its file name's")
         return CompiledProgram(payload, meta["arch"], meta["lowered_names"], meta.get("log", ""), key, "disk")
     except Exception as exc:
         warnings.warn(f"deviceop: corrupt compile-cache entry {path} ({exc}); recompiling", stacklevel=3)
@@ -302,7 +329,7 @@ def _read_entry(path: Path, key: str) -> CompiledProgram | None:
 def _write_entry(path: Path, prog: CompiledProgram) -> None:
     meta = json.dumps({"key": prog.key, "arch": prog.arch, "lowered_names": prog.lowered_names,
                        "log": prog.log, "nvrtc": nvrtc_version()}).encode()
-    blob = _MAGIC + struct.pack("<Q", len(meta)) + meta + hashlib.sha256(prog.cubin).digest() + prog.cubin
+    blob = _MAGIC + struct.pack("<Q", len(meta)) + meta + _entry_digest(meta, prog.cubin) + prog.cubin
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -346,12 +373,13 @@ def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), in
         raise CompileError("pass the architecture as arch=..., not as an -arch option")
     full_opts = [f"-arch={arch}", *opts] + [f"-I{d}" for d in user_dirs + tk_dirs]
     key = _cache_key(source, filename, opts, names, arch, user_dirs, tk_dirs)
+    disk = cache and disk_cache_enabled()  # refused whether or not this compile reaches the disk
 
     if cache:
         hit = _memory.get(key)
         if hit is not None:
             return replace(hit, origin="memory")
-        if disk_cache_enabled():
+        if disk:
             prog = _read_entry(cache_dir() / f"{key}.cubin", key)
             if prog is not None:
                 with _memory_lock:
@@ -362,7 +390,7 @@ def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), in
     if cache:
         with _memory_lock:
             _memory[key] = prog
-        if disk_cache_enabled():
+        if disk:
             _write_entry(cache_dir() / f"{key}.cubin", prog)
     return prog
 

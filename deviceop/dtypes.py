@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import struct
 from dataclasses import dataclass
 
 import ml_dtypes  # registers bfloat16 with NumPy (and, through NumPy, with CuPy)
 import numpy as np
 
-from .errors import DTypeError
+from .errors import DTypeError, StateError
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +78,58 @@ class DType:
                 raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
         return bool(value)
+
+
+    def from_host(self, host) -> np.ndarray:
+        """``host`` (array-like) copied to a C-contiguous NumPy array of this dtype.  A value the
+        conversion would change beyond rounding is refused, as ``coerce`` refuses a scalar:
+        out of an integer type's range, a fraction or NaN into an integer type, a finite
+        number that would become inf.  Arrays of another kind than numbers are refused."""
+        host = np.asarray(host)
+        if host.dtype == self.np:
+            return np.ascontiguousarray(host)
+        src = _BY_NP.get(host.dtype)
+        kind = src.kind if src is not None else host.dtype.kind
+        if kind not in "biuf":
+            raise DTypeError(f"from_numpy copies arrays of numbers (bool, int, float), not an array of {host.dtype}; "
+                             f"convert it to numbers first (array.astype(...))")
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = np.ascontiguousarray(host, dtype=self.np)
+        if host.size == 0 or self.kind == "b":
+            return out
+        if self.kind in "iu":
+            self._check_whole(host, kind)
+        elif not np.all(np.isfinite(out) | ~np.isfinite(host.astype(np.float64))):
+            bad = host.reshape(-1)[np.flatnonzero(~np.isfinite(out.reshape(-1).astype(np.float64)))[0]]
+            raise DTypeError(f"{_short(bad.item())} does not fit in {self.name} (it would become inf); "
+                             f"{_CONVERT.format(self.np.name)}")
+        return out
+
+    def _check_whole(self, host, kind: str) -> None:
+        """Refuse what an integer copy of ``host`` (of NumPy kind ``kind``) would change."""
+        flat = host.reshape(-1)
+        if kind == "f":
+            wide = flat.astype(np.float64)
+            finite = np.isfinite(wide)
+            if not finite.all():
+                raise DTypeError(f"{flat[np.flatnonzero(~finite)[0]].item()} has no {self.name} value; "
+                                 f"{_CONVERT.format(self.np.name)}")
+            whole = wide == np.floor(wide)
+            if not whole.all():
+                v = flat[np.flatnonzero(~whole)[0]].item()
+                raise DTypeError(f"{v} is not a whole number: the copy to {self.name} would make it "
+                                 f"{int(v)}; {_CONVERT.format(self.np.name)}")
+        lo, hi = self.bounds
+        for v in (flat.min().item(), flat.max().item()):  # Python numbers: compared exactly
+            if not lo <= v <= hi:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    became = np.array([v]).astype(self.np)[0].item()
+                raise DTypeError(f"{_short(v)} does not fit in {self.name} [{lo}, {hi}]: the copy would make it "
+                                 f"{became}; {_CONVERT.format(self.np.name)}")
+
+
+_CONVERT = ("deviceop never changes a value silently: convert the array yourself if that is meant "
+            "(array.astype(np.{})), or pick a dtype that holds it")
 
 
 def _short(value) -> str:
@@ -151,6 +204,69 @@ _capsule_name = ctypes.pythonapi.PyCapsule_GetName
 _capsule_name.restype, _capsule_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+_CAPSULES = (b"dltensor", b"dltensor_versioned")
+_CONSUMED = (b"used_dltensor", b"used_dltensor_versioned")  # a consumer renames what it imported
+
+
+class _CheckedExport:
+    """A DLPack producer whose exports are checked before a consumer (NumPy, CuPy)
+    reads them: a ``__dlpack__`` that returns no capsule, or one already consumed,
+    is a deviceop error here rather than the consumer's raw ValueError.  Calls
+    pass through, stream and version arguments included."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __dlpack_device__(self):
+        device = self.obj.__dlpack_device__()
+        try:
+            kind, ordinal = (operator.index(v) for v in device)
+        except (TypeError, ValueError):
+            raise DTypeError(f"{type(self.obj).__name__}.__dlpack_device__() returned {device!r}, not DLPack's "
+                             "(device type, device id) pair of ints; the producer is broken: export through "
+                             "another framework, or copy host data with dop.from_numpy(array)") from None
+        return kind, ordinal
+
+    def __dlpack__(self, *args, **kwargs):
+        capsule = self.obj.__dlpack__(*args, **kwargs)
+        producer = f"{type(self.obj).__name__}.__dlpack__()"
+        if type(capsule).__name__ != "PyCapsule":
+            raise DTypeError(f"{producer} returned a {type(capsule).__name__}, not a DLPack capsule; the "
+                             "producer is broken: export through another framework, or copy host data with "
+                             "dop.from_numpy(array)")
+        name = _capsule_name(capsule)
+        if name in _CONSUMED:
+            raise StateError(f"{producer} returned a DLPack capsule that was already consumed (a capsule is "
+                             "imported once); the producer must make a fresh capsule on each __dlpack__() call: "
+                             "pass the array itself to dop.from_dlpack, not a holder of one capsule")
+        if name not in _CAPSULES:
+            raise DTypeError(f"{producer} returned a capsule named {name!r}, not a DLPack tensor "
+                             f"({_CAPSULES[0]!r} or {_CAPSULES[1]!r})")
+        return capsule
+
+
+def producer_name(obj) -> str:
+    """The type name of the array behind ``obj`` (a checked producer, or the array itself)."""
+    return type(obj.obj if isinstance(obj, _CheckedExport) else obj).__name__
+
+
+def dlpack_producer(obj) -> _CheckedExport:
+    """``obj`` as a checked DLPack producer: it needs ``__dlpack__`` and ``__dlpack_device__``."""
+    if type(obj).__name__ == "PyCapsule":
+        raise DTypeError("dop.from_dlpack takes the array that exports DLPack, not a capsule it made (a capsule "
+                         "carries no stream to order the import on): pass the array itself")
+    if not callable(getattr(obj, "__dlpack__", None)):
+        raise DTypeError(f"{type(obj).__name__!r} object has no __dlpack__, so dop.from_dlpack cannot view it as a "
+                         "tensor; pass an array of a framework that exports DLPack (torch, CuPy, JAX ...), or copy "
+                         "host data with dop.from_numpy(array)")
+    if not callable(getattr(obj, "__dlpack_device__", None)):
+        raise DTypeError(f"{type(obj).__name__} has __dlpack__ but no __dlpack_device__, which DLPack requires "
+                         "(it says where the memory lives); copy host data with dop.from_numpy(array)")
+    producer = _CheckedExport(obj)
+    producer.__dlpack_device__()  # checked now: NumPy never asks, the GPU path does
+    return producer
 
 
 class _HostImport:

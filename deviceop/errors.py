@@ -70,6 +70,11 @@ class CapabilityError(DeviceOpError):
     conditional graph nodes for a captured loop); the message names it."""
 
 
+class ConfigError(DeviceOpError, ValueError):
+    """A setting deviceop reads from the environment (a ``DEVICEOP_*`` variable)
+    has a value it does not understand; the message lists the values it takes."""
+
+
 class ArchError(DeviceOpError):
     """A requested GPU architecture is unknown or unsupported by this NVRTC."""
 

@@ -16,12 +16,12 @@ import math
 
 import numpy as np
 
-from .dtypes import DType, dtype as as_dtype
+from .dtypes import DType, dlpack_producer, dtype as as_dtype
 from .errors import DTypeError, LaunchError, ShapeError, StateError
 from .memory import (Partition, _Allocation, _Borrow, _owned, _owned_lock, _owner_of, _resolve_shape, _shape_tuple,
                      _sig_id, _sig_ids, claim)  # noqa: F401 (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
-from .runtime.device import Device, placed
+from .runtime.device import Device, as_device, placed
 from .runtime.stream import sync_in_capture
 
 
@@ -118,7 +118,7 @@ class Tensor:
         device, stream = placed("dop.from_numpy", device, stream)
         host = np.asarray(array)
         dt = as_dtype(dtype if dtype is not None else host.dtype)
-        host = np.ascontiguousarray(host, dtype=dt.np)
+        host = dt.from_host(host)  # refuses a value the copy would change (300 in int8)
         return cls._wrap(device.from_host(host, dt, stream), device, dt, stream)
 
     @classmethod
@@ -137,13 +137,13 @@ class Tensor:
         if isinstance(obj, np.ndarray):  # on either device, as the GPU must: a NumPy array is host memory
             raise StateError("a NumPy array lives in host memory, and zero-copy import (dop.from_dlpack, "
                              "dop.as_tensor) takes device memory: copy it with dop.from_numpy(array)")
-        stream = stream or device.default_stream()
-        return cls._wrap(device.import_dlpack(obj, stream), device, home_stream=stream, external=True)
+        producer, stream = dlpack_producer(obj), stream or device.default_stream()  # its exports checked
+        return cls._wrap(device.import_dlpack(producer, stream), device, home_stream=stream, external=True)
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
-        device = device if device is not None else Device(0)
+        device = as_device(device) if device is not None else Device(0)
         return cls._wrap(device.import_cuda_array(obj), device, external=True)
 
     # -- metadata ------------------------------------------------------------

@@ -83,6 +83,35 @@ def test_corrupt_cache_entry_is_recompiled_never_loaded(cache):
         assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "disk"
 
 
+def test_edited_cache_metadata_is_recompiled_never_loaded(cache):
+    """The checksum covers the metadata too: an entry whose lowered name was edited
+    would otherwise load as a hit and launch a symbol the CUBIN does not have."""
+    good = dop.compile_cubin(SAXPY, arch="sm_90", name_expressions=["fill<float, 128>"])
+    symbol = good.symbol("fill<float, 128>")
+    entry = cache / f"{good.key}.cubin"
+    edited = symbol[:-1] + ("x" if symbol[-1] != "x" else "y")  # same length: the header still parses
+    entry.write_bytes(entry.read_bytes().replace(symbol.encode(), edited.encode(), 1))
+    comp.clear_cache(disk=False)
+    with pytest.warns(UserWarning, match="corrupt compile-cache entry"):
+        again = dop.compile_cubin(SAXPY, arch="sm_90", name_expressions=["fill<float, 128>"])
+    assert again.origin == "compiled" and again.symbol("fill<float, 128>") == symbol
+    comp.clear_cache(disk=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the rewritten entry is whole again
+        assert dop.compile_cubin(SAXPY, arch="sm_90", name_expressions=["fill<float, 128>"]).origin == "disk"
+
+
+def test_an_entry_of_an_older_format_is_a_quiet_miss(cache):
+    good = dop.compile_cubin(SAXPY, arch="sm_90")
+    entry = cache / f"{good.key}.cubin"
+    entry.write_bytes(entry.read_bytes().replace(comp._MAGIC, b"DEVICEOP-CUBIN-1\n", 1))
+    comp.clear_cache(disk=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not corruption: no warning, recompiled and rewritten
+        assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "compiled"
+    assert entry.read_bytes().startswith(comp._MAGIC)
+
+
 def test_truncated_cache_entry_is_recompiled(cache):
     good = dop.compile_cubin(SAXPY, arch="sm_90")
     entry = cache / f"{good.key}.cubin"
@@ -90,6 +119,28 @@ def test_truncated_cache_entry_is_recompiled(cache):
     comp.clear_cache(disk=False)
     with pytest.warns(UserWarning, match="corrupt"):
         assert dop.compile_cubin(SAXPY, arch="sm_90").origin == "compiled"
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), ("False", False), ("OFF", False),
+                                       ("No", False), (" no ", False), ("1", True), ("TRUE", True), ("Yes", True),
+                                       ("on", True), ("", True)])
+def test_disk_cache_switch_accepts_the_usual_spellings(cache, monkeypatch, value, on):
+    monkeypatch.setenv("DEVICEOP_DISK_CACHE", value)
+    assert comp.disk_cache_enabled() is on
+    dop.compile_cubin(SAXPY, arch="sm_90")
+    assert comp.cache_stats()["entries"] == (1 if on else 0)
+
+
+@pytest.mark.parametrize("value", ["2", "disable", "nope", "of"])
+def test_an_unknown_disk_cache_switch_is_refused_naming_the_spellings(cache, monkeypatch, value):
+    monkeypatch.setenv("DEVICEOP_DISK_CACHE", value)
+    with pytest.raises(dop.ConfigError, match=f"DEVICEOP_DISK_CACHE={value!r} .*0, false, no or off.*1, true, "
+                                              "yes or on"):
+        dop.compile_cubin(SAXPY, arch="sm_90")
+    assert comp.cache_stats()["entries"] == 0
+    from deviceop.__main__ import info_lines
+    cache_line = next(line for line in info_lines() if line.startswith("compile cache"))
+    assert f"DEVICEOP_DISK_CACHE={value!r} is not understood" in cache_line  # info still prints
 
 
 def test_compile_error_shows_the_log_and_the_failing_line(cache):

@@ -160,6 +160,108 @@ def test_key_function_selects_graphs_and_mismatches_are_caught(stream, rng):
         bad(dop.from_numpy(np.ones((2, 256), np.float32), stream=stream))
 
 
+class _Incomparable:
+    """A key whose == raises (as some user types do): it could never be looked up."""
+
+    def __hash__(self):
+        return 7
+
+    def __eq__(self, other):
+        raise RuntimeError("cannot compare")
+
+
+@pytest.mark.parametrize("key", [lambda x: float("nan"), lambda x: ("seq", float("nan")),
+                                 lambda x: np.float32("nan"), lambda x: frozenset([float("nan")])],
+                         ids=["nan", "nan-in-a-tuple", "numpy-nan", "nan-in-a-frozenset"])
+def test_a_key_that_never_equals_itself_is_refused_not_recaptured_every_call(stream, weights, rng, key):
+    _, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[4], key=key)
+    for _ in range(3):  # before the fix each call captured (and held) another graph
+        with pytest.raises(dop.StateError, match="does not equal itself .NaN never does.*would never hit"):
+            cache(batch_of(rng, 2, stream)[1])
+    assert len(cache) == 0 and cache.stats.captures == 0
+
+
+def test_a_key_unequal_to_its_own_copy_is_refused_on_its_second_call(stream, weights, rng):
+    """A frozen dataclass holding a fresh NaN equals itself (same object) but no later
+    key: the second call finds a held key that prints the same and does not equal it."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Key:
+        scale: float
+
+    _, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[4], key=lambda x: Key(float("nan")))
+    cache(batch_of(rng, 2, stream)[1])
+    for _ in range(3):
+        with pytest.raises(dop.StateError, match=r"does not equal the key .*Key\(scale=nan\).* held graph"):
+            cache(batch_of(rng, 3, stream)[1])
+    assert len(cache) == 1 and cache.stats.captures == 1
+
+
+def test_a_key_whose_comparison_raises_is_refused(stream, weights, rng):
+    _, wt = weights
+    cache = GraphCache(make_forward(wt), stream=stream, sizes=[4], key=lambda x: _Incomparable())
+    for _ in range(2):
+        with pytest.raises(dop.StateError, match="cannot compare.*must return a hashable key that equals itself"):
+            cache(batch_of(rng, 2, stream)[1])
+    assert len(cache) == 0
+
+
+def test_options_are_checked_when_the_cache_is_made(device, stream, weights):
+    _, wt = weights
+    forward = make_forward(wt)
+    for max_bytes in ("100", 0, -1, 2.5, True):
+        with pytest.raises(dop.ShapeError, match="max_bytes .or None. must be an int >= 1"):
+            GraphCache(forward, stream=stream, max_bytes=max_bytes)
+    for not_a_stream in (None, 0, "stream"):
+        with pytest.raises(dop.LaunchError, match="GraphCache.* needs a deviceop stream"):
+            GraphCache(forward, stream=not_a_stream)
+    closed = device.new_stream()
+    closed.close()
+    with pytest.raises(dop.StateError, match="closed"):
+        GraphCache(forward, stream=closed)
+    for pad_value in ("x", True, [0], 1j):
+        with pytest.raises(dop.DTypeError, match="pad_value must be a number .or None"):
+            GraphCache(forward, stream=stream, pad_value=pad_value)
+    for flag in ("fallback", "share_buffers", "copy"):
+        with pytest.raises(dop.LaunchError, match=f"{flag} must be True or False, got 'no'"):
+            GraphCache(forward, stream=stream, **{flag: "no"})
+    with pytest.raises(dop.LaunchError, match="GraphCache's function must be callable"):
+        GraphCache("forward", stream=stream)
+    with pytest.raises(dop.LaunchError, match="key must be a callable .or None"):
+        GraphCache(forward, stream=stream, key=("seq", 1))
+    made = GraphCache(forward, stream=stream, max_bytes=np.int64(1 << 20), pad_value=np.float32(-1))
+    assert made.max_bytes == 1 << 20
+
+
+def test_a_pad_value_the_inputs_dtype_cannot_hold_is_refused_before_any_capture(stream, rng):
+    def forward(ws, x):  # int8 rows copied through: the padding is visible in the graph's input
+        return dop.api.memcpy(ws.empty([ws.size, 8], "int8"), x)
+
+    cache = GraphCache(forward, stream=stream, sizes=[4], pad_value=300)
+    for batch in (2, 4):  # a full batch too: the cache's inputs can never hold its padding
+        with pytest.raises(dop.DTypeError, match="pad_value 300 does not fit GraphCache input 0 .int8.*-128, 127"):
+            cache(dop.from_numpy(rng.integers(-100, 100, (batch, 8)).astype(np.int8), stream=stream))
+    assert len(cache) == 0 and cache.stats.captures == 0
+    fits = rng.integers(-100, 100, (2, 8)).astype(np.int8)
+    padded = GraphCache(forward, stream=stream, sizes=[4], pad_value=-7)
+    np.testing.assert_array_equal(padded(dop.from_numpy(fits, stream=stream)).numpy(stream=stream), fits)
+    graph_input = next(iter(padded._entries.values())).inputs[0].numpy(stream=stream)
+    np.testing.assert_array_equal(graph_input[2:], -7)
+
+
+def test_a_negative_zero_pad_value_pads_negative_zeros(stream, rng):
+    def forward(ws, x):
+        return dop.api.memcpy(ws.empty([ws.size, 8]), x)
+
+    cache = GraphCache(forward, stream=stream, sizes=[4], pad_value=-0.0)
+    cache(dop.from_numpy(rng.standard_normal((1, 8)).astype(np.float32), stream=stream))
+    graph_input = next(iter(cache._entries.values())).inputs[0].numpy(stream=stream)
+    assert np.all(graph_input[1:] == 0) and np.all(np.signbit(graph_input[1:]))
+
+
 def test_a_function_that_cannot_handle_a_key_leaves_the_cache_usable(stream, weights, rng):
     w, wt = weights
     forward = make_forward(wt)

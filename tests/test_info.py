@@ -1,6 +1,10 @@
 """``python -m deviceop info`` says what a bug report needs (issue 26, item 6),
-and docs/environment.md names every DEVICEOP_* variable the code reads."""
+docs/environment.md names every DEVICEOP_* variable the code reads, and the
+reference device says plainly that it runs NumPy references, not the CUDA."""
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from deviceop.__main__ import info_lines
@@ -29,3 +33,42 @@ def test_every_deviceop_variable_the_code_reads_is_documented():
         read |= set(re.findall(r"""["'](DEVICEOP_[A-Z_]+)["'=]""", path.read_text(errors="replace")))
     documented = set(re.findall(r"^\| `(DEVICEOP_[A-Z_]+)`", (ROOT / "docs/environment.md").read_text(), re.M))
     assert read and read <= documented, f"document these in docs/environment.md: {sorted(read - documented)}"
+
+
+# -- what the reference device checks, said where a new user looks (issue 32, item 26) ----------
+
+# Each place says: the CUDA is compiled by NVRTC and its signature checked against the
+# CUBIN, but the NumPy reference runs, not the CUDA; scripts/gpu-check runs the CUDA.
+SAYS = [r"NVRTC", r"CUBIN", r"NumPy reference[^.]{0,40}, not (its|the) CUDA", r"scripts/gpu-check"]
+
+
+def _says_it(text: str, where: str) -> None:
+    text = " ".join(text.split())  # wrapped lines read as one
+    for pattern in SAYS:
+        assert re.search(pattern, text), f"{where} does not say {pattern!r}:\n{text}"
+
+
+def test_the_reference_devices_start_message_and_info_say_the_cuda_does_not_run_there():
+    code = ("import deviceop as dop; dop.Device(); from deviceop.__main__ import info_lines; "
+            "print('\\n'.join(info_lines()))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DEVICEOP_DEVICE": "reference"})
+    assert run.returncode == 0, run.stderr
+    _says_it(run.stderr, "the start message")
+    kernels = [line for line in run.stdout.splitlines() if line.startswith("kernels ")]
+    assert kernels, run.stdout
+    _says_it(kernels[0], "python -m deviceop info")
+
+
+def _paragraph(text: str, starts: str) -> str:
+    at = text.index(starts)
+    return text[at:text.find("\n\n", at)]
+
+
+def test_the_readme_and_the_tutorial_say_the_cuda_does_not_run_on_the_reference_device():
+    readme = (ROOT / "README.md").read_text()
+    _says_it(_paragraph(readme, "On a machine without a GPU, `dop.Device()` is a *reference device*"),
+             "README's paragraph on the reference device")
+    tutorial = (ROOT / "docs/tutorial.md").read_text()
+    declared = tutorial[tutorial.index("## Kernels: CUDA C++ plus a declaration"):tutorial.index("## The model\n")]
+    _says_it(_paragraph(declared, "- **`reference`**"), "the tutorial where a kernel is declared")

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 import threading
 import time
 from collections import OrderedDict
@@ -45,24 +44,13 @@ from ..errors import AliasingError, DTypeError, ShapeError, StateError
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..op import DeviceOp
+from .cache_checks import check_new_key, check_options, check_pad, checked_key, count
 from ..tensor import Partition, SharedTensor, Tensor
-
-
-def _count(name: str, v) -> int:
-    """``v`` as an int >= 1 (NumPy ints too); a float, even 2.0, is refused rather than truncated."""
-    if not isinstance(v, bool):
-        try:
-            n = operator.index(v)
-        except TypeError:
-            n = 0
-        if n >= 1:
-            return n
-    raise ShapeError(f"{name} must be an int >= 1, got {v!r}")
 
 
 def default_sizes(max_size: int = 64) -> tuple[int, ...]:
     """1, 2, 4, then every 8 up to 64, every 16 to 128, every 32 to 256, every 64 beyond; max_size last."""
-    max_size = _count("max_size", max_size)
+    max_size = count("max_size", max_size)
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 257, 32))
     sizes += list(range(320, max_size + 1, 64))
     sizes = [s for s in sizes if s <= max_size]
@@ -121,6 +109,7 @@ class GraphCache:
     def __init__(self, fn, *, stream, sizes=None, max_size: int = 64, key=None, max_graphs: int | None = None,
                  max_bytes: int | None = None, fallback: bool = True, share_buffers: bool = True,
                  pad_value: float | None = 0, copy: bool = False):
+        check_options(fn, stream, key, pad_value, fallback=fallback, share_buffers=share_buffers, copy=copy)
         self.fn, self.stream, self.key_fn = fn, stream, key
         if sizes is None:
             sizes = default_sizes(max_size)
@@ -129,17 +118,20 @@ class GraphCache:
                 given = list(sizes)
             except TypeError:
                 raise ShapeError(f"sizes is a list of batch sizes (ints >= 1), got {sizes!r}") from None
-            sizes = tuple(sorted({_count(f"capture size {s!r} in sizes", s) for s in given}))
+            sizes = tuple(sorted({count(f"capture size {s!r} in sizes", s) for s in given}))
             if not sizes:
                 raise ShapeError("sizes is empty: give at least one batch size to capture (or leave it None)")
         self.sizes = sizes
         if max_graphs is not None:
-            max_graphs = _count("max_graphs (or None)", max_graphs)
+            max_graphs = count("max_graphs (or None)", max_graphs)
+        if max_bytes is not None:
+            max_bytes = count("max_bytes (or None)", max_bytes)
         self.max_graphs, self.max_bytes = max_graphs, max_bytes
         self.fallback, self.share_buffers, self.pad_value, self.copy = fallback, share_buffers, pad_value, copy
         self._entries: OrderedDict = OrderedDict()  # (size, key) -> _Entry, least recently used first
         self._arena: dict = {}                      # slot key -> the largest buffer made for it
         self._lock = threading.RLock()
+        self._pads_checked: set = set()             # input dtypes pad_value is known to fit
         self._stats = CacheStats()
         self._closed = False
 
@@ -171,9 +163,12 @@ class GraphCache:
                                      "fallback is off; raise max_size/sizes, or pass fallback=True")
                 self._stats.fallbacks += 1
                 return self._eager(batch, inputs)
+            if self.pad_value is not None and self.pad_value != 0:
+                check_pad(self.pad_value, inputs, self._pads_checked)
             key = (size, self._key_of(inputs))
             entry = self._entries.get(key)
             if entry is None:
+                check_new_key(self.key_fn, key, self._entries)
                 self._stats.misses += 1
                 entry = self._capture(size, key, inputs)
             else:
@@ -193,6 +188,7 @@ class GraphCache:
                 if size not in self.sizes:
                     raise ShapeError(f"size {size} is not one of the cache's sizes {self.sizes}")
                 if (size, key) not in self._entries:
+                    check_new_key(self.key_fn, (size, key), self._entries)
                     self._capture(size, (size, key), inputs)
                     n += 1
             return n
@@ -241,13 +237,7 @@ class GraphCache:
     def _key_of(self, inputs):
         if self.key_fn is None:
             return tuple((t.shape[1:], t.dtype.name) for t in inputs)
-        try:
-            key = self.key_fn(*inputs)
-            hash(key)
-        except Exception as exc:
-            raise StateError(f"the GraphCache key function failed on inputs of shapes "
-                             f"{[t.shape for t in inputs]}: {exc!r}; it must return a hashable key") from exc
-        return key
+        return checked_key(self.key_fn, inputs)
 
     # -- buffers -------------------------------------------------------------------
     def _scratch(self, slot_key, shape, dt):
@@ -326,7 +316,7 @@ class GraphCache:
         stream = self.stream
         if src.data_ptr != dst.data_ptr:  # else the input already is the graph's buffer
             stream.memcpy(dst.data_ptr, src.data_ptr, nbytes, "cuMemcpyAsync (GraphCache input)")
-        if pad and self.pad_value == 0:
+        if pad and self.pad_value == 0 and not math.copysign(1, self.pad_value) < 0:  # -0.0 is filled
             stream.memset8(dst.data_ptr + nbytes, 0, pad_bytes, "cuMemsetD8Async (GraphCache padding)")
         elif pad:
             stream.fill(dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:], self.pad_value)

@@ -31,7 +31,7 @@ from ..runtime.launch import LaunchConfig, check_param_layout, ptr
 from .fast import _fast_launch_type
 from .launch import KernelLaunch
 from .plan import _launch_key_function
-from .signature import _generic_text, inferable
+from .signature import _generic_text, check_generics, inferable, run_rule
 
 
 class Kernel:
@@ -84,14 +84,9 @@ class Kernel:
         return f"Kernel {self.name}{gen}({', '.join(p.describe() for p in self.params)})"
 
     # -- generics -----------------------------------------------------------------
-    def check_generics(self, values) -> tuple:
-        values = tuple(values)
-        if len(values) != len(self.generic_names):
-            raise LaunchError(f"{self.name} takes {len(self.generic_names)} generics "
-                              f"<{', '.join(self.generic_names)}>, got {len(values)}: {list(values)}")
-        for v in values:
-            _generic_text(v)
-        return values
+    def check_generics(self, values, fix: str = ".generics({})") -> tuple:
+        """``values`` checked as this kernel's generics (signature.check_generics)."""
+        return check_generics(self, values, fix)
 
     def name_expression(self, values) -> str:
         if not self.generic_names:
@@ -151,10 +146,10 @@ class Kernel:
         cfg = self._configs.get(key)
         if cfg is None:
             g = dict(zip(self.generic_names, values))
-            block = self.block(g) if callable(self.block) else self.block
-            smem = self.shared_mem(g) if callable(self.shared_mem) else self.shared_mem
+            block = run_rule(self, self.block, values, g) if callable(self.block) else self.block
+            smem = run_rule(self, self.shared_mem, values, g) if callable(self.shared_mem) else self.shared_mem
             if len(grid) > 3:
                 raise LaunchError(f"{self.name}: an output partition of rank {len(grid)} has no CUDA grid (max 3 axes)")
-            cluster = self.cluster(g, grid) if callable(self.cluster) else self.cluster
+            cluster = run_rule(self, self.cluster, values, g, grid) if callable(self.cluster) else self.cluster
             cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
         return cfg

@@ -16,7 +16,7 @@ from ..errors import AliasingError, LaunchError
 from ..runtime import codegen
 from ..runtime.launch import LaunchConfig
 from ..tensor import SharedTensor
-from .signature import _as_tensor_arg, bind, check_arg
+from .signature import _as_tensor_arg, bind, check_arg, run_rule
 
 
 def _attribute(fn, pdl: bool, cooperative: bool, config: LaunchConfig) -> str | None:
@@ -108,7 +108,7 @@ def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
             raise AliasingError(f"{label} writes {params[0].name} and reads {p.name} from "
                                 "overlapping memory; write into a separate buffer")
     if kernel.validate is not None:
-        kernel.validate(dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
+        run_rule(kernel, kernel.validate, gen, dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
     return launch_args, gen
 
 

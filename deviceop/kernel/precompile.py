@@ -33,12 +33,17 @@ def precompile(items, *, arch: str | None = None, threads: int | None = None) ->
     returns how many were compiled.  A later launch loads the cached CUBIN.
     Every item's generics are checked before any compiles; the first failure
     (e.g. a CompileError) is raised once the others have finished."""
+    if hasattr(items, "check_compiled") or isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise LaunchError(f"precompile takes a list of (kernel, generics) pairs or kernels, got {items!r}: "
+                          "write precompile([(kernel, [generics ...])])")
     work = []
     for item in items:
-        kernel, generics = item if isinstance(item, tuple) else (item, ())
+        kernel, generics = item if isinstance(item, tuple) and len(item) == 2 else (item, ())
         if not hasattr(kernel, "check_compiled"):
             raise LaunchError(f"precompile takes (kernel, generics) pairs or kernels, got {item!r}")
-        work.append((kernel, kernel.check_generics(generics) if kernel.generic_names else ()))
+        fix = f"({kernel.name}, {{}})"
+        given = kernel.generic_names or generics not in ((), [], None)  # generics for a kernel without: refused
+        work.append((kernel, kernel.check_generics(generics, fix) if given else ()))
     arch = arch if arch is not None else Device(0).arch
     workers = max(1, min(threads or os.cpu_count() or 1, len(work)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deviceop-precompile") as pool:

@@ -13,10 +13,14 @@ the ones given, naming the parameter, the generic and the two values.
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..dtypes import DType, dtype as as_dtype
-from ..errors import DTypeError, LaunchError, ShapeError
+from ..errors import DeviceOpError, DTypeError, LaunchError, ShapeError
 from ..tensor import Partition, SharedTensor, Tensor
 
 LAYOUTS = ("dense", "strided")
@@ -155,6 +159,65 @@ def _generic_text(v) -> str:
     if isinstance(v, str) and v:
         return v
     raise LaunchError(f"a generic is an int, a bool or a C++ type name, got {v!r}")
+
+
+# a C++ numeric literal (no identifier starts with a digit): "128", " -4 ", "1.5", "0x80"
+_NUMERIC = re.compile(r"\s*[-+]?\.?\d[\w.']*\s*")
+
+
+def _as_int(v):
+    """``v`` as the int it spells (a NumPy int, a numeric string), else ``v``: for the fix an error shows."""
+    try:
+        return int(v.strip(), 0) if isinstance(v, str) else int(v) if isinstance(v, np.integer) else v
+    except ValueError:
+        return v
+
+
+def check_generics(kernel, values, fix: str) -> tuple:
+    """``values`` as ``kernel``'s generics: a list with an int (NumPy ints too), a bool
+    or a C++ type name for each.  A number spelled as a string is refused: the
+    kernel's rules would compute with the string.  ``fix`` spells, with a ``{}``
+    for the list, how the caller passes generics (``.generics({})``)."""
+    names = ", ".join(kernel.generic_names)
+    try:  # a dict would pass its keys, a string its characters
+        given = None if isinstance(values, (str, bytes, Mapping)) else tuple(values)
+    except TypeError:
+        given = None
+    if given is None:
+        one = _as_int(values)
+        shown = [one] if len(kernel.generic_names) == 1 and type(one) is int else f"[{names}]"
+        raise LaunchError(f"{kernel.name} takes its generics <{names}> as a list, in that order, got {values!r}: "
+                          "write " + fix.format(shown))
+    if len(given) != len(kernel.generic_names):
+        raise LaunchError(f"{kernel.name} takes {len(kernel.generic_names)} generics <{names}>, got "
+                          f"{len(given)}: {list(given)}")
+    if all(type(v) is int for v in given):  # the common case, on every .generics() call
+        return given
+    checked = []
+    for name, v in zip(kernel.generic_names, given):
+        if isinstance(v, (np.integer, np.bool_)):
+            v = v.item()
+        if isinstance(v, str) and _NUMERIC.fullmatch(v):
+            raise LaunchError(f"generic {name} of {kernel.name} is the string {v!r}: a number is given as an int, "
+                              f"{fix.format([_as_int(g) for g in given])} (a string is a C++ type name, e.g. 'float')")
+        _generic_text(v)
+        checked.append(v)
+    return tuple(checked)
+
+
+def run_rule(kernel, rule, generics: tuple, *args):
+    """``rule(*args)``: a kernel's own check or launch-shape function, whose Python
+    errors (a string where it computes with a number: ``"float" % 32``) become a
+    LaunchError naming the generics; its deviceop errors pass through."""
+    try:
+        return rule(*args)
+    except DeviceOpError:
+        raise
+    except (TypeError, ValueError, ArithmeticError, AttributeError, LookupError) as exc:
+        shown = ", ".join(f"{n}={v!r}" for n, v in zip(kernel.generic_names, generics))
+        raise LaunchError(f"{kernel.name}'s rules failed on generics <{shown}>: {type(exc).__name__}: {exc}; give "
+                          "each generic the kind the kernel's docstring names: ints for sizes and counts, strings "
+                          "for C++ types") from exc
 
 
 

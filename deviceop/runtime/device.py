@@ -14,6 +14,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
+from ..dtypes import producer_name
 from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
 from .driver import check
@@ -131,6 +132,11 @@ class CudaDevice(Device):
     def label(self) -> str:
         return f"cuda:{self.ordinal}"
 
+    @property
+    def what_runs(self) -> str:
+        """What a kernel launch runs here (python -m deviceop info; the reference device says its own)."""
+        return f"each kernel's CUDA C++, compiled by NVRTC to a CUBIN for {self.arch}"
+
     def describe(self) -> str:
         free, total = self.memory_info()
         return (f"{self.ordinal}: {self.name}, {self.arch}, {self.sm_count} SMs, "
@@ -207,7 +213,7 @@ class CudaDevice(Device):
         import cupy
         kind = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else None
         if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
-            raise StateError(f"{type(obj).__name__} lives in host memory (DLPack device type {int(kind)}); "
+            raise StateError(f"{producer_name(obj)} lives in host memory (DLPack device type {int(kind)}); "
                              "zero-copy import needs device memory: copy it with dop.from_numpy(...)")
         with cupy.cuda.Device(self.ordinal), stream.cupy:
             return cupy.from_dlpack(obj)
@@ -257,10 +263,21 @@ def device_key(device) -> tuple:
     return type(device), device.ordinal
 
 
+def as_device(device):
+    """``device`` (a Device, or its ordinal: ``device=0``) as a Device; None stays None.
+    An ordinal without a device, or what is no ordinal, is Device's NoDeviceError."""
+    if device is None or isinstance(device, Device) or hasattr(device, "is_reference"):
+        return device
+    if isinstance(device, bool):  # operator.index(True) is 1: not an ordinal anyone means
+        raise NoDeviceError(f"a device ordinal is an int (0 for the first GPU), got {device!r}")
+    return Device(device)
+
+
 def placed(what: str, device, stream):
     """``(device, stream)`` of a tensor operation given either or both: ``stream`` (None:
-    the device's default) must be a live deviceop stream of ``device``; an omitted
-    ``device`` is the stream's, else Device(0)."""
+    the device's default) must be a live deviceop stream of ``device`` (a Device or its
+    ordinal); an omitted ``device`` is the stream's, else Device(0)."""
+    device = as_device(device)
     if stream is not None:
         home = getattr(stream, "device", None)
         if home is None:

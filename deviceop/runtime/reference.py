@@ -31,6 +31,12 @@ from .stream import _CAPTURED_EVENT, _CLOSED, Stream, closed_stream, sync_in_cap
 _announced = False
 
 
+# What a user must know about the reference device (its start message, `python -m deviceop info`).
+WHAT_RUNS = ("Each kernel's CUDA C++ is compiled by NVRTC and its signature checked against the CUBIN, but the "
+             "kernel's NumPy reference runs, not its CUDA (a bug in the CUDA passes here); run the CUDA on a GPU "
+             "with scripts/gpu-check")
+
+
 class ReferenceDevice(Device):
     """The device of a machine without a GPU: kernels run their NumPy
     references on the host, graphs record launches and replay them.  It exists
@@ -56,9 +62,8 @@ class ReferenceDevice(Device):
         self._streams = weakref.WeakSet()  # every stream made on it (a context-wide sync checks their captures)
         if not _announced:
             _announced = True
-            print(f"deviceop: no CUDA GPU ({self.reason}); using the reference device, which runs "
-                  "kernels' NumPy references on the CPU. Its timings say nothing about a GPU.",
-                  file=sys.stderr)
+            print(f"deviceop: no CUDA GPU ({self.reason}); using the reference device. {WHAT_RUNS}. "
+                  "Its timings say nothing about a GPU.", file=sys.stderr)
 
     @property
     def arch(self) -> str:
@@ -68,6 +73,8 @@ class ReferenceDevice(Device):
 
     def bind(self) -> None:
         pass
+
+    what_runs = WHAT_RUNS  # (python -m deviceop info)
 
     def describe(self) -> str:
         return f"reference device (NumPy) — {self.reason}"

@@ -6,6 +6,9 @@ interoperability, but it is refused for graph capture: CUDA cannot capture it.
 """
 from __future__ import annotations
 
+import math
+
+import numpy as np
 from cuda.bindings import driver as cu
 
 from ..errors import CaptureError, CaptureSyncError, LaunchError, StateError
@@ -185,7 +188,12 @@ class CudaStream(Stream):
         """Set every element of the CuPy ``array`` to ``value``, ordered on this stream."""
         self._live("a fill")
         with self.cupy:
-            array.fill(value)
+            if value == 0 and math.copysign(1.0, value) < 0 and array.dtype.kind not in "biu":
+                # CuPy memsets a fill that == 0, so -0.0 would become +0.0 (NumPy keeps it): fill its bits
+                bits = np.dtype(f"u{array.dtype.itemsize}")
+                array.view(bits).fill(np.array(value, dtype=array.dtype).view(bits).item())
+            else:
+                array.fill(value)
 
     def upload(self, array, host) -> None:
         """Copy the host array ``host`` into the CuPy ``array``, ordered on this stream."""
