@@ -31,8 +31,7 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and a.view(np.uint8).tobytes() == b.view(np.uint8).tobytes()
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world, dtype", [(1, "float32"), (2, "bfloat16"), (3, "float32"), (3, "bfloat16")])
 def test_every_rank_gets_the_rank_ordered_sum_bit_for_bit(rng, world, dtype):
     np_dt = DTYPES[dtype]
     n = int(rng.integers(1, 5)) * 512 // np.dtype(np_dt).itemsize
@@ -153,3 +152,45 @@ def test_ranks_that_issue_different_sizes_are_refused_on_every_rank():
 
     with pytest.raises(dop.DistributedError, match="different collectives"):
         dist.run_reference(2, rank, timeout=5)
+
+
+def test_dist_all_reduce_picks_the_one_shot_kernel_where_the_group_has_peer_buffers(rng):
+    n = 256
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+    ints = [rng.integers(-100, 100, n).astype(np.int32) for _ in range(2)]
+
+    def rank(group):
+        s = group.stream
+        x, i = dop.from_numpy(xs[group.rank], stream=s), dop.from_numpy(ints[group.rank], stream=s)
+        with pytest.raises(dop.DistributedError, match=r"dist.PeerBuffers\(group\)"):
+            dist.all_reduce(group, x, algorithm="oneshot")
+        nccl = dist.all_reduce(group, x, algorithm="auto")
+        assert isinstance(nccl, dist.Collective)  # no peer buffers yet: NCCL's path
+        nccl.discard()
+        with pytest.raises(dop.DistributedError, match="unknown algorithm"):
+            dist.all_reduce(group, x, algorithm="ring")
+        with PeerBuffers(group, max_bytes=1024) as bufs:
+            auto = dist.all_reduce(group, x, dop.empty(n, stream=s))
+            assert not isinstance(auto, dist.Collective)  # the one-shot kernel
+            out = auto.sync_on(s)                         # whose value is the written tensor
+            ints_sum = dist.all_reduce(group, i)          # int32: NCCL's path
+            assert isinstance(ints_sum, dist.Collective)
+            ints_sum.sync_on(s)
+            with pytest.raises(dop.DistributedError, match="sums"):
+                dist.all_reduce(group, x, op="max", algorithm="oneshot")
+            assert bufs.accepts(x) and not bufs.accepts(i)
+            return out.numpy(stream=s), i.numpy(stream=s)
+
+    for out, summed in dist.run_reference(2, rank):
+        assert same_bits(out, ranked_sum(xs, np.float32))
+        assert np.array_equal(summed, ints[0] + ints[1])
+
+
+@pytest.mark.parametrize("mode, dtype, world", [("sum", "bfloat16", 2), ("accumulate", "float32", 8),
+                                                ("residual", "bfloat16", 4), ("in_place", "float32", 3)])
+def test_the_kernels_compile_to_sm90_cubins_that_match_their_declarations(mode, dtype, world):
+    from deviceop.distributed.oneshot import BLOCK_BYTES, CTYPES, KERNELS
+    generics = [CTYPES[dtype], BLOCK_BYTES // dop.dtype(dtype).itemsize, world]
+    if mode in ("sum", "accumulate"):
+        generics.append(mode == "accumulate")
+    KERNELS[(mode, dtype)].check_compiled("sm_90", tuple(generics))

@@ -20,23 +20,24 @@ a graph that captured one of its all-reduces must not be replayed after that.
 """
 from __future__ import annotations
 
-import ctypes
-import os
 import socket
-import threading
 import weakref
 
 import numpy as np
 
-from ..dtypes import dtype as as_dtype
 from ..errors import DistributedError, DTypeError, ShapeError
 from ..interop import from_numpy, zeros
-from ..runtime.driver import check
 from ..tensor import SharedTensor, Tensor
 from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD
 
 DEFAULT_MAX_BYTES = 64 << 10
-_IPC_HANDLE_BYTES = 64
+_attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its open PeerBuffers
+
+
+def peer_buffers(group) -> "PeerBuffers | None":
+    """The group's open PeerBuffers (the last made), which dist.all_reduce's "auto" and
+    "oneshot" algorithms use; None when it has none."""
+    return _attached.get(group)
 
 
 class PeerBuffers:
@@ -63,9 +64,8 @@ class PeerBuffers:
         self.timeout_ns = int(timeout * 1e9)
         self._nbytes = 2 * ws * self.slot_lines * 16  # [parity][source rank][line], 16-byte lines
         self._closed = False
-        self._local = self._mapped = None
-        device, stream = group.device, group.stream
-        self._memory = _HostMemory(self._nbytes) if device.is_reference else _DeviceMemory(device, self._nbytes)
+        stream = group.stream
+        self._memory = group.device.peer_memory(self._nbytes)  # CUDA IPC (runtime/ipc.py), or host memory
         try:
             ident = self._memory.export()
             found = group.exchange((socket.gethostname(), ident))
@@ -79,8 +79,9 @@ class PeerBuffers:
             self.state = zeros(1 + max_bytes // BLOCK_BYTES, dtype="uint32", stream=stream)
             stream.synchronize()  # zeroed everywhere before any rank's first store
             group.barrier()
+            _attached[group] = self
         except BaseException:
-            self._memory.release(group_open=False)
+            self._memory.release(None)  # a peer may have mapped it: leak it
             raise
 
     def __repr__(self) -> str:
@@ -148,6 +149,15 @@ class PeerBuffers:
         return kernel(target.view(n).partition([block]), *inputs, self.peers, self.state, self.group.rank,
                       self.slot_lines, self.timeout_ns).generics(generics)
 
+    def accepts(self, x) -> bool:
+        """Would ``all_reduce(x)`` take ``x`` (dtype, size, layout)?  What dist.all_reduce's
+        "auto" asks; the same answer on every rank when they issue the same all-reduces."""
+        t = x.tensor if isinstance(x, SharedTensor) else x
+        if self._closed or not isinstance(t, Tensor) or t.dtype.name not in CTYPES or not t.is_contiguous:
+            return False
+        nbytes = t.size * t.dtype.itemsize
+        return 0 < nbytes <= self.max_bytes and nbytes % BLOCK_BYTES == 0
+
     def check(self) -> None:
         """Raise DistributedError if an all-reduce on these buffers gave up waiting for a
         peer (it then wrote NaN, as every later one does).  Reads one word: a host sync."""
@@ -167,12 +177,15 @@ class PeerBuffers:
         if self._closed:
             return
         self._closed = True
-        group = self.group
-        open_ = group._state == "open"
-        if open_:
-            group.device.synchronize()
-            group.barrier()  # no rank's kernels touch any buffer any more
-        self._memory.release(group_open=open_, barrier=group.barrier if open_ else None)
+        if _attached.get(self.group) is self:
+            del _attached[self.group]
+        try:
+            self.group.device.synchronize()
+            self.group.barrier()  # no rank's kernels touch any buffer any more
+        except DistributedError:  # the group is closed or aborted: a peer might still store into ours
+            self._memory.release(None)
+            return
+        self._memory.release(self.group.barrier)
 
     def __enter__(self) -> "PeerBuffers":
         return self
@@ -192,87 +205,3 @@ def _tensor(x, what: str) -> Tensor:
 
 def _written(x, what: str) -> Tensor:
     return x.check_writable(what) if isinstance(x, SharedTensor) else _tensor(x, what)
-
-
-# -- the memory behind the buffers ----------------------------------------------------------
-
-class _DeviceMemory:
-    """A cuMemAlloc'd buffer exported with CUDA IPC, and the peers' buffers mapped here."""
-
-    def __init__(self, device, nbytes: int):
-        from cuda.bindings import driver as cu
-        self.cu, self.device = cu, device
-        device.bind()
-        self.ptr = int(check(cu.cuMemAlloc(nbytes), "cuMemAlloc"))
-        self.opened: list[int] = []
-        check(cu.cuMemsetD32(self.ptr, 0, nbytes // 4), "cuMemsetD32")
-        check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
-
-    def export(self):
-        handle = check(self.cu.cuIpcGetMemHandle(self.ptr), "cuIpcGetMemHandle")
-        return (os.getpid(), ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES))
-
-    def open(self, idents, rank: int) -> list[int]:
-        cu, addresses = self.cu, []
-        for r, (pid, raw) in enumerate(idents):
-            if r == rank:
-                addresses.append(self.ptr)
-                continue
-            if pid == os.getpid():
-                raise DistributedError("one-shot all_reduce needs one process per GPU (CUDA IPC cannot map a "
-                                       "buffer into the process that made it); launch with torchrun or mpirun")
-            handle = cu.CUipcMemHandle()
-            ctypes.memmove(handle.getPtr(), raw, _IPC_HANDLE_BYTES)
-            code, ptr = cu.cuIpcOpenMemHandle(handle, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-            if code:
-                raise DistributedError(f"one-shot all_reduce: cannot map rank {r}'s buffer on {self.device.label} "
-                                       f"(cuIpcOpenMemHandle: {code.name}); these GPUs have no peer access to each "
-                                       "other: use algorithm='nccl'")
-            self.opened.append(int(ptr))
-            addresses.append(int(ptr))
-        return addresses
-
-    def release(self, group_open: bool, barrier=None) -> None:
-        if not group_open:
-            return  # a peer might still store into this memory: leak rather than free under it
-        self.device.bind()
-        for p in self.opened:
-            check(self.cu.cuIpcCloseMemHandle(p), "cuIpcCloseMemHandle")
-        self.opened = []
-        if barrier is not None:
-            barrier()  # every peer unmapped this rank's buffer before it is freed
-        check(self.cu.cuMemFree(self.ptr), "cuMemFree")
-
-
-class _HostMemory:
-    """The reference device's peer memory: a NumPy array that the other thread-ranks of
-    this process reach by its address (as GPUs reach each other's through IPC)."""
-
-    _alive = weakref.WeakValueDictionary()  # address -> owner, so that open() refuses a freed buffer
-    _lock = threading.Lock()
-
-    def __init__(self, nbytes: int):
-        self.array = np.zeros(nbytes // 4, dtype=np.uint32)
-        self.address = int(self.array.ctypes.data)
-        with self._lock:
-            self._alive[self.address] = self
-
-    def export(self):
-        return (os.getpid(), self.address)
-
-    def open(self, idents, rank: int) -> list[int]:
-        addresses = []
-        for r, (pid, address) in enumerate(idents):
-            if pid != os.getpid() or self._alive.get(address) is None:
-                raise DistributedError(f"one-shot all_reduce on the reference device: rank {r}'s buffer is not in "
-                                       "this process; the reference backend's ranks are threads (dist.run_reference)")
-            addresses.append(address)
-        return addresses
-
-    def release(self, group_open: bool, barrier=None) -> None:
-        if group_open:
-            if barrier is not None:
-                barrier()
-            with self._lock:
-                self._alive.pop(self.address, None)
-            self.array = None
