@@ -10,6 +10,8 @@ import pytest
 
 import deviceop as dop
 import deviceop.distributed as dist
+from deviceop import CudaGraph, api
+from deviceop.kernel import Kernel, Out
 
 
 def _upload(group, array):
@@ -82,7 +84,7 @@ def test_a_one_rank_group_without_a_gpu_is_the_reference_backend(rng):
 def test_collectives_refuse_wrong_dtypes_sizes_aliases_and_shared_outputs():
     def rank(group):
         s = group.stream
-        x = dop.empty(8, stream=s)
+        x = dop.zeros(8, stream=s)
         with pytest.raises(dop.DTypeError, match="dtypes must match"):
             dist.all_reduce(group, x, dop.empty(8, "float16", stream=s))
         with pytest.raises(dop.ShapeError, match="world_size .2. x the input's: 16"):
@@ -108,6 +110,8 @@ def test_collectives_refuse_wrong_dtypes_sizes_aliases_and_shared_outputs():
         with pytest.raises(dop.OwnershipError, match="1 other live SharedTensor"):
             dist.all_reduce(group, handle)  # in place: the buffer is written, and another handle reaches it
         other.release()
+        with pytest.warns(dop.UnexecutedOpWarning, match="dist.all_reduce.*never executed"):
+            dist.all_reduce(group, x)  # built and dropped: its work would silently never run
         return dist.all_reduce(group, handle).sync_on(s) is x
     assert dist.run_reference(2, rank) == [True, True]
 
@@ -174,3 +178,108 @@ def test_check_same_refuses_ranks_whose_configs_or_weights_differ(rng):
 
     with pytest.raises(dop.DistributedError, match=r"check_same: ranks disagree on 'weights': rank\(s\) \[1\]"):
         dist.run_reference(2, rank)
+
+
+# -- collectives inside graphs: replays compute what eager execution computes ----------------------
+
+def _countdown_ref(g, c):
+    c[0] -= 1
+
+
+countdown = Kernel("dist_countdown", 'extern "C" __global__ void dist_countdown(int* c) { c[0] -= 1; }',
+                   [Out("c", "int32", rank=1)], block=1, reference=_countdown_ref)
+
+
+def _set(group, t, array):
+    """New contents for ``t`` before a replay (the graph reads the buffer, not the values of the capture)."""
+    api.memcpy(t, dop.from_numpy(array, stream=group.stream)).sync_on(group.stream)
+
+
+def test_graph_on_scope_and_recapture_replay_what_eager_computes(rng):
+    world, n, replays = 3, 10, 3
+    data = rng.standard_normal((replays + 1, world, n))
+
+    def rank(group):
+        s, r = group.stream, group.rank
+        x, out, gathered = (dop.empty(size, "float64", stream=s) for size in (n, n, world * n))
+        graph = dist.all_reduce(group, x, out).graph_on(s)  # captured: nothing is reduced yet
+        scoped = CudaGraph.scope(s, lambda sc: sc.record(dist.all_gather(group, x, gathered)))
+        assert [node["type"] for node in scoped.nodes()] == ["KERNEL"]
+        seen = []
+        for k in range(replays):
+            _set(group, x, data[k, r])
+            graph.replay()
+            scoped.replay()
+            group.synchronize()  # bounded: a replay stuck on a peer would abort the group instead
+            seen.append((out.numpy(stream=s), gathered.numpy(stream=s)))
+        out2 = dop.empty(n, "float64", stream=s)
+        assert graph.recapture(dist.all_reduce(group, x, out2, op="max")) == "updated"
+        _set(group, x, data[replays, r])
+        graph.replay()
+        return seen, out2.numpy(stream=s)
+
+    for seen, maxed in dist.run_reference(world, rank):
+        for k, (summed, gathered) in enumerate(seen):
+            np.testing.assert_allclose(summed, data[k].sum(0), rtol=1e-12)
+            assert np.array_equal(gathered, data[k].reshape(-1))
+        assert np.array_equal(maxed, data[replays].max(0))
+
+
+def test_collectives_inside_loop_and_while_bodies_run_at_every_iteration(rng):
+    world, n, steps = 2, 6, 3
+    data = rng.standard_normal((world, n))
+
+    def rank(group):
+        s, r = group.stream, group.rank
+        results = []
+        for captured in (False, True):
+            x = dop.from_numpy(data[r], stream=s)
+            index = dop.from_numpy(np.zeros(1, np.int32), stream=s)
+            op = dop.loop(steps, index, lambda i: dist.all_reduce(group, x))  # x <- sum over ranks, each time
+            if captured:
+                op.graph_on(s).replay()
+            else:
+                op.sync_on(s)
+            cond = dop.from_numpy(np.array([steps], np.int32), stream=s)
+            y = dop.from_numpy(data[r], stream=s)
+            op = dop.while_(cond, lambda: dop.zip_(dist.all_reduce(group, y, op="max"),
+                                                   countdown(cond.partition([1]))))
+            if captured:
+                op.graph_on(s).replay()
+            else:
+                op.sync_on(s)
+            results.append((x.numpy(stream=s), y.numpy(stream=s), int(cond.numpy(stream=s)[0])))
+        return results
+
+    for eager, captured in dist.run_reference(world, rank):
+        for x, y, cond in (eager, captured):
+            np.testing.assert_allclose(x, data.sum(0) * world ** (steps - 1), rtol=1e-12)
+            assert np.array_equal(y, data.max(0)) and cond == 0
+
+
+def test_a_failed_capture_leaves_the_collective_unexecuted_and_the_stream_usable(rng):
+    data = rng.standard_normal((2, 4))
+
+    def rank(group):
+        s = group.stream
+        x = dop.from_numpy(data[group.rank], stream=s)
+        op = dist.all_reduce(group, x)
+
+        def fails(_):
+            raise RuntimeError("a host callback failed during the capture")
+        with pytest.raises(RuntimeError, match="callback failed"):
+            op.map(fails).graph_on(s)
+        assert not s.is_capturing()
+        return op.sync_on(s).numpy(stream=s)  # not marked executed: it runs (once) now
+
+    for out in dist.run_reference(2, rank):
+        np.testing.assert_allclose(out, data.sum(0), rtol=1e-12)
+
+
+def test_a_collective_runs_only_on_its_group_s_device():
+    def rank(group):
+        x = dop.empty(4, stream=group.stream)
+        with pytest.raises(dop.DistributedError, match="group's device is reference .rank"):
+            dist.all_reduce(group, x).sync_on(dop.Device(0).new_stream())
+        return True
+    assert dist.run_reference(1, rank) == [True]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
 from ..op import DeviceOp, resolve, warn_if_unexecuted
-from ..runtime.device import device_key
 from ..tensor import SharedTensor, Tensor
 from .peer import peer_buffers
 
@@ -110,7 +109,7 @@ class Collective(DeviceOp):
         x = resolve(self.x, ctx)
         out = x if self.out is self.x else resolve(self.out, ctx)
         call = self._check(x, out)
-        if device_key(ctx.device) != device_key(self.group.device):
+        if ctx.device is not self.group.device:  # (thread-ranks' reference devices differ only in identity)
             raise DistributedError(f"{self.describe()} executed on a stream of {ctx.device.label}, but the group's "
                                    f"device is {self.group.device.label}; run it on the group's stream "
                                    "(group.stream) or another stream of group.device")
