@@ -1,7 +1,7 @@
 """All-reduce latency for small messages inside a CUDA graph (issue 35, item 3), on 2
 and 4 GPUs of one machine, with a correctness check against float64 in the same run.
 
-Per world size and message size (4, 8, 16, 64 KB of bfloat16), the GPU time per
+Per world size (those of 1, 2 and 4 the machine has) and message size (4, 8, 16, 64 KB of bfloat16), the GPU time per
 all-reduce of a graph holding ``--ops`` back-to-back all-reduces (CUDA events around
 ``--batch`` replays, median of ``--reps``; rank 0's numbers; every rank replays alike):
 
@@ -17,7 +17,11 @@ Correctness, before timing: every form of the one-shot op (out of place, in plac
 random data, against the float64 sum (and bit for bit against the fp32 rank-ordered
 sum, on every rank), after graph replays too; NCCL's results against float64.
 
-    python bench/allreduce.py [--gpus 2 4] [--ops 100] [--reps 15]
+    python bench/allreduce.py [--gpus 1 2 4] [--ops 100] [--reps 15]
+
+One GPU gives the floor: the same graphs with one rank (the one-shot kernel then
+only reads its input and writes its output), so 2- and 4-GPU rows minus it are
+what the communication costs.
 
 The parent starts one process per GPU (``dist.init(rank=, world_size=, store=DIR)``)
 for each world size the machine has; rank 0 of each writes its rows to a file the
@@ -199,23 +203,29 @@ def worker(args) -> int:
         seed = group.exchange(int.from_bytes(os.urandom(4), "little") if group.rank == 0 else None)[0]
         result = {"world_size": group.world_size, "device": group.device.name, "seed": seed,
                   "correctness": check_one_shot(group, bufs, seed), "timing": []}
-        import nccl.bindings.nccl as low
-        import nccl.core as nc
-        uid = group.exchange(bytes(nc.get_unique_id()) if group.rank == 0 else None)[0]
-        group.device.bind()
-        comm = nc.Communicator.init(group.world_size, group.rank, nc.UniqueId.from_bytes(uid))
-        result["nccl_version"] = str(nc.get_version())
+        comm = low = None
+        try:  # a communicator of our own for the NCCL rows (nccl4py's, as deviceop's backend builds one)
+            import nccl.bindings.nccl as low
+            import nccl.core as nc
+            uid = group.exchange(bytes(nc.get_unique_id()) if group.rank == 0 else None)[0]
+            group.device.bind()
+            comm = nc.Communicator.init(group.world_size, group.rank, nc.UniqueId.from_bytes(uid))
+            result["nccl_version"] = str(nc.get_version())
+        except Exception as exc:  # noqa: BLE001 - the one-shot rows still run
+            result["nccl_version"] = f"unavailable: {type(exc).__name__}: {exc}"[:300]
         for kb in SIZES_KB:
             row = {"kb": kb, "dtype": "bfloat16"}
             row.update(one_shot_rows(group, bufs, kb, args.ops, args.batch, args.reps))
             try:
-                row.update(nccl_rows(group, kb, args.ops, args.batch, args.reps, comm, low))
+                if comm is not None:
+                    row.update(nccl_rows(group, kb, args.ops, args.batch, args.reps, comm, low))
             except Exception as exc:  # noqa: BLE001
                 row["nccl_error"] = f"{type(exc).__name__}: {exc}"[:400]
             result["timing"].append(row)
             group.barrier()
         bufs.close()
-        comm.destroy()
+        if comm is not None:
+            comm.destroy()
         if group.rank == 0:
             Path(args.out).write_text(json.dumps(result))
     return 0
@@ -244,7 +254,7 @@ def run_world(world: int, args) -> dict | None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gpus", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--ops", type=int, default=100)
     ap.add_argument("--batch", type=int, default=5)
     ap.add_argument("--reps", type=int, default=15)
@@ -261,7 +271,7 @@ def main() -> int:
     available = cu.cuDeviceGetCount()[1] if cu.cuInit(0)[0] == 0 else 0
     worlds = [w for w in args.gpus if w <= available]
     if not worlds:
-        print(f"allreduce measures 2+ GPUs; this machine has {available}. Nothing to measure.")
+        print(f"allreduce measures GPUs; this machine has {available} (asked for {args.gpus}). Nothing to measure.")
         return 0
     from _common import headline, print_headlines, print_table, write_result
     results = {w: run_world(w, args) for w in worlds}
@@ -281,12 +291,14 @@ def main() -> int:
                     [[t["kb"], *[(f"{t[a]['us_per_op']:.2f}" if t.get(a, {}).get("us_per_op") else "-")
                                  for a in algos]] for t in r["timing"]])
         best8 = [t for t in r["timing"] if t["kb"] == 8][0]
-        ours = min(best8[a]["us_per_op"] for a in ("oneshot", "oneshot_pdl") if best8[a].get("us_per_op"))
+        ours = best8.get("oneshot", {}).get("us_per_op")  # plain launches: what any graph of ours gets
         if w in TARGETS:
-            heads.append(headline(f"allreduce_us_8kb_{w}gpu", ours, TARGETS[w], "lower"))
-        if best8.get("nccl", {}).get("us_per_op"):
-            heads.append(headline(f"allreduce_speedup_vs_nccl_8kb_{w}gpu", best8["nccl"]["us_per_op"] / ours, 1.0,
-                                  "higher"))
+            heads.append(headline(f"allreduce_us_8kb_{w}gpu", ours, TARGETS[w], "lower") if ours else
+                         {"metric": f"allreduce_us_8kb_{w}gpu", "value": None, "target": TARGETS[w],
+                          "better": "lower", "met": False})
+            if ours and best8.get("nccl", {}).get("us_per_op"):
+                heads.append(headline(f"allreduce_speedup_vs_nccl_8kb_{w}gpu", best8["nccl"]["us_per_op"] / ours,
+                                      1.0, "higher"))
         if bad:
             heads.append(headline(f"allreduce_correctness_failures_{w}gpu", len(bad), 0, "lower"))
     device = type("D", (), {"name": next((r["device"] for r in results.values() if r), "unknown")})()

@@ -127,9 +127,14 @@ def rank_main(rank: int, world: int, store: str) -> int:
     return 0
 
 
+def _nccl4py():
+    pytest.importorskip("nccl.core", reason="nccl4py is not installed (scripts/gpu-check installs it from .whl/)")
+
+
 @pytest.mark.gpu
 def test_one_rank_on_one_gpu():
     import deviceop.distributed as dist
+    _nccl4py()
     with dist.init(timeout=60) as group:  # a one-rank group: the kernel reads only its own x
         with dist.PeerBuffers(group) as bufs:
             check_forms(group, bufs, int(np.random.default_rng().integers(1 << 30)))
@@ -139,6 +144,7 @@ def test_one_rank_on_one_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_on_several_gpus(world, tmp_path):
+    _nccl4py()
     if _gpu_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {_gpu_count()}")
     env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
