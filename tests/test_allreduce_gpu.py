@@ -132,10 +132,10 @@ def _nccl4py():
 
 
 @pytest.mark.gpu
-def test_one_rank_on_one_gpu():
+def test_one_rank_on_one_gpu(tmp_path):
     import deviceop.distributed as dist
     _nccl4py()
-    with dist.init(timeout=60) as group:  # a one-rank group: the kernel reads only its own x
+    with dist.init(rank=0, world_size=1, store=tmp_path, timeout=60) as group:  # a one-rank group: the kernel reads only its own x
         with dist.PeerBuffers(group) as bufs:
             check_forms(group, bufs, int(np.random.default_rng().integers(1 << 30)))
             check_replays(group, bufs, 7)
