@@ -100,21 +100,27 @@ __device__ __forceinline__ void all_reduce(T* out, const T* x, const T* residual
         state[1 + blockIdx.x] = e;
         s_epoch = e;
     }
+    // Every load that does not need the epoch is issued before the barrier, so its latency
+    // overlaps thread 0's read of the epoch instead of following it.
+    bool failed = load_volatile(state) != 0u;
+    const uint2 mine = reinterpret_cast<const uint2*>(x)[line];
+    uint2 base = make_uint2(0u, 0u);
+    if (MODE != 0) base = reinterpret_cast<const uint2*>(MODE == 1 ? out : residual)[line];
+    unsigned long long dst_base[W];
+#pragma unroll
+    for (int k = 0; k < W; ++k) dst_base[k] = peers[(rank + k) % W];  // [0]: this rank's own buffer
     __syncthreads();
     const unsigned e = s_epoch;
     const size_t parity_base = (size_t)(e & 1u) * W;
-    bool failed = load_volatile(state) != 0u;
-    const uint2 mine = reinterpret_cast<const uint2*>(x)[line];
     if (!failed) {
 #pragma unroll
         for (int k = 1; k < W; ++k) {  // rank+1 first: the ranks spread their stores over the peers
-            const int dst = (rank + k) % W;
-            uint4* slot = reinterpret_cast<uint4*>(peers[dst]) + (parity_base + rank) * slot_lines + line;
+            uint4* slot = reinterpret_cast<uint4*>(dst_base[k]) + (parity_base + rank) * slot_lines + line;
             store_line(slot, mine.x, mine.y, e);
         }
     }
     pdl_launch_dependents();
-    const uint4* own = reinterpret_cast<const uint4*>(peers[rank]) + parity_base * slot_lines + line;
+    const uint4* own = reinterpret_cast<const uint4*>(dst_base[0]) + parity_base * slot_lines + line;
     const unsigned long long start = now_ns();
     float acc[L::N], v[L::N];
 #pragma unroll
@@ -146,7 +152,7 @@ __device__ __forceinline__ void all_reduce(T* out, const T* x, const T* residual
         return;
     }
     if (MODE != 0) {
-        L::unpack(MODE == 1 ? *dst : reinterpret_cast<const uint2*>(residual)[line], v);
+        L::unpack(base, v);
 #pragma unroll
         for (int i = 0; i < L::N; ++i) acc[i] = v[i] + acc[i];
     }
