@@ -2,14 +2,19 @@
 (NVLink or PCIe peer access, mapped with CUDA IPC), and the one-shot all-reduce
 for small messages that uses them.
 
-Why not NCCL here: NCCL in a CUDA graph costs ~14 us per 4-16 KB all-reduce on
-two H100/H200s, and NCCL 2.28's device API (``nccl_device.h``) does not compile
-under NVRTC (its headers declare host functions, which NVRTC refuses, and pull
-in libc and doca headers), while 2.28 has no host call that returns a window's
-peer addresses (``ncclGetLsaDevicePointer`` arrives later).  So the mapping is
-CUDA IPC's and the protocol ours (allreduce.cu): one kernel launch, an ordinary
-node of any graph, that stores its input into every peer's buffer and reduces
-what the peers stored into its own.
+Why not NCCL's own path: measured on 2 H200s (NCCL 2.28.9, bench/allreduce.py,
+bench/results/allreduce.json), a 4-16 KB bfloat16 all-reduce in a CUDA graph costs
+5.9-6.6 us with ncclAllReduce and 3.9-4.3 us on symmetric windows (NCCL's
+symmetric kernels), against the 3 us target; this kernel takes 2.2-2.7 us (4
+H200s: NCCL 9.1-10.2, symmetric 4.3-4.7, this 3.4-4.0).  NCCL 2.28's device API
+(``nccl_device.h``), which would let NCCL map the memory while the kernel stays
+ours, does not compile under NVRTC: its headers declare ``__host__`` functions,
+which NVRTC refuses, and pull in libc and doca headers; and 2.28 has no host call
+that returns a window's peer addresses (nccl4py's ``get_lsa_device_pointer``
+needs a later NCCL).  So the mapping is CUDA IPC's (runtime/ipc.py) and the
+protocol ours (allreduce.cu): one kernel launch, an ordinary node of any graph,
+that stores its input into every peer's buffer and reduces what the peers
+stored into its own.
 
     bufs = dist.PeerBuffers(group)                 # collective: every rank, once
     op = bufs.all_reduce(x)                        # lazy, like any kernel launch
