@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
@@ -62,6 +63,7 @@ def collectives(group, seed):
             op.sync_on(s)
         close(got.numpy(stream=s), ref[0, (r - 1) % world], dtype)
         checked.append(f"eager {dtype}")
+        print("done", checked[-1], flush=True)
         # a graph, replayed with new data each time
         graph = dop.zip_(dist.all_reduce(group, x, out), dist.all_gather(group, x, gathered)).graph_on(s)
         for k in range(2, 6):
@@ -75,6 +77,7 @@ def collectives(group, seed):
         group.synchronize()
         close(scattered.numpy(stream=s), ref[5].max(0)[r * n:(r + 1) * n], dtype)
         checked.append(f"graph {dtype}")
+        print("done", checked[-1], flush=True)
     # a device loop: x <- sum over ranks, three times, in one graph launch
     data = rng.standard_normal((world, n))
     x = upload(group, data[r])
@@ -83,6 +86,7 @@ def collectives(group, seed):
     group.synchronize()
     close(x.numpy(stream=s), data.sum(0) * world ** 2, "float64")
     checked.append("loop")
+    print("done", checked[-1], flush=True)
     return checked
 
 
@@ -181,7 +185,12 @@ if __name__ == "__main__":
     timeout = float(os.environ.get("DEVICEOP_DIST_TIMEOUT", 60))
     try:
         with dist.init(rank=rank, world_size=world, local_rank=rank, store=store, timeout=timeout) as group:
-            result = SCENARIOS[scenario](group, seed)
+            try:
+                result = SCENARIOS[scenario](group, seed)
+            except BaseException:  # printed before the group's abort, so the log names the failure
+                traceback.print_exc()
+                sys.stdout.flush()
+                raise
     except ValueError as exc:
         if scenario == "rank_raises" and rank == 1:
             print(f"OK {json.dumps({'raised': str(exc)})}", flush=True)

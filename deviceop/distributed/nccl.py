@@ -128,12 +128,21 @@ class NcclBackend:
         return f"NCCL reported {self.low.get_error_string(code)}{self._last_error()}"
 
     def abort(self) -> None:
+        """ncclCommAbort, bounded: it waits for the GPU, and a kernel of ours that never ends
+        (a device loop spinning on a peer) would make it wait forever; then the process is
+        left to exit with its error rather than hang in the abort."""
         comm, self.comm = self.comm, None
-        if comm is not None:
+        if comm is None:
+            return
+
+        def run():
             try:
                 comm.abort()
             except Exception:  # noqa: BLE001 - aborting is the last resort; it must not raise
                 pass
+        worker = threading.Thread(target=run, daemon=True, name=f"deviceop-nccl-abort-{self.rank}")
+        worker.start()
+        worker.join(min(self.timeout, 10.0))
 
     def close(self) -> None:
         comm, self.comm = self.comm, None
