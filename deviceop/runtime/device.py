@@ -16,6 +16,7 @@ from cuda.bindings import driver as cu
 
 from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
+from . import foreign as foreign_work
 from .driver import check
 from .module import CudaModule
 from .stream import _CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, sync_failed
@@ -149,6 +150,15 @@ class CudaDevice(Device):
 
     def new_event(self, timing: bool = True):
         return CudaEvent(self, timing=timing)
+
+    def foreign(self, label: str, body, reference, warmup):
+        """Foreign work here: its ``body`` runs (``reference`` is what the reference device runs)."""
+        return foreign_work.GpuForeign(label, body, warmup)
+
+    @staticmethod
+    def launch_host_func(stream, fn, label: str):
+        """Enqueue ``fn()`` on ``stream`` (runtime/foreign.py); a registration to keep when captured."""
+        return foreign_work.launch_host_func(stream, fn, label)
 
     def conditional_nodes(self) -> tuple[bool, str]:
         """``(supported, why not)``: can graphs captured here hold conditional
