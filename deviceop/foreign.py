@@ -165,8 +165,10 @@ def foreign(body, *, reads=(), writes=(), reference=None, warmup=None, name=None
     it on ``stream`` (a cuBLAS GEMM through torch or CuPy, a Triton kernel, an NCCL
     call, a kernel from another compiler).
 
-    Named for what it holds: work foreign to deviceop (as a foreign function
-    interface calls code of another language), declared at its boundary.
+    Named for what it holds: work foreign to deviceop, declared at its boundary,
+    as a foreign function interface (JAX's ``ffi_call``) declares code of another
+    language.  Not "external": CUDA libraries use that word for a stream or memory
+    another library owns (``torch.cuda.ExternalStream``), which this op is handed.
 
     * ``reads`` / ``writes``: the tensors the body reads and writes, a list (the
       body's positional arguments, reads first) or a dict (keyword arguments);

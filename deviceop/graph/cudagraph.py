@@ -325,14 +325,14 @@ class GraphLaunch(DeviceOp):
 def not_recordable(x) -> LaunchError:
     """The error of ``scope.record(x)`` for an ``x`` that is no op: it would record nothing."""
     if callable(x):
-        what = ("a function, which would run once, now, and never on a replay: put another library's GPU work "
+        what = ("which would run once, now, and never on a replay: put another library's GPU work "
                 "in dop.foreign(body, reads=[...], writes=[...]) and host work that must run at every replay in "
                 "dop.host_callback(fn), and record that op")
     elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
-        what = ("host data, not work: copy it into a device buffer before the scope (dop.from_numpy) and record "
+        what = ("which is host data, not work: copy it into a device buffer before the scope (dop.from_numpy) and record "
                 "api.memcpy(dst, src) to copy it at every replay")
     else:
-        what = "no op, so there is nothing to record: record a kernel launch, api.memcpy, dop.foreign(...), " \
+        what = "which is no op, so there is nothing to record: record a kernel launch, api.memcpy, dop.foreign(...), " \
                "dop.host_callback(...), or a value made an op with dop.value(x)"
     return LaunchError(f"scope.record() takes an op; got a {type(x).__name__}, {what}")
 

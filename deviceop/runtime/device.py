@@ -226,9 +226,13 @@ class CudaDevice(Device):
         """The DLPack capsule of ``array`` for a consumer on stream ``consumer`` (the
         DLPack protocol's integer: 1 the legacy default stream, 2 per-thread, -1 no
         ordering, None the legacy stream): the consumer's stream first waits for the
-        work queued on ``stream`` so far."""
+        work queued on ``stream`` so far (nothing to wait for when it is ``stream``: a
+        foreign op's body imports its tensors on the stream it captures, where an event
+        would be one more capture call)."""
         if consumer != -1:
             handle = 1 if consumer is None else int(consumer)  # None means the legacy stream (DLPack)
+            if handle == stream.ptr:
+                return array.__dlpack__(stream=-1, **kwargs)
             event = stream.record_event(timing=False)
             CudaStream.from_handle(self, handle).wait_event(event)
         return array.__dlpack__(stream=-1, **kwargs)

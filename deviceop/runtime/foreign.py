@@ -152,7 +152,12 @@ def _add_child(stream, child, label: str) -> None:
     """Add ``child`` as a node of the graph ``stream`` is capturing, after its dependencies;
     the stream's next work follows that node."""
     graph, deps = _capture_info(stream)
-    node = check(cu.cuGraphAddChildGraphNode(graph, deps, len(deps), child), f"cuGraphAddChildGraphNode({label})")
+    code, node = cu.cuGraphAddChildGraphNode(graph, deps, len(deps), child)
+    if code:
+        raise CaptureError(f"{label}'s captured work cannot be a node of the graph (cuGraphAddChildGraphNode: "
+                           f"{error_name(code)}): a child graph may not hold memory allocation or free nodes "
+                           "(cudaMallocAsync, cudaFreeAsync, a stream-ordered memory pool) or conditional nodes. "
+                           "Allocate before capturing and pass the buffers in (declared in writes=)")
     check(cu.cuStreamUpdateCaptureDependencies(stream.handle, [node], None, 1, _SET_DEPENDENCIES),
           "cuStreamUpdateCaptureDependencies")
 
@@ -229,10 +234,16 @@ def broken(label: str, exc, code_name: str | None) -> CaptureError | None:
 
 
 # -- host functions ----------------------------------------------------------------------------
+#
+# Called through ctypes, not cuda.bindings: the bindings' cuLaunchHostFunc wraps the function
+# in a record it frees after the first call, so a captured host node would run once and then
+# read freed memory (NVIDIA/cuda-python issue 790).  One C trampoline serves every host function:
+# its userData is a key into ``_pending``.
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _pending: dict = {}  # key -> (fn, once): what the trampoline calls for a userData key
 _keys = itertools.count(1)
+_driver_lib = None
 
 
 def _trampoline(key) -> None:
@@ -248,8 +259,18 @@ def _trampoline(key) -> None:
         pass
 
 
-_TRAMPOLINE = _HOST_FN(_trampoline)  # one C callback for the process: each call names its function by key
-_TRAMPOLINE_FN = cu.CUhostFn(ctypes.cast(_TRAMPOLINE, ctypes.c_void_p).value)
+_TRAMPOLINE = _HOST_FN(_trampoline)  # one C callback for the process, alive as long as the module
+
+
+def _cu_launch_host_func():
+    """The driver's own cuLaunchHostFunc (ctypes releases the GIL while it runs)."""
+    global _driver_lib
+    if _driver_lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchHostFunc.restype = ctypes.c_int
+        lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
+        _driver_lib = lib
+    return _driver_lib.cuLaunchHostFunc
 
 
 class HostFunction:
@@ -270,10 +291,12 @@ def launch_host_func(stream, fn, label: str):
     once the work before it is done.  On a capturing stream it becomes a HOST node,
     run at every replay while the returned registration lives; eagerly it runs once
     (returns None)."""
+    handle = int(stream._live(label))
     capturing = stream.is_capturing()
+    stream.device.bind()
     key = next(_keys)
     _pending[key] = (fn, not capturing)
-    code = cu.cuLaunchHostFunc(stream._live(label), _TRAMPOLINE_FN, key)[0]
+    code = _cu_launch_host_func()(handle, _TRAMPOLINE, key)
     if code:
         _pending.pop(key, None)
         raise_error(code, f"cuLaunchHostFunc({label})")
