@@ -58,7 +58,7 @@ from .interop import as_tensor, empty, from_dlpack, from_numpy, zeros
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from . import api
 from .foreign import ForeignOp, HostCallback, foreign, host_callback
-from .kernel import In, Kernel, KernelLaunch, Out, Scalar, precompile
+from .kernel import In, InOut, Kernel, KernelLaunch, Out, Scalar, precompile
 from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, Module, Scope, Workspace,
                     default_sizes, loop, while_)
 
@@ -77,7 +77,7 @@ __all__ = [
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy", "zeros",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
     "ForeignOp", "HostCallback", "foreign", "host_callback",
-    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
+    "In", "InOut", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
     "CacheStats", "GraphCache", "Workspace", "default_sizes", "loop", "while_",
 ]
