@@ -57,7 +57,8 @@ from .tensor import Partition, SharedTensor, Tensor
 from .interop import as_tensor, empty, from_dlpack, from_numpy, zeros
 from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value, zip_
 from . import api
-from .kernel import In, Kernel, KernelLaunch, Out, Scalar, precompile
+from .foreign import ForeignOp, HostCallback, foreign, host_callback
+from .kernel import In, InOut, Kernel, KernelLaunch, Out, Scalar, precompile
 from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, Module, Scope, Workspace,
                     default_sizes, loop, while_)
 
@@ -76,7 +77,8 @@ __all__ = [
     "ReferenceStream", "Stream", "load_module", "ptr",
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy", "zeros",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
-    "In", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
+    "ForeignOp", "HostCallback", "foreign", "host_callback",
+    "In", "InOut", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
     "CacheStats", "GraphCache", "Workspace", "default_sizes", "loop", "while_",
 ]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
@@ -198,7 +198,7 @@ pf_qkv_rope = Kernel(
     "pf_qkv_rope", SOURCE,
     [Out("qkv", "float32", rank=2), In("hidden", "float32", rank=2), In("norm_w", "bfloat16", rank=1),
      In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("chunk", "int32", rank=1),
-     In("k_cache", "bfloat16", rank=3), In("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
+     InOut("k_cache", "bfloat16", rank=3), InOut("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
      Scalar("eps", "float32"), Scalar("cap", "int32")],
     generics=["K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
     shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 32 * g["PB"], g["WR"] * g["WK"]),

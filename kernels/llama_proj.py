@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 import deviceop as dop
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
@@ -193,7 +193,7 @@ rms_qkv_rope = Kernel(
     "rms_qkv_rope", SOURCE,
     [Out("q", "float32", rank=1), In("hidden", "float32", rank=1), In("norm_w", "bfloat16", rank=1),
      In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("pos", "int32", rank=1),
-     In("k_cache", "bfloat16", rank=3), In("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
+     InOut("k_cache", "bfloat16", rank=3), InOut("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
      Scalar("eps", "float32"), Scalar("cap", "int32")],
     generics=["K", "HD", "HQ", "HKV", "W", "CH", "NB"], block=lambda g: 32 * g["W"], reference=_rms_qkv_rope_ref,
     validate=_rms_qkv_rope_check)

@@ -17,12 +17,15 @@ class Capture:
     checked for graph safety first — the op's tree, what a ``then`` callback
     returns, a loop's body — and that walk is where they are found."""
 
-    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh")
+    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before")
 
     def __init__(self, label: str):
         self.keep, self.label = [], label
         self.nodes, self.by_launch = [], {}
         self.fresh = []
+        # an event recorded on the stream just before the capture began: foreign work's
+        # warm-up runs after what the stream did before the capture (deviceop/foreign.py)
+        self.before = None
 
     def check_graph_safe(self, op: DeviceOp) -> None:
         bad = op.unsafe_for_graphs(self.fresh)

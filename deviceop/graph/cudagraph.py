@@ -18,7 +18,7 @@ import threading
 
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE
-from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
+from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, warn_if_unexecuted
 from .capture import Capture, preload
 from .nodes import KernelNode
 from .render import render_dot
@@ -64,7 +64,7 @@ class CudaGraph:
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
             preload(op, stream.device)
-            graph = cls._begin_or_abort(stream)
+            graph = cls._begin_or_abort(stream, cap)
             try:
                 output = op._run(ExecutionContext(stream, cap))
             except BaseException as exc:
@@ -86,11 +86,12 @@ class CudaGraph:
         return True
 
     @staticmethod
-    def _begin_or_abort(stream):
+    def _begin_or_abort(stream, cap: Capture):
         """``_begin``, ending the capture again if anything interrupts it — also a
         KeyboardInterrupt that lands after the driver began it, before it returned."""
         if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
             raise CaptureError("this stream is already capturing; end that capture first")
+        cap.before = stream.record_event(timing=False)
         try:
             return CudaGraph._begin(stream)
         except BaseException:
@@ -321,6 +322,21 @@ class GraphLaunch(DeviceOp):
         return None
 
 
+def not_recordable(x) -> LaunchError:
+    """The error of ``scope.record(x)`` for an ``x`` that is no op: it would record nothing."""
+    if callable(x):
+        what = ("which would run once, now, and never on a replay: put another library's GPU work "
+                "in dop.foreign(body, reads=[...], writes=[...]) and host work that must run at every replay in "
+                "dop.host_callback(fn), and record that op")
+    elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        what = ("which is host data, not work: copy it into a device buffer before the scope (dop.from_numpy) and record "
+                "api.memcpy(dst, src) to copy it at every replay")
+    else:
+        what = "which is no op, so there is nothing to record: record a kernel launch, api.memcpy, dop.foreign(...), " \
+               "dop.host_callback(...), or a value made an op with dop.value(x)"
+    return LaunchError(f"scope.record() takes an op; got a {type(x).__name__}, {what}")
+
+
 class Scope:
     """The recorder of ``CudaGraph.scope``: ``record(op)`` runs a graph-safe op
     on the capture stream at once (recording it) and returns its value."""
@@ -337,7 +353,8 @@ class Scope:
         if threading.get_ident() != self._thread:  # an execution context belongs to one thread
             raise StateError("record() from a thread other than the one that opened the scope; "
                              "record on that thread, or open a scope (on a stream of its own) in this one")
-        op = value(op)
+        if not isinstance(op, DeviceOp):
+            raise not_recordable(op)
         self._cap.check_graph_safe(op)
         preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
         try:
@@ -350,7 +367,7 @@ class Scope:
         self._lock_cm.__enter__()
         try:
             self._cap = Capture("CudaGraph.scope")
-            self._graph_handle = CudaGraph._begin_or_abort(self.stream)
+            self._graph_handle = CudaGraph._begin_or_abort(self.stream, self._cap)
             self._ctx = ExecutionContext(self.stream, self._cap)
             self._thread = threading.get_ident()
         except BaseException:

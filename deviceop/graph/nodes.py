@@ -70,7 +70,7 @@ class KernelNode:
 
     @property
     def grid(self) -> tuple:
-        return tuple(self.values[0].grid)
+        return tuple(self.values[self.kernel.grid_index].grid)
 
     def __repr__(self) -> str:
         dyn = ", ".join(self.kernel.params[i].name for i in sorted(self.mutable)) or "none"
@@ -132,7 +132,7 @@ class KernelNode:
         else:
             saved, old = self._buf.raw, (self._params, self._config)
             packed = fn.pack(*launch_args)
-            config = kernel.config(new[0].grid, self.generics)  # may refuse the grid: before any change
+            config = kernel.config(new[kernel.grid_index].grid, self.generics)  # may refuse the grid: first
             self._buf[:len(packed)] = packed
             self._params, self._config = fn.node_params(config, self._ptrs), config
             try:

@@ -1,6 +1,6 @@
 """Kernel declarations and the launch plan (see declare.py for what a kernel is).
 
-* ``signature``: parameters (``Out``, ``In``, ``Scalar``) and the check of one argument;
+* ``signature``: parameters (``Out``, ``InOut``, ``In``, ``Scalar``) and the check of one argument;
 * ``plan``: the launch key, every check of a launch, the verdict cache;
 * ``launch``: the lazy launch op and its ``first()``;
 * ``fast``: the generated eager fast path;
@@ -11,7 +11,7 @@ from .declare import Kernel
 from .launch import KernelLaunch
 from .plan import _launcher, check_launch, checked_launch
 from .precompile import precompile, progress
-from .signature import In, Out, Param, Scalar, check_arg
+from .signature import In, InOut, Out, Param, Scalar, check_arg
 
-__all__ = ["_launcher", "In", "Kernel", "KernelLaunch", "Out", "Param", "Scalar", "check_arg", "check_launch",
+__all__ = ["_launcher", "In", "InOut", "Kernel", "KernelLaunch", "Out", "Param", "Scalar", "check_arg", "check_launch",
            "checked_launch", "precompile", "progress"]

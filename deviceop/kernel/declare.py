@@ -6,17 +6,19 @@ A kernel is CUDA C++ (a ``.cu`` file or a string) plus a declaration:
 * its entry name and template parameters (``generics``; a launch picks values
   with ``.generics([...])``, compiled as the NVRTC name expression
   ``entry<v0, v1, ...>``),
-* the role of each parameter, output first: ``Out`` (a partition the kernel
-  writes, one block per tile), ``In`` (a tensor it reads), ``Scalar``; a
-  tensor parameter's layout is dense (C-contiguous) unless declared
-  ``layout="strided"``,
+* the role of each parameter, in the order the kernel takes them: ``Out`` (a
+  partition the kernel writes; the first Out gives the grid, one block per
+  tile), ``InOut`` (a tensor it reads and writes), ``In`` (a tensor it reads),
+  ``Scalar``; any number of outputs and in-outs, at any position; a tensor
+  parameter's layout is dense (C-contiguous) unless declared ``layout="strided"``,
 * its block shape and dynamic shared memory (functions of the generics), and
   optionally its thread-block cluster (a function of the generics and the grid),
 * a NumPy reference that computes the same output — what the reference
   device runs, and what tests compare the GPU against.
 
 Calling the kernel builds a lazy launch op; its value is the tuple of all the
-arguments, its grid is the output partition's tiles per axis.
+arguments, ``first()`` its (first) output partition, its grid that partition's
+tiles per axis.
 """
 from __future__ import annotations
 
@@ -48,8 +50,13 @@ class Kernel:
         else:
             self.source_path, self.source = None, source
         self.params = tuple(params)
-        if not self.params or self.params[0].role != "out" or any(p.role == "out" for p in self.params[1:]):
-            raise LaunchError(f"kernel {name}: the first parameter, and only the first, must be Out(...)")
+        outs = [i for i, p in enumerate(self.params) if p.role == "out"]
+        if not outs:
+            raise LaunchError(f"kernel {name} declares no Out(...): the launch grid is an output partition's tiles, "
+                              "so declare the output the grid is cut from as Out (at its position in the kernel's "
+                              "parameters); other outputs may be Out or InOut, anywhere")
+        self.grid_index = outs[0]  # the output partition the grid comes from (and launch.first())
+        self._out_positions = tuple(outs)
         self.generic_names = tuple(generics)
         # may a launch omit .generics()?  (when the parameters' shapes name every generic)
         self.infers_generics = bool(self.generic_names) and inferable(self.params, self.generic_names)
@@ -63,8 +70,8 @@ class Kernel:
         # launch key -> LaunchPlan of a checked launch (plan.checked_launch); cleared, never
         # replaced: the generated fast path holds this dict
         self._plans: dict = {}
-        # the tensor parameters after the output (a verdict hit unwraps their SharedTensors)
-        self._input_positions = tuple(i for i, p in enumerate(self.params) if i and p.role != "scalar")
+        # the input tensors (a verdict hit unwraps their SharedTensors; an in-out one has no launch key)
+        self._input_positions = tuple(i for i, p in enumerate(self.params) if p.role == "in")
         self.param_index = {p.name: i for i, p in enumerate(self.params)}
         self._lock = threading.Lock()
         self._launch_types: dict = {}  # positions of the arguments that are ops -> launch class

@@ -30,7 +30,8 @@ def _fast_launch_type(kernel, dynamic: tuple) -> type:
     output_run = codegen.generate(codegen.KERNEL_RUN, "_run", env, label,
                                   op=["op = self.launch", "if op._consumed:", "    op._already_executed()",
                                       "op._consumed = True"],
-                                  result="a0.tensor if self.as_tensor else a0", **common)
+                                  result=f"a{kernel.grid_index}.tensor if self.as_tensor else a{kernel.grid_index}",
+                                  **common)
     output = type("_Output", (_Output,), {"__slots__": (), "_run": output_run, "_execute": output_run,
                                           "__module__": __name__, "__doc__": _Output.__doc__})
     return type("KernelLaunch", (KernelLaunch,), {"__slots__": (), "_run": launch_run, "_execute": launch_run,

@@ -13,7 +13,8 @@ from .signature import Param, check_arg
 
 
 class _Output(DeviceOp):
-    """``launch.first()`` and ``launch.first().unpartition()`` as one node."""
+    """``launch.first()`` and ``launch.first().unpartition()`` as one node: the launch's
+    (first) output partition, wherever it sits among the kernel's parameters."""
 
     __slots__ = ("launch", "as_tensor")
     graph_safe = True
@@ -37,7 +38,7 @@ class _Output(DeviceOp):
         if self._consumed:
             self._already_executed()
         self._consumed = True
-        part = self.launch._run(ctx)[0]
+        part = self.launch._run(ctx)[self.launch.kernel.grid_index]
         return part.tensor if self.as_tensor else part
 
     def describe(self):
@@ -77,7 +78,8 @@ class KernelLaunch(DeviceOp):
         return len(self.args)
 
     def first(self) -> "DeviceOp":
-        """The output partition (one node, not a map: launches are the hot path)."""
+        """The (first) output partition, at whatever position the kernel takes it
+        (one node, not a map: launches are the hot path)."""
         return self._output_type(self, False)
 
     def generics(self, values) -> "KernelLaunch":

@@ -15,7 +15,7 @@ import math
 from ..errors import AliasingError, LaunchError
 from ..runtime import codegen
 from ..runtime.launch import LaunchConfig
-from ..tensor import SharedTensor
+from ..tensor import SharedTensor, Tensor
 from .signature import _as_tensor_arg, bind, check_arg, run_rule
 
 
@@ -67,11 +67,16 @@ def _launch_key_code(kernel, head) -> tuple[list[str], str]:
     zero on its sign too (0.0 == -0.0, but their bytes differ).  So every input
     of every check of a launch (roles, dtypes, ranks, layouts, aliasing, the
     kernel's ``validate``, which may read scalars) is in the key."""
-    key = [*head, "a0._sig_id"]
+    key = [*head]
     unwrap = []
-    for i, p in enumerate(kernel.params[1:], 1):
-        if p.role == "in":  # a SharedTensor's tensor while the handle is live; else no key (the check names it)
+    for i, p in enumerate(kernel.params):
+        if p.role == "out":  # a partition: its layout id stands for its tensor's and its tiles
+            key.append(f"a{i}._sig_id")
+        elif p.role == "in":  # a SharedTensor's tensor while the handle is live; else no key (the check names it)
             unwrap.append(f"t{i} = a{i}._tensor if type(a{i}) is SharedTensor and a{i}._live else a{i}")
+            key.append(f"t{i}._sig_id")
+        elif p.role == "inout":  # a Tensor; a SharedTensor has no key: whether it is held alone is checked each time
+            unwrap.append(f"t{i} = a{i} if type(a{i}) is Tensor else None")
             key.append(f"t{i}._sig_id")
         elif p.dtype.kind == "f":
             key += [f"type(a{i})", f"a{i}", f"(a{i} or copysign(1.0, a{i}))"]
@@ -80,7 +85,7 @@ def _launch_key_code(kernel, head) -> tuple[list[str], str]:
     return unwrap, f"({', '.join(key)})"
 
 
-_KEY_ENV = {"SharedTensor": SharedTensor, "copysign": math.copysign}
+_KEY_ENV = {"SharedTensor": SharedTensor, "Tensor": Tensor, "copysign": math.copysign}
 
 
 def _launch_key_function(kernel):
@@ -100,15 +105,22 @@ def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
     params = kernel.params
     for p, v in zip(params, values):
         check_arg(kernel, p, v)
-    launch_args = [values[0].tensor] + [_as_tensor_arg(v) for v in values[1:]]
+    launch_args = [v.tensor if p.role == "out" else _as_tensor_arg(v) for p, v in zip(params, values)]
     gen = bind(kernel, values, launch_args, gen)
-    out = launch_args[0]
-    for p, t in zip(params[1:], launch_args[1:]):
-        if p.role == "in" and t.overlaps(out):
-            raise AliasingError(f"{label} writes {params[0].name} and reads {p.name} from "
-                                "overlapping memory; write into a separate buffer")
-    if kernel.validate is not None:
-        run_rule(kernel, kernel.validate, gen, dict(zip(kernel.generic_names, gen)), values[0], *launch_args[1:])
+    written = [(p, t) for p, t in zip(params, launch_args) if p.writes]
+    read = [(p, t) for p, t in zip(params, launch_args) if p.role == "in"]
+    for i, (w, t) in enumerate(written):
+        for other, u in written[i + 1:]:
+            if t.overlaps(u):
+                raise AliasingError(f"{label} writes {w.name} and {other.name}, which overlap; give each output "
+                                    "its own buffer")
+        for other, u in read:
+            if t.overlaps(u):
+                raise AliasingError(f"{label} writes {w.name} and reads {other.name} from overlapping memory; "
+                                    "write into a separate buffer (a buffer read and written is one InOut)")
+    if kernel.validate is not None:  # partitions for outputs, tensors for the rest
+        run_rule(kernel, kernel.validate, gen, dict(zip(kernel.generic_names, gen)),
+                 *[v if p.role == "out" else t for p, v, t in zip(params, values, launch_args)])
     return launch_args, gen
 
 
@@ -128,7 +140,8 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
     if plan is not None:
         # Plain loop: the partition's tensor and each live SharedTensor's tensor (the key had them all)
         launch_args = list(values)
-        launch_args[0] = values[0].tensor
+        for i in kernel._out_positions:
+            launch_args[i] = values[i].tensor
         for i in kernel._input_positions:
             t = launch_args[i]
             if type(t) is SharedTensor:
@@ -137,7 +150,7 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
     device, gen, pdl, cooperative = head
     launch_args, gen = check_launch(kernel, values, gen, describe())
     fn = kernel.function(device, gen)  # compiled, loaded and checked against the CUBIN once
-    plan = LaunchPlan(fn, pdl, cooperative, kernel.config(values[0].grid, gen), gen)
+    plan = LaunchPlan(fn, pdl, cooperative, kernel.config(values[kernel.grid_index].grid, gen), gen)
     if key is not None:
         if len(plans) > 65536:
             plans.clear()

@@ -1,6 +1,8 @@
-"""A kernel's typed signature: each parameter's role (output partition, input
-tensor, scalar), dtype, layout, and shape in terms of the kernel's generics,
-as cuTile writes ``out: &mut Tensor<f32, {[B]}>``, ``x: &Tensor<f32, {[-1, K]}>``::
+"""A kernel's typed signature: each parameter's role (output partition, in-out
+tensor, input tensor, scalar: any number of outputs and in-outs, at any
+position, as the kernel's author wrote it), dtype, layout, and shape in terms
+of the kernel's generics, as cuTile writes ``out: &mut Tensor<f32, {[B]}>``,
+``x: &Tensor<f32, {[-1, K]}>``::
 
     Out("out", "float32", tile=("B",))          # the output's tile is [B]
     In("x", "float32", shape=(-1, "K"))         # any rows, K columns
@@ -24,12 +26,13 @@ from ..errors import DeviceOpError, DTypeError, LaunchError, ShapeError
 from ..tensor import Partition, SharedTensor, Tensor
 
 LAYOUTS = ("dense", "strided")
+WRITTEN = ("out", "inout")  # the roles of the parameters a kernel writes
 
 
 @dataclass(frozen=True)
 class Param:
     name: str
-    role: str              # "out" | "in" | "scalar"
+    role: str              # "out" | "inout" | "in" | "scalar"
     dtype: DType
     rank: int | None = None
     # what the kernel assumes of a tensor's memory: "dense" (C-contiguous: the kernel
@@ -46,7 +49,13 @@ class Param:
         dims += f" tile {_dims_text(self.tile)}" if self.tile is not None else ""
         rank = f", rank {self.rank}" if self.rank is not None and not dims else ""
         layout = f", {self.layout}" if self.layout != "dense" else ""
-        return f"{self.name}: {'out ' if self.role == 'out' else ''}{self.dtype.name}{dims}{rank}{layout}"
+        role = f"{self.role} " if self.role in WRITTEN else ""
+        return f"{self.name}: {role}{self.dtype.name}{dims}{rank}{layout}"
+
+    @property
+    def writes(self) -> bool:
+        """Does the kernel write this parameter (an Out or an InOut)?"""
+        return self.role in WRITTEN
 
 
 def _dims_text(dims) -> str:
@@ -79,10 +88,20 @@ def _tensor_param(name: str, role: str, dtype, rank, layout, shape=None, tile=No
 
 
 def Out(name: str, dtype, rank: int | None = None, layout: str = "dense", *, shape=None, tile=None) -> Param:
-    """The output partition (always the first parameter).  ``layout="dense"`` (the
-    default) refuses a tensor that is not C-contiguous; ``"strided"`` accepts any.
-    ``shape`` and ``tile`` declare its dimensions and its tile's (module docstring)."""
+    """An output partition: a buffer the kernel writes, cut into tiles; the first
+    Out of a signature (at any position) gives the launch grid, its tiles per axis.
+    ``layout="dense"`` (the default) refuses a tensor that is not C-contiguous;
+    ``"strided"`` accepts any.  ``shape`` and ``tile`` declare its dimensions and
+    its tile's (module docstring)."""
     return _tensor_param(name, "out", dtype, rank, layout, shape, tile)
+
+
+def InOut(name: str, dtype, rank: int | None = None, layout: str = "dense", *, shape=None) -> Param:
+    """A tensor the kernel reads and writes (a KV cache it appends to, an error word it
+    ORs into): a Tensor (a mutable borrow its caller vouches for, as ``tensor.partition``
+    is) or a SharedTensor held alone (else OwnershipError); no other argument may
+    overlap it.  ``layout`` and ``shape`` as for ``In``."""
+    return _tensor_param(name, "inout", dtype, rank, layout, shape)
 
 
 def In(name: str, dtype, rank: int | None = None, layout: str = "dense", *, shape=None) -> Param:
@@ -235,6 +254,20 @@ def _not_a_tensor_hint(a) -> str:
         return " (a host array: copy it to the device with dop.from_numpy(array))"
     return ""
 
+def writable_arg(kernel, p: Param, a) -> Tensor:
+    """The tensor an InOut argument ``a`` gives the kernel to read and write: a Tensor,
+    or a SharedTensor only while nothing else can reach its buffer (checked at every
+    launch: such a launch has no launch key, see plan.py)."""
+    if isinstance(a, SharedTensor):
+        return a.check_writable(f"{kernel.name} writes {p.name}")
+    if isinstance(a, Tensor):
+        return a
+    hint = (" (an in-out argument is the whole tensor the kernel reads and writes: pass partition.tensor)"
+            if isinstance(a, Partition) else _not_a_tensor_hint(a))
+    raise LaunchError(f"argument {p.name} of {kernel.name} (read and written) must be a Tensor, or a SharedTensor "
+                      f"held alone, got {type(a).__name__}{hint}")
+
+
 def check_arg(kernel, p: Param, a) -> None:
     """Is ``a`` a valid value for parameter ``p`` (role, dtype, rank, layout)?"""
     k = kernel.name
@@ -242,8 +275,10 @@ def check_arg(kernel, p: Param, a) -> None:
         if not isinstance(a, Partition):
             hint = " (a plain tensor: pass tensor.partition(tile), or shared.try_partition(tile))" \
                 if isinstance(a, (Tensor, SharedTensor)) else ""
-            raise LaunchError(f"argument 0 ({p.name}) of {k} must be a Partition{hint}, got {type(a).__name__}")
+            raise LaunchError(f"argument {p.name} of {k} must be a Partition{hint}, got {type(a).__name__}")
         t = a.tensor
+    elif p.role == "inout":
+        t = writable_arg(kernel, p, a)
     elif p.role == "in":
         t = _as_tensor_arg(a)
         if not isinstance(t, Tensor):

@@ -17,6 +17,7 @@ from cuda.bindings import driver as cu
 from ..dtypes import producer_name
 from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
+from . import foreign as foreign_work
 from .driver import check
 from .module import CudaModule
 from .stream import _CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, sync_failed
@@ -156,6 +157,15 @@ class CudaDevice(Device):
     def new_event(self, timing: bool = True):
         return CudaEvent(self, timing=timing)
 
+    def foreign(self, label: str, body, reference, warmup):
+        """Foreign work here: its ``body`` runs (``reference`` is what the reference device runs)."""
+        return foreign_work.GpuForeign(label, body, warmup)
+
+    @staticmethod
+    def launch_host_func(stream, fn, label: str):
+        """Enqueue ``fn()`` on ``stream`` (runtime/foreign.py); a registration to keep when captured."""
+        return foreign_work.launch_host_func(stream, fn, label)
+
     def conditional_nodes(self) -> tuple[bool, str]:
         """``(supported, why not)``: can graphs captured here hold conditional
         (WHILE) nodes, which captured loops become?  (CUDA 12.4 drivers and up.)"""
@@ -227,9 +237,13 @@ class CudaDevice(Device):
         """The DLPack capsule of ``array`` for a consumer on stream ``consumer`` (the
         DLPack protocol's integer: 1 the legacy default stream, 2 per-thread, -1 no
         ordering, None the legacy stream): the consumer's stream first waits for the
-        work queued on ``stream`` so far."""
+        work queued on ``stream`` so far (nothing to wait for when it is ``stream``: a
+        foreign op's body imports its tensors on the stream it captures, where an event
+        would be one more capture call)."""
         if consumer != -1:
             handle = 1 if consumer is None else int(consumer)  # None means the legacy stream (DLPack)
+            if handle == stream.ptr:
+                return array.__dlpack__(stream=-1, **kwargs)
             event = stream.record_event(timing=False)
             CudaStream.from_handle(self, handle).wait_event(event)
         return array.__dlpack__(stream=-1, **kwargs)

@@ -24,7 +24,7 @@ from ..dtypes import host_array_from_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver
 from .device import CTX_SYNC, Device
-from .tape import Kernel as _Kernel, Copy as _Copy, TapeGraphs
+from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, TapeGraphs
 from .params import ParamLayout, check_param_layout
 from .stream import _CAPTURED_EVENT, _CLOSED, Stream, closed_stream, sync_in_capture
 
@@ -104,6 +104,21 @@ class ReferenceDevice(Device):
 
     def new_event(self, timing: bool = True):
         return ReferenceEvent(self, timing=timing)
+
+    def foreign(self, label: str, body, reference, warmup):
+        """Foreign work here: its NumPy ``reference`` runs where a GPU runs its ``body``
+        (and its warm-up); without one the op is refused, as the GPU refuses what it cannot run."""
+        if reference is None:
+            raise NoDeviceError(f"{label} runs another library's GPU work (its body), which needs a CUDA device; "
+                                f"this process has the reference device ({self.reason}). Give the op a NumPy "
+                                "reference= (called with the read and write tensors as NumPy arrays, it writes "
+                                "its results into the write arrays) to run it here")
+        return ReferenceForeign(label, reference, warmup)
+
+    @staticmethod
+    def launch_host_func(stream, fn, label: str):
+        """Run ``fn()`` now, or record it as a host step while ``stream`` captures (nothing to keep)."""
+        stream._run(_Host(fn, label, "host"))
 
     def synchronize(self) -> None:
         """Refused while any of its streams captures, and breaks those captures, as ``cuCtxSynchronize`` on a GPU."""
@@ -331,6 +346,28 @@ class ReferenceEvent:
         if self._t is None or end._t is None:
             raise StateError("both events must be recorded before elapsed_ms")
         return (end._t - self._t) * 1e3
+
+
+class ReferenceForeign:
+    """Foreign work on the reference device: its NumPy reference, run now or recorded
+    as one step (a child-graph node on a GPU) that every replay runs again."""
+
+    def __init__(self, label: str, reference, warmup):
+        self.label, self.reference, self.warmup = label, reference, warmup
+
+    def run(self, stream, bind, arrays, capture) -> None:
+        """``arrays()``: the reference's arguments ``(args, kwargs)`` (see runtime/foreign.py's ``run``)."""
+        args, kwargs = arrays()
+        if capture is not None and self.warmup is not None:  # the warm-up is the body run once: here, this
+            self._call(args, kwargs)
+        stream._run(_Host(lambda: self._call(args, kwargs), self.label, "graph"))
+
+    def _call(self, args, kwargs) -> None:
+        out = self.reference(*args, **kwargs)
+        if out is not None:
+            raise LaunchError(f"the reference of {self.label} returned a {type(out).__name__}; a reference writes "
+                              "its results into the write arrays it is given (e.g. out[...] = x @ w) and "
+                              "returns nothing")
 
 
 # -- kernels: the NumPy reference behind a Function's interface --------------------------

@@ -105,7 +105,7 @@ class CudaStream(Stream):
         self.ptr = int(handle)  # the handle as an int: what each kernel launch passes (None once closed)
         self._owned = owned
         self.is_legacy = int(handle) in (0, int(cu.CU_STREAM_LEGACY))
-        self._cupy = None
+        self._cupy = self._torch = None
 
     @classmethod
     def legacy(cls, device) -> "CudaStream":
@@ -212,6 +212,16 @@ class CudaStream(Stream):
             import cupy
             self._cupy = cupy.cuda.Stream.from_external(self)
         return self._cupy
+
+    @property
+    def torch(self):
+        """This stream as a ``torch.cuda.ExternalStream`` (``with torch.cuda.stream(stream.torch):``
+        runs torch work, and Triton kernels, on it)."""
+        if self._torch is None:
+            import torch
+            self._torch = torch.cuda.ExternalStream(int(self._live("stream.torch")),
+                                                    device=torch.device("cuda", self.device.ordinal))
+        return self._torch
 
     def close(self) -> None:
         """Destroy the stream (idempotent); later work on it raises StateError."""

@@ -1,5 +1,6 @@
 """The reference device's graphs: a capture records a tape of steps (a kernel's
-NumPy reference with its arguments, a copy, a loop over a body tape), and a
+NumPy reference with its arguments, a copy, a loop over a body tape, a host
+function: a host callback, or the NumPy reference of foreign work), and a
 graph launch runs them in order.  Steps are updated in place, as a CUDA
 graph's nodes are by cuGraphExecUpdate and cuGraphExecKernelNodeSetParams."""
 from __future__ import annotations
@@ -39,6 +40,21 @@ class Copy:
 
     def take(self, other: "Copy") -> None:
         self.dst, self.src, self.nbytes = other.dst, other.src, other.nbytes
+
+
+class Host:
+    """A host function: ``kind`` "host" for a host callback (a HOST node on a GPU),
+    "graph" for foreign work's NumPy reference (a child GRAPH node there)."""
+    __slots__ = ("fn", "name", "kind")
+
+    def __init__(self, fn, name: str, kind: str):
+        self.fn, self.name, self.kind = fn, name, kind
+
+    def run(self) -> None:
+        self.fn()
+
+    def take(self, other: "Host") -> None:
+        self.fn = other.fn
 
 
 class While:
@@ -136,7 +152,7 @@ class TapeGraphs:
 
     @staticmethod
     def nodes(graph) -> list[dict]:
-        kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL"}
+        kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL", "host": "HOST", "graph": "GRAPH"}
         return [{"type": kinds.get(s.kind, "MEMCPY"), "name": s.name} for s in graph]
 
     @staticmethod

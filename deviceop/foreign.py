@@ -1,0 +1,265 @@
+"""Other libraries' GPU work as ops: ``dop.foreign`` and ``dop.host_callback``.
+
+``foreign(body, reads=[...], writes=[...])`` is an op whose ``body(stream, *reads,
+*writes)`` enqueues any GPU work on the stream it is handed: a cuBLAS GEMM
+through torch or CuPy, a Triton kernel, an NCCL collective, a kernel someone
+else compiled.  deviceop cannot see inside the body, so the op declares what
+the body reads and writes, and those take part in ownership exactly as a
+kernel's arguments do.  Eagerly the body runs on the op's stream; captured
+(``graph_on``, a scope, ``recapture``), its work becomes one child-graph node
+and every replay runs it again (runtime/foreign.py says how the capture is
+checked).  On the reference device the op's NumPy ``reference`` runs instead,
+and a captured one is replayed.
+
+``host_callback(fn)`` runs ``fn()`` on the host once the stream's work before it
+is done: eagerly once, captured at every replay (a HOST node).
+"""
+from __future__ import annotations
+
+import warnings
+
+from .errors import AliasingError, LaunchError
+from .op import DeviceOp, resolve, warn_if_unexecuted
+from .tensor import Partition, SharedTensor, Tensor
+
+
+def _declared(role: str, given) -> list:
+    """``(key, value)`` pairs of a reads= or writes= declaration: a list gives the body
+    positional arguments (keys are indices), a dict keyword arguments (keys are names)."""
+    if given is None:
+        return []
+    if isinstance(given, dict):
+        bad = [k for k in given if not (isinstance(k, str) and k.isidentifier())]
+        if bad:
+            raise LaunchError(f"{role}= as a dict names the body's keyword arguments; {bad[0]!r} is not a name")
+        return list(given.items())
+    if isinstance(given, (list, tuple)):
+        return list(enumerate(given))
+    raise LaunchError(f"{role}= is a list of tensors (the body's positional arguments) or a dict of them (its "
+                      f"keyword arguments), got a {type(given).__name__}; e.g. {role}=[x]")
+
+
+def _name(role: str, key) -> str:
+    return f"{role}[{key}]" if isinstance(key, int) else key
+
+
+def _read(label: str, name: str, v) -> Tensor:
+    if isinstance(v, SharedTensor):
+        return v.tensor
+    if isinstance(v, Tensor):
+        return v
+    hint = (" (a partition is how a kernel writes: declare the buffer in writes=, or read partition.tensor)"
+            if isinstance(v, Partition) else
+            " (host data: copy it to the device with dop.from_numpy(array))" if hasattr(v, "__array_interface__")
+            else " (a kernel launch's value is the tuple of its arguments: pass launch.first().unpartition())"
+            if isinstance(v, tuple) else "")
+    raise LaunchError(f"{label} reads {name}, which must be a Tensor or SharedTensor, got {type(v).__name__}{hint}")
+
+
+def _write(label: str, name: str, v) -> Tensor:
+    """The tensor behind a write: a SharedTensor only when nothing else can reach its
+    buffer (as ``try_partition`` would claim it); a Tensor or Partition is a mutable
+    borrow its caller vouches for, as ``tensor.partition`` is for a kernel."""
+    if isinstance(v, SharedTensor):
+        return v.check_writable(f"{label} writes {name}")
+    if isinstance(v, Partition):
+        return v.tensor
+    if isinstance(v, Tensor):
+        return v
+    hint = " (host data: copy it to the device with dop.from_numpy(array))" \
+        if hasattr(v, "__array_interface__") else ""
+    raise LaunchError(f"{label} writes {name}, which must be a Tensor, a Partition or a SharedTensor held alone, "
+                      f"got {type(v).__name__}{hint}")
+
+
+class ForeignOp(DeviceOp):
+    """Another library's GPU work as an op (see :func:`foreign`); its value is the
+    tuple of its writes, as given."""
+
+    __slots__ = ("body", "reads", "writes", "reference", "warmup", "name")
+    graph_safe = True
+
+    def __init__(self, body, reads, writes, reference, warmup, name):
+        super().__init__()
+        if isinstance(body, DeviceOp) or not callable(body):
+            if isinstance(body, DeviceOp):
+                body.discard()
+            raise LaunchError("dop.foreign(body, ...) takes a function body(stream, *reads, *writes) that enqueues "
+                              f"GPU work on the stream, got a {type(body).__name__}")
+        for what, f in (("reference", reference), ("warmup", warmup)):
+            if f is not None and f is not True and not callable(f):
+                raise LaunchError(f"dop.foreign's {what}= is a function (or, for warmup, True), got {f!r}")
+        self.body, self.reference, self.warmup = body, reference, warmup
+        self.name = name if name is not None else getattr(body, "__name__", type(body).__name__)
+        self.reads, self.writes = _declared("reads", reads), _declared("writes", writes)
+        keys = [k for k, _ in self.reads + self.writes if isinstance(k, str)]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise LaunchError(f"{self.describe()} declares {twice[0]!r} in both reads= and writes=; a buffer the "
+                              "body reads and writes (in place) is declared once, in writes=")
+        values = [v for _, v in self.reads + self.writes]
+        if not any(isinstance(v, DeviceOp) for v in values):
+            self._tensors(values[:len(self.reads)], values[len(self.reads):])  # refused now, before anything runs
+        for v in values:
+            if isinstance(v, DeviceOp):
+                v._armed = False  # run by this op
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
+
+    def children(self):
+        return tuple(v for _, v in self.reads + self.writes if isinstance(v, DeviceOp))
+
+    def describe(self) -> str:
+        return f"dop.foreign({self.name})"
+
+    def _tensors(self, reads, writes) -> list:
+        """The tensors of the reads and writes, in order, checked: a write needs its
+        buffer (a shared one alone), and no write overlaps another or a read."""
+        label = self.describe()
+        rs = [(_name("reads", k), _read(label, _name("reads", k), v)) for (k, _), v in zip(self.reads, reads)]
+        ws = [(_name("writes", k), _write(label, _name("writes", k), v)) for (k, _), v in zip(self.writes, writes)]
+        for i, (wname, w) in enumerate(ws):
+            for how, others in (("writes", ws[i + 1:]), ("reads", rs)):
+                for other, t in others:
+                    if w.overlaps(t):
+                        raise AliasingError(f"{label} writes {wname} and {how} {other} from overlapping memory; "
+                                            "give each write its own buffer (a buffer read and written in place "
+                                            "is declared once, in writes=)")
+        return [t for _, t in rs + ws]
+
+    def _execute(self, ctx):
+        device = ctx.device
+        runner = device.foreign(self.describe(), self.body, self.reference, self.warmup)
+        reads = [resolve(v, ctx) for _, v in self.reads]
+        writes = [resolve(v, ctx) for _, v in self.writes]
+        tensors = self._tensors(reads, writes)  # checked again: clones may have been made since
+        keys = [k for k, _ in self.reads + self.writes]
+
+        def arguments(values):
+            args = [v for k, v in zip(keys, values) if isinstance(k, int)]
+            return args, {k: v for k, v in zip(keys, values) if isinstance(k, str)}
+
+        def bind(stream):  # the tensors, at home on the body's stream: a DLPack import there waits on nothing else
+            homed = []
+            for t in tensors:
+                twin = t._twin()
+                twin._home_stream = stream
+                homed.append(twin)
+            return arguments(homed)
+
+        def arrays():  # for the NumPy reference: reads read-only, writes written in place
+            views = [t._array.view() for t in tensors]
+            for a in views[:len(reads)]:
+                a.flags.writeable = False
+            return arguments(views)
+
+        runner.run(ctx.stream, bind, arrays, ctx.capture)
+        if ctx.capture is not None:
+            ctx.capture.keep.append(tensors)  # every replay reads and writes these buffers
+        return tuple(writes)
+
+
+def foreign(body, *, reads=(), writes=(), reference=None, warmup=None, name=None) -> ForeignOp:
+    """Another library's GPU work as an op: ``body(stream, *reads, *writes)`` enqueues
+    it on ``stream`` (a cuBLAS GEMM through torch or CuPy, a Triton kernel, an NCCL
+    call, a kernel from another compiler).
+
+    Named for what it holds: work foreign to deviceop, declared at its boundary,
+    as a foreign function interface (JAX's ``ffi_call``) declares code of another
+    language.  Not "external": CUDA libraries use that word for a stream or memory
+    another library owns (``torch.cuda.ExternalStream``), which this op is handed.
+
+    * ``reads`` / ``writes``: the tensors the body reads and writes, a list (the
+      body's positional arguments, reads first) or a dict (keyword arguments);
+      an op in either runs first and gives its tensor.  They are checked as a
+      kernel's arguments are: a write is a Tensor or Partition (a mutable borrow
+      the caller vouches for) or a SharedTensor held alone (else OwnershipError);
+      a write overlapping another write or a read is an AliasingError.  A buffer
+      updated in place is declared once, in ``writes``.  The body gets them as
+      deviceop Tensors: ``torch.from_dlpack(t)`` and ``t.to_cupy()`` view them
+      without a copy.
+    * ``stream``, the body's first argument, is a deviceop CUDA stream: it has
+      ``__cuda_stream__`` (cuda.core, CuPy, nccl4py take it), ``.ptr`` (its handle
+      as an int), ``.torch`` (a ``torch.cuda.ExternalStream``: ``with
+      torch.cuda.stream(stream.torch):`` runs torch ops and Triton kernels on it)
+      and ``.cupy`` (``with stream.cupy:``).  Enqueue everything on it: work on
+      another stream is not ordered with the op, and is not captured.
+    * Eagerly the body runs once on the op's stream.  Captured, it runs once on
+      a stream deviceop captures in CUDA's thread-local mode; its work becomes
+      one child-graph node, re-run by every replay.  What a graph cannot replay
+      is a CaptureError naming the cause and the fix, the capture ended and
+      nothing recorded: an allocation, a synchronization, work on the legacy
+      default stream, an allocation through torch's caching allocator, a body
+      that captured nothing (its work went to another stream) or that enqueued
+      on the capturing stream itself.  An exception from the body ends the
+      capture the same way, and goes on unchanged.
+    * ``warmup``: True runs the body once more, eagerly, just before it is
+      captured (on the stream the capture uses, after the work queued before the
+      capture, and waited for): where cuBLAS allocates its workspace, Triton
+      compiles and a library loads its modules.  A function runs instead of the
+      body for that.  The warm-up computes: it writes the writes.
+    * ``reference``: a NumPy function ``reference(*reads, *writes)`` (same order
+      and names) that writes its results into the write arrays; the reference
+      device runs it where a GPU runs the body (and the warm-up), and a captured
+      one at every replay.  Without it the reference device refuses the op
+      (NoDeviceError, naming ``reference=``).
+    * ``name``: what errors and graph nodes call it (default: the body's name).
+
+    The op's value is the tuple of its writes, as given (``.first()`` is the first).
+    """
+    return ForeignOp(body, reads, writes, reference, warmup, name)
+
+
+class HostCallback(DeviceOp):
+    """``fn()`` on the host, in stream order (see :func:`host_callback`); value None."""
+
+    __slots__ = ("fn", "name")
+    graph_safe = True
+
+    def __init__(self, fn, name):
+        super().__init__()
+        if isinstance(fn, DeviceOp) or not callable(fn):
+            if isinstance(fn, DeviceOp):
+                fn.discard()
+            raise LaunchError(f"dop.host_callback(fn) takes a function of no arguments, got a {type(fn).__name__}")
+        self.fn = fn
+        self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
+
+    def describe(self) -> str:
+        return f"dop.host_callback({self.name})"
+
+    def _execute(self, ctx):
+        label, fn = self.describe(), self.fn
+
+        def call():  # a driver thread runs it: an exception cannot reach the caller, so it is reported
+            try:
+                fn()
+            except Exception as exc:
+                warnings.warn(f"{label} raised {type(exc).__name__}: {exc}; a host callback cannot stop the "
+                              "stream's work, which went on", RuntimeWarning, stacklevel=2)
+
+        registration = ctx.device.launch_host_func(ctx.stream, call, label)
+        if registration is not None:  # captured: the function must stay callable while the graph lives
+            (ctx.capture.keep if ctx.capture is not None else _captured_elsewhere).append(registration)
+        return None
+
+
+_captured_elsewhere: list = []  # host functions captured by a capture deviceop did not begin: kept for good
+
+
+def host_callback(fn, *, name=None) -> HostCallback:
+    """``fn()`` runs on the host once the work enqueued on the stream before it is
+    done, and the stream's later work waits for it (``cuLaunchHostFunc``).  Eagerly
+    it runs once; captured it is a HOST node that runs at every replay — the place
+    for host work a replay must repeat (a counter, a timestamp, a log line).
+
+    Limits: ``fn`` runs on a driver thread and must not call CUDA, or anything that
+    waits for the GPU (no CuPy or torch calls, no ``tensor.numpy()``): the driver may
+    refuse it or deadlock.  It should be short, as the stream waits for it.  An
+    exception it raises cannot stop the GPU: it becomes a RuntimeWarning.  A CUDA
+    conditional node's body (a captured ``dop.loop``) may not admit host nodes."""
+    return HostCallback(fn, name)

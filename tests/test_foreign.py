@@ -1,0 +1,286 @@
+"""dop.foreign and dop.host_callback: other libraries' GPU work, and host work, as ops.
+
+What a declaration refuses (ownership, aliasing, the wrong kind of argument) and
+host callbacks run on Device(0): the reference device here, the H100 under
+gpu-check.  What the reference device does with foreign work (its NumPy
+reference=, eager, captured and replayed) runs on an explicit reference device,
+on either machine.  The library bodies themselves (torch, CuPy, Triton) are
+GPU tests: tests/test_foreign_gpu.py.
+"""
+import numpy as np
+import pytest
+
+import deviceop as dop
+from deviceop import CudaGraph, api, zip_
+
+
+@pytest.fixture
+def ref():
+    """The reference device and a stream of it (on a GPU machine too)."""
+    device = dop.ReferenceDevice(0)
+    return device.new_stream()
+
+
+def gpu_body(*_):  # pragma: no cover - the reference device never calls a body
+    raise AssertionError("the reference device runs reference=, never the body")
+
+
+def no_op(*_):  # a reference for ops that are refused before anything runs, on either device
+    pass
+
+
+def tensor(rng, n, stream, dtype=np.float32):
+    return dop.from_numpy(rng.standard_normal(n).astype(dtype), stream=stream)
+
+
+# -- the reference device: reference= ----------------------------------------------------------
+
+def test_the_reference_gets_numpy_arrays_reads_read_only_and_writes_in_place(ref, rng):
+    x, w, y = tensor(rng, 64, ref), tensor(rng, 64, ref), dop.empty(64, stream=ref)
+    seen = {}
+
+    def reference(x, w, y):
+        seen["types"] = (type(x), type(w), type(y))
+        seen["read_only"] = not x.flags.writeable and not w.flags.writeable
+        y[...] = x * w + 1.0
+
+    op = dop.foreign(gpu_body, reads=[x, w], writes=[y], reference=reference, name="fma")
+    assert op.describe() == "dop.foreign(fma)"
+    value = op.sync_on(ref)
+    assert value == (y,)  # the value is the tuple of the writes, as given
+    assert seen == {"types": (np.ndarray,) * 3, "read_only": True}
+    np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref) * w.numpy(stream=ref) + 1.0)
+
+
+def test_dicts_declare_keyword_arguments(ref, rng):
+    x, y = tensor(rng, 32, ref), dop.empty(32, stream=ref)
+
+    def reference(*, src, dst):
+        dst[...] = -src
+
+    dop.foreign(gpu_body, reads={"src": x}, writes={"dst": y}, reference=reference).sync_on(ref)
+    np.testing.assert_array_equal(y.numpy(stream=ref), -x.numpy(stream=ref))
+
+
+def test_a_reference_may_not_write_its_reads(ref, rng):
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    before = x.numpy(stream=ref)
+
+    def reference(x, y):
+        x[...] = 0
+
+    with pytest.raises(ValueError, match="read-only"):
+        dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference).sync_on(ref)
+    np.testing.assert_array_equal(x.numpy(stream=ref), before)
+
+
+def test_a_reference_that_returns_its_result_instead_of_writing_it_is_refused(ref, rng):
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    with pytest.raises(dop.LaunchError, match=r"returned a ndarray; a reference writes its results into the write "
+                                              r"arrays.*out\[\.\.\.\] = "):
+        dop.foreign(gpu_body, reads=[x], writes=[y], reference=lambda x, y: x * 2).sync_on(ref)
+
+
+def test_without_a_reference_the_reference_device_refuses_naming_reference(ref, rng):
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    with pytest.raises(dop.NoDeviceError, match=r"dop.foreign\(gemm\) runs another library's GPU work .*needs a "
+                                                r"CUDA device.*Give the op a NumPy reference="):
+        dop.foreign(gpu_body, reads=[x], writes=[y], name="gemm").sync_on(ref)
+    # captured: refused before its inputs ran, the capture ended, nothing marked executed
+    copy = api.memcpy(dop.empty(16, stream=ref), x)
+    with pytest.raises(dop.NoDeviceError, match="reference="):
+        dop.foreign(gpu_body, reads=[copy], writes=[y], name="gemm").graph_on(ref)
+    assert not ref.is_capturing()
+    copy.sync_on(ref)  # handed back unexecuted: it runs now
+
+
+def test_a_captured_foreign_op_replays_its_reference_with_new_data(ref, rng):
+    x, y = tensor(rng, 128, ref), dop.empty(128, stream=ref)
+    calls = []
+
+    def reference(x, y):
+        calls.append(1)
+        np.sqrt(np.abs(x), out=y)
+
+    graph = dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference, name="sqrt").graph_on(ref)
+    assert calls == []  # capturing records; it does not run
+    assert graph.nodes() == [{"type": "GRAPH", "name": "dop.foreign(sqrt)"}]
+    for i in range(3):
+        host = rng.standard_normal(128).astype(np.float32)
+        graph.update(api.memcpy(x, dop.from_numpy(host, stream=ref)))
+        graph.launch().sync_on(ref)
+        np.testing.assert_array_equal(y.numpy(stream=ref), np.sqrt(np.abs(host)))
+        assert len(calls) == i + 1
+
+
+def test_the_warmup_runs_once_before_the_capture_never_eagerly_nor_on_replay(ref, rng):
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    calls = []
+
+    def reference(x, y):
+        calls.append("run")
+        y[...] = x + 1
+
+    dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference, warmup=True).sync_on(ref)
+    assert calls == ["run"]  # eager: no warm-up, the op runs once
+    calls.clear()
+    graph = dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference, warmup=True).graph_on(ref)
+    assert calls == ["run"]  # the warm-up, once, before the capture; the capture itself records
+    graph.replay()
+    graph.replay()
+    assert calls == ["run"] * 3
+    calls.clear()
+    dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference).graph_on(ref)
+    assert calls == []  # no warm-up asked for
+
+
+def test_foreign_work_composes_with_kernels_in_a_scope_and_a_recapture(ref, rng):
+    from deviceop.kernels import add
+    a, b = tensor(rng, 256, ref), tensor(rng, 256, ref)
+    s, y, y2 = dop.empty(256, stream=ref), dop.empty(256, stream=ref), dop.empty(256, stream=ref)
+
+    def double(x, y):
+        y[...] = 2 * x
+
+    def body(scope, out):
+        total = add(s.partition([128]), a, b).first().unpartition()  # runs first: the foreign op reads it
+        scope.record(dop.foreign(gpu_body, reads=[total], writes=[out], reference=double, name="double"))
+
+    graph = CudaGraph.scope(ref, lambda scope: body(scope, y))
+    assert [n["type"] for n in graph.nodes()] == ["KERNEL", "GRAPH"]
+    graph.replay()
+    expected = 2 * (a.numpy(stream=ref) + b.numpy(stream=ref))
+    np.testing.assert_array_equal(y.numpy(stream=ref), expected)
+    assert graph.recapture(lambda scope: body(scope, y2)) == "updated"  # same nodes, new buffer
+    graph.replay()
+    np.testing.assert_array_equal(y2.numpy(stream=ref), expected)
+
+
+# -- declarations: ownership, aliasing, arguments (Device(0)) ---------------------------------------
+
+def test_a_shared_write_needs_the_only_handle_like_try_partition(stream):
+    buf = dop.empty(64, stream=stream).into_shared()
+    other = buf.clone()
+    x = dop.empty(64, stream=stream)
+    with pytest.raises(dop.OwnershipError, match=r"dop.foreign\(gpu_body\) writes writes\[0\]: .*1 other live "
+                                                 r"SharedTensor handle"):
+        dop.foreign(gpu_body, reads=[x], writes=[buf])
+    other.release()
+    dop.foreign(gpu_body, reads=[x], writes=[buf]).discard()  # held alone: accepted
+    view = buf.view([8, 8])  # a borrow made through the handle
+    with pytest.raises(dop.OwnershipError, match="live borrow"):
+        dop.foreign(gpu_body, writes=[buf])
+    del view
+    reader = buf.clone()
+    with pytest.raises(dop.OwnershipError):  # a read through another handle is still another handle
+        dop.foreign(gpu_body, reads=[reader], writes=[buf])
+    reader.release()
+    dop.foreign(gpu_body, reads=[dop.empty(8, stream=stream).into_shared()], writes=[buf]).discard()
+
+
+def test_a_shared_write_is_checked_again_when_the_op_runs(stream):
+    """A handle an op produces is checked when the op runs (clones may be made after building)."""
+    buf = dop.empty(64, stream=stream).into_shared()
+    keep = buf.clone()
+    op = dop.foreign(gpu_body, writes=[dop.value(buf)], reference=no_op, name="late")
+    with pytest.raises(dop.OwnershipError, match=r"dop.foreign\(late\) writes writes\[0\]"):
+        op.sync_on(stream)
+    keep.release()
+
+
+def test_overlapping_writes_and_reads_are_aliasing_errors(stream):
+    t = dop.empty(256, stream=stream)
+    with pytest.raises(dop.AliasingError, match=r"writes writes\[0\] and reads reads\[0\] from overlapping memory.*"
+                                                r"declared once, in writes="):
+        dop.foreign(gpu_body, reads=[t], writes=[t])
+    with pytest.raises(dop.AliasingError, match=r"writes writes\[0\] and writes writes\[1\]"):
+        dop.foreign(gpu_body, writes=[t[:200], t[100:]])
+    with pytest.raises(dop.AliasingError, match="writes out and reads x"):
+        dop.foreign(gpu_body, reads={"x": t.view([16, 16])}, writes={"out": t.partition([128])})
+    dop.foreign(gpu_body, reads=[t[:128], t[:128]], writes=[t[128:]]).discard()  # reads may overlap each other
+    with pytest.raises(dop.AliasingError):  # the same check when the arguments are ops
+        dop.foreign(gpu_body, reads=[dop.value(t)], writes=[dop.value(t[64:])], reference=no_op).sync_on(stream)
+
+
+def test_what_is_not_a_tensor_or_a_function_is_refused_naming_the_fix(stream):
+    t = dop.empty(16, stream=stream)
+    with pytest.raises(dop.LaunchError, match="takes a function body.*got a Tensor"):
+        dop.foreign(t, writes=[t])
+    with pytest.raises(dop.LaunchError, match=r"reads= is a list of tensors .* got a Tensor; e.g. reads=\[x\]"):
+        dop.foreign(gpu_body, reads=t)
+    with pytest.raises(dop.LaunchError, match=r"reads reads\[0\], which must be a Tensor .*dop.from_numpy"):
+        dop.foreign(gpu_body, reads=[np.zeros(4)])
+    with pytest.raises(dop.LaunchError, match="a partition is how a kernel writes"):
+        dop.foreign(gpu_body, reads=[t.partition([8])])
+    with pytest.raises(dop.LaunchError, match="writes writes.0., which must be a Tensor, a Partition"):
+        dop.foreign(gpu_body, writes=[3.0])
+    with pytest.raises(dop.LaunchError, match="'x' in both reads= and writes="):
+        dop.foreign(gpu_body, reads={"x": t}, writes={"x": dop.empty(16, stream=stream)})
+    with pytest.raises(dop.LaunchError, match="reference= is a function"):
+        dop.foreign(gpu_body, writes=[t], reference=np.zeros(3))
+
+
+def test_a_foreign_op_never_executed_warns(stream):
+    with pytest.warns(dop.UnexecutedOpWarning, match=r"dop.foreign\(gpu_body\) was never executed"):
+        dop.foreign(gpu_body, writes=[dop.empty(4, stream=stream)])
+        import gc
+        gc.collect()
+
+
+# -- host callbacks (Device(0): cuLaunchHostFunc on a GPU) ---------------------------------------------
+
+def test_a_host_callback_runs_once_eagerly_and_at_every_replay(stream, rng):
+    x, y = tensor(rng, 256, stream), dop.empty(256, stream=stream)
+    calls = []
+    dop.host_callback(lambda: calls.append("eager")).sync_on(stream)
+    assert calls == ["eager"]
+    calls.clear()
+    graph = zip_(api.memcpy(y, x), dop.host_callback(lambda: calls.append("replay"), name="tick")).graph_on(stream)
+    assert calls == []  # capturing records the callback; it does not run
+    assert [n["type"] for n in graph.nodes()] == ["MEMCPY", "HOST"]
+    for i in range(3):
+        graph.launch().sync_on(stream)
+        assert calls == ["replay"] * (i + 1)
+    graph.close()
+    graph2 = CudaGraph.scope(stream, lambda s: s.record(dop.host_callback(lambda: calls.append("scope"))))
+    graph2.replay()
+    stream.synchronize()
+    assert calls[-1] == "scope"
+
+
+def test_an_exception_in_a_host_callback_is_a_warning_and_the_stream_goes_on(stream, rng):
+    x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
+
+    def fails():
+        raise KeyError("boom")
+
+    with pytest.warns(RuntimeWarning, match=r"dop.host_callback\(fails\) raised KeyError: 'boom'; a host callback "
+                                            r"cannot stop the stream's work"):
+        zip_(dop.host_callback(fails), api.memcpy(y, x)).sync_on(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
+    with pytest.raises(dop.LaunchError, match="takes a function of no arguments, got a int"):
+        dop.host_callback(3)
+
+
+# -- scope.record records what it is given, or refuses it ------------------------------------------------
+
+@pytest.mark.parametrize("thing, says", [
+    (lambda: None, r"got a function, which would run once, now, and never on a replay: .*dop.foreign\(body"),
+    (np.ones(3, np.float32), r"got a ndarray, which is host data, not work: .*dop.from_numpy.*api.memcpy"),
+    (7, r"got a int, which is no op, so there is nothing to record.*dop.value\(x\)"),
+])
+def test_scope_record_refuses_what_it_would_not_record(stream, rng, thing, says):
+    x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
+    with pytest.raises(dop.LaunchError, match=says):
+        CudaGraph.scope(stream, lambda s: s.record(thing))
+    assert not stream.is_capturing()
+
+    def body(s):  # refused, and caught: the scope goes on and records only the copy
+        with pytest.raises(dop.LaunchError):
+            s.record(thing)
+        s.record(api.memcpy(y, x))
+
+    graph = CudaGraph.scope(stream, body)
+    assert [n["type"] for n in graph.nodes()] == ["MEMCPY"]
+    graph.launch().sync_on(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
