@@ -30,6 +30,7 @@ GPU in bf16 (examples/llama/hf.py), handed to deviceop through DLPack.
   3967-4094), against the floor with those KV bytes.
 
     python bench/llama_decode.py [--prompts 8] [--seed 0]
+    python bench/llama_decode.py --config 8b --no-torch-graph --no-compile   # Llama-3.1-8B's shape (JSON llama_decode_8b)
     python bench/llama_decode.py --smoke     # tiny config, a few steps; runs on the reference device too; no JSON
 """
 from __future__ import annotations
@@ -51,11 +52,17 @@ import deviceop as dop  # noqa: E402
 from _common import headline, print_headlines, print_table, write_result  # noqa: E402
 from deviceop import api  # noqa: E402
 from llama import hf  # noqa: E402
-from llama.config import LLAMA_3_2_1B, TINY  # noqa: E402
+from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B, SMOLLM2_135M, TINY  # noqa: E402
 from llama.generate import Llama  # noqa: E402
 from llama.model import Sampling  # noqa: E402
 
 GREEDY = Sampling()
+# --config: the shapes the benchmark runs (random weights Hugging Face makes on the GPU)
+CONFIGS = {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B, "smollm2": SMOLLM2_135M}
+
+
+def bench_config(args):
+    return TINY if args.smoke else CONFIGS[args.config]
 
 
 def median(xs) -> float:
@@ -198,7 +205,7 @@ def compile_child(args) -> int:
     torch.compile(mode="reduce-overhead").  Compiles and warms up, says ``ready``, waits
     for ``go`` on stdin (so that the parent's timings never overlap), then times."""
     import torch
-    cfg = TINY if args.smoke else LLAMA_3_2_1B
+    cfg = bench_config(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     say = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
     try:
@@ -230,7 +237,7 @@ class CompileRun:
         import tempfile
         import threading
         cmd = [sys.executable, __file__, "--compile-child", "--seed", str(args.seed), "--new", str(args.new),
-               "--prompt-len", str(args.prompt_len)] + (["--smoke"] if args.smoke else [])
+               "--prompt-len", str(args.prompt_len), "--config", args.config] + (["--smoke"] if args.smoke else [])
         self.t0, self.limit = time.perf_counter(), limit_s
         self.errors = tempfile.TemporaryFile("w+")  # a file, not a pipe: compile logs cannot block the child
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
@@ -283,7 +290,7 @@ def run(args) -> int:
     if device.is_reference and not args.smoke:
         print("llama_decode measures a GPU; this machine has only the reference device (try --smoke).")
         return 0
-    cfg = TINY if args.smoke else LLAMA_3_2_1B
+    cfg = bench_config(args)
     P, N, reps = args.prompt_len, args.new, args.reps
     tdev = torch.device("cpu" if device.is_reference else "cuda")
     timer = TorchTimer(tdev)
@@ -316,11 +323,13 @@ def run(args) -> int:
     if steps["tokens"] != loop["tokens"] or steps["stream_tokens"] != loop["tokens"]:
         failures.append("the per-token launches generated other tokens than the one launch")
 
-    torch_step = hf.TorchDecodeStep(cfg, model.state_dict(), capacity=args.capacity)
-    if timer.cuda:
-        torch_step.capture()
-    torch_us = time_torch_graph(torch_step, prompts[0], N, reps, timer)
-    log(f"torch.cuda.CUDAGraph (plain PyTorch step): {torch_us:.1f} us/token")
+    torch_step, torch_us = None, float("nan")
+    if not args.no_torch_graph:
+        torch_step = hf.TorchDecodeStep(cfg, model.state_dict(), capacity=args.capacity)
+        if timer.cuda:
+            torch_step.capture()
+        torch_us = time_torch_graph(torch_step, prompts[0], N, reps, timer)
+        log(f"torch.cuda.CUDAGraph (plain PyTorch step): {torch_us:.1f} us/token")
 
     hf_eager = time_hf_generate(model, list(prompts[:args.hf_prompts]), N, timer)
     log(f"Hugging Face generate, eager: {hf_eager['us_per_token']:.1f} us/token")
@@ -361,10 +370,11 @@ def run(args) -> int:
              "generated": len(loop["tokens"])},
             {"variant": "deviceop, a graph launch per token", "us_per_token": round(pt, 1),
              "vs_floor": round(pt / floor_us, 3), "stream_wall_us_per_token": round(steps["stream_wall_us_per_token"], 1)},
-            {"variant": "torch.cuda.CUDAGraph, plain PyTorch step", "us_per_token": round(torch_us, 1),
-             "vs_floor": round(torch_us / floor_us, 3)},
             {"variant": "Hugging Face generate, eager", "us_per_token": round(hf_eager["us_per_token"], 1),
              "vs_floor": round(hf_eager["us_per_token"] / floor_us, 3)}]
+    if torch_step is not None:
+        rows.insert(3, {"variant": "torch.cuda.CUDAGraph, plain PyTorch step", "us_per_token": round(torch_us, 1),
+                        "vs_floor": round(torch_us / floor_us, 3)})
     if "us_per_token" in compiled:
         rows.append({"variant": "Hugging Face generate, static cache + torch.compile", "us_per_token":
                      round(compiled["us_per_token"], 1), "vs_floor": round(compiled["us_per_token"] / floor_us, 3)})
@@ -378,9 +388,10 @@ def run(args) -> int:
     for name, value in kl.items():
         rows.append({"variant": f"KL(float32 || {name})", "mean_kl": value})
     heads = [headline("decode_vs_floor", dl / floor_us, 1.10, "lower"),
-             headline("speedup_vs_torch_graph", torch_us / dl, 2.5, "higher"),
              headline("kl_excess_vs_hf_bf16", report["kl_excess_vs_hf_bf16"], 0.0, "lower"),
              headline("device_loop_host_us_128_tokens", loop["host_us"], 100, "lower")]
+    if torch_step is not None:
+        heads.insert(1, headline("speedup_vs_torch_graph", torch_us / dl, 2.5, "higher"))
     if ctx:
         heads.append(headline("decode_vs_floor_ctx4096", ctx["us_per_token"] / ctx["floor_us"], 1.15, "lower"))
     per_prompt = [{k: v for k, v in row.items() if k not in ("prompt", "deviceop_tokens")}
@@ -396,7 +407,7 @@ def run(args) -> int:
               else f"{r['mean_kl']:.3e}",
               f"{r['vs_floor']:.3f}x" if "vs_floor" in r else "",
               f"{torch_us / r['us_per_token']:.2f}x" if r.get("us_per_token") and "deviceop" in r["variant"]
-              and "context" not in r["variant"] else "",
+              and "context" not in r["variant"] and torch_step is not None else "",
               r.get("error", "")[:90]] for r in rows]
     print_table(f"Llama decode, {cfg.num_hidden_layers} layers, {P}-token prompt + {N} new, on {device.name}",
                 ["variant", "us/token (or KL)", "vs floor", "speedup vs torch graph", "note"], table)
@@ -407,7 +418,8 @@ def run(args) -> int:
     if args.smoke:
         print("smoke run: no JSON written")
         return 1 if failures else 0
-    path = write_result("llama_decode", device, rows, heads, extra)
+    path = write_result("llama_decode" if args.config == "1b" else f"llama_decode_{args.config}", device, rows,
+                        heads, {"config": args.config, **extra})
     print_headlines(heads, path)
     return 1 if failures else 0
 
@@ -424,6 +436,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-limit", type=float, default=150.0, help="seconds the compile child may take")
     ap.add_argument("--no-compile", action="store_true", help="skip Hugging Face + torch.compile")
     ap.add_argument("--no-ctx", action="store_true", help="skip the long-context decode")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default="1b",
+                    help="the model shape: Llama-3.2-1B (default), Llama-3.1-8B or SmolLM2-135M")
+    ap.add_argument("--no-torch-graph", action="store_true", help="skip the plain-PyTorch CUDA-graph step "
+                    "(its stacked weights cost another copy of q/k/v and gate/up: 9 GB at 8B)")
     ap.add_argument("--smoke", action="store_true", help="tiny config, 2 prompts x 8 tokens (no JSON)")
     ap.add_argument("--compile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -176,7 +176,7 @@ class Step:
             if rows not in self.logits:
                 self.logits[rows] = dop.empty([rows], stream=self.stream)
             launch = m.rms_lm_head_argmax(self.logits[rows].partition([tile]), self.h_a, self.norm_f, self.embed,
-                                          self.token, self.work, EPS, V)
+                                          self.token, self.work, self.error, EPS, V)
         elif kind == "embed":
             tile, gen = plan
             launch = m.embed_gather(self.h_a.partition([tile]), self.embed, self.token, self.error, V)

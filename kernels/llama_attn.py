@@ -74,6 +74,38 @@ def _static_smem(head_dim: int, group: int, splits: int, rg: int) -> int:
 
 
 SMEM_LIMIT = 227 * 1024  # shared memory a CTA may opt into on sm_90
+HEAD_DIMS = (64, 128)    # what attn_decode (and the prefill's pf_attn) compile for
+MAX_GROUP = 8            # query heads a KV head, at most
+
+
+def check_heads(head_dim: int, heads: int, kv_heads: int) -> None:
+    """Refuse an attention shape attn_decode does not serve (a ShapeError naming the limit)."""
+    _need(head_dim in HEAD_DIMS, f"head_dim {head_dim} is not supported (the attention kernels serve "
+                                 f"{', '.join(map(str, HEAD_DIMS))})")
+    _need(kv_heads >= 1 and heads % kv_heads == 0,
+          f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    _need(1 <= heads // kv_heads <= MAX_GROUP, f"a group of {heads // kv_heads} query heads per KV head (the "
+                                               f"attention kernel serves 1 to {MAX_GROUP})")
+
+
+def attn_smem(cap: int, head_dim: int, group: int, **plan) -> int:
+    """Shared memory (dynamic + static) of attn_decode as attn_plan(cap, ...) launches it."""
+    hd, g, s, _, lmax, _, rg = attn_plan(cap, head_dim, group, **plan)[1]
+    return _smem(lmax, hd) + _static_smem(hd, g, s, rg)
+
+
+def check_capacity(cap: int, head_dim: int, group: int, **plan) -> None:
+    """Refuse a KV capacity whose chunks attn_plan cannot stage in the shared memory a CTA may
+    have (at most 64 chunks a KV head), naming the largest capacity served."""
+    if attn_smem(cap, head_dim, group, **plan) <= SMEM_LIMIT:
+        return
+    lo, hi = 1, cap  # the largest capacity that fits: attn_smem grows with cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if attn_smem(mid, head_dim, group, **plan) <= SMEM_LIMIT else (lo, mid - 1)
+    raise dop.ShapeError(f"a KV capacity of {cap} needs {attn_smem(cap, head_dim, group, **plan)} bytes of shared "
+                         f"memory in attn_decode at head_dim {head_dim} (a chunk's K and V rows, 64 chunks at "
+                         f"most), more than the {SMEM_LIMIT} a CTA may have; the largest capacity served is {lo}")
 
 
 def attn_ws_size(kv_heads: int, head_dim: int, group: int, splits: int) -> int:
@@ -254,6 +286,20 @@ def sample_rows(vocab: int) -> int:
     return max(1, -(-vocab // 1024))
 
 
+MAX_VOCAB = 1024 * 1024  # sample: at most 1024 CTAs of 1024 logits
+
+
+def sample_candidates(vocab: int, most: int = 32) -> int:
+    """Candidates a CTA keeps for a vocabulary: ``most`` (32), halved while the CTAs' candidates
+    would pass the finishing CTA's 4096 (16 from 131073 logits on, 4 at MAX_VOCAB)."""
+    _need(1 <= vocab <= MAX_VOCAB, f"sample: a vocabulary of {vocab} is not served (1 to {MAX_VOCAB}: at most 1024 "
+                                   "CTAs of 1024 logits)")
+    rows, c = sample_rows(vocab), most
+    while rows * c > 4096 and c > 1:
+        c //= 2
+    return c
+
+
 def sample_buffers(vocab: int, candidates: int = 32, *, stream=None):
     """``(part, token, state)`` for sample<candidates>: part is [sample_rows(vocab), 2C+4] scratch
     (partition it with [1, 2C+4]); state starts at zero and the kernel leaves it at zero."""
@@ -308,5 +354,6 @@ sample = Kernel(
     generics=["C"], block=1024, reference=_sample_ref, validate=_sample_check)
 
 __all__ = ["attn_decode", "attn_plan", "attn_buffers", "attn_ws_size", "attn_chunks", "attn_reference",
-           "sample", "sample_buffers", "sample_rows", "sample_reference", "sample_distribution",
+           "sample", "sample_buffers", "sample_rows", "sample_candidates", "MAX_VOCAB", "check_heads",
+           "check_capacity", "attn_smem", "sample_reference", "sample_distribution",
            "philox4x32_10", "gumbel_noise"]

@@ -10,6 +10,7 @@ namespace llama {
 // Error bits of the int32 error word the kernels OR into (sticky: the host zeroes it).
 constexpr int ERR_TOKEN = 1;   // embed_gather: token < 0 or >= vocab (hidden not written)
 constexpr int ERR_POS = 2;     // rms_qkv_rope: pos < 0 or >= cap (k and v not appended)
+constexpr int ERR_LOGITS = 4;  // rms_lm_head_argmax: a logit is NaN or infinite (the token is not valid)
 
 // CTAs of W warps a SM the register budget is sized for: 16 warps (<= 128
 // registers a thread) keep every CTA of a one-wave grid resident at once.
@@ -109,9 +110,32 @@ struct StageX {
     }
 };
 
+// Where a projection stages x (xlo and xhi, 4 K bytes together): static shared
+// memory up to X_STATIC_MAX bytes, the kernel's dynamic shared memory beyond it
+// (the declaration asks for 4 K bytes then, and the launch opts in past 48 KB),
+// so that K is bounded by the 227 KB a CTA may have on sm_90, not by the 48 KB
+// of static shared memory (Llama-3.1-8B's down projection: K = 14336, 56 KB).
+constexpr int X_STATIC_MAX = 40 * 1024;
+
+template <int K>
+__device__ __forceinline__ void x_stage(float4*& lo, float4*& hi) {
+    if constexpr (4 * K > X_STATIC_MAX) {
+        extern __shared__ float4 x_dynamic[];
+        lo = x_dynamic;
+        hi = x_dynamic + K / 8;
+    } else {
+        __shared__ float4 x_lo[K / 8], x_hi[K / 8];
+        lo = x_lo;
+        hi = x_hi;
+    }
+}
+
 // A warp streams the rows of its groups (NR rows each, dotted with x together)
-// chunk by chunk: CH 16-byte loads per lane per row per chunk, C = K / (256 CH)
-// chunks per row (K: the length of the row segment a warp streams).  NB register
+// chunk by chunk: CH 16-byte loads per lane per row per chunk, C = ceil(K / (256 CH))
+// chunks per row (K: the length of the row segment a warp streams, a multiple of
+// 8).  When 256 CH does not divide K (TAIL: SmolLM2's 576), the last chunk is
+// partial: a lane past the row loads no weights and reads no x (both count as
+// zero); otherwise the guards are compile-time true and vanish.  NB register
 // buffers rotate: the loads of item t+NB are issued as soon as item t is
 // consumed, so NB-1 to NB items are always in flight.  prefetch() issues the
 // first NB items; a kernel calls it before griddepcontrol.wait (weights never
@@ -121,10 +145,15 @@ struct StageX {
 // staged x at the segment's first element.
 template <int NR, int CH, int K, int NB = 2>
 struct RowStream {
-    static_assert(K % (256 * CH) == 0, "K must be a multiple of 256 * CH");
+    static_assert(K % 8 == 0 && K > 0, "K must be a positive multiple of 8 (16-byte loads of bf16)");
     static_assert(NB >= 1 && NB <= 8, "NB must be in [1, 8]");
-    static constexpr int C = K / (256 * CH);
+    static constexpr int Q = K / 8;                         // 16-byte vectors of a row segment
+    static constexpr int C = (Q + CH * 32 - 1) / (CH * 32);
+    static constexpr bool TAIL = Q % (CH * 32) != 0;
     uint4 buf[NB][NR][CH];
+
+    // vector q of the segment exists (always, unless TAIL)
+    __device__ __forceinline__ static bool in_row(int q) { return !TAIL || q < Q; }
 
     template <class RowPtr>
     __device__ __forceinline__ static void load(uint4 (&t)[NR][CH], const RowPtr& rp, int item, int lane) {
@@ -133,7 +162,8 @@ struct RowStream {
         for (int r = 0; r < NR; ++r) {
             const uint4* p = rp(k, r) + c * (CH * 32) + lane;
             #pragma unroll
-            for (int j = 0; j < CH; ++j) t[r][j] = __ldcs(p + j * 32);
+            for (int j = 0; j < CH; ++j)
+                t[r][j] = in_row(c * (CH * 32) + j * 32 + lane) ? __ldcs(p + j * 32) : make_uint4(0u, 0u, 0u, 0u);
         }
     }
 
@@ -152,7 +182,8 @@ struct RowStream {
         #pragma unroll
         for (int j = 0; j < CH; ++j) {
             const int q = c * (CH * 32) + j * 32 + lane;
-            const float4 xl = lo[q], xh = hi[q];
+            const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+            const float4 xl = in_row(q) ? lo[q] : zero, xh = in_row(q) ? hi[q] : zero;
             #pragma unroll
             for (int r = 0; r < NR; ++r) acc[r] = dot8(t[r][j], xl, xh, acc[r]);
         }

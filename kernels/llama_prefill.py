@@ -144,9 +144,25 @@ pf_embed = Kernel(
 
 
 def embed_plan(d: int, t: int) -> tuple[list, list]:
-    """(tile, generics) of pf_embed: 32 threads (256 columns) a CTA."""
-    _need(d % 256 == 0 and d > 0, f"pf_embed: D={d} must be a positive multiple of 256")
-    return [t, 256], [t, 256]
+    """(tile, generics) of pf_embed: 32 threads (256 columns) a CTA; where 256 does not divide
+    D, the largest multiple of 64 below it that does (SmolLM2's 576: 192)."""
+    _need(d % 64 == 0 and d > 0, f"pf_embed: D={d} must be a positive multiple of 64")
+    b = next(b for b in (256, 192, 128, 64) if d % b == 0)
+    return [t, b], [t, b]
+
+
+def _split_k(k: int, wk: int) -> int:
+    """The largest WK <= wk (halving) whose 32-column steps divide K evenly (K % (32 WK) == 0)."""
+    while wk > 1 and k % (32 * wk):
+        wk //= 2
+    return wk
+
+
+def _rows_for(wk: int, t: int, wr: int) -> int:
+    """WR >= wr (doubling) so that the WR*WK warps cover the T/8 row groups that stage x."""
+    while (wr * wk) % (t // 8):
+        wr *= 2
+    return wr
 
 
 # -- pf_qkv_rope --------------------------------------------------------------------------------
@@ -207,11 +223,17 @@ pf_qkv_rope = Kernel(
 
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, t: int, *, pb: int = 1, nb: int = 4) -> tuple[list, list]:
     """(qkv tile, generics) of pf_qkv_rope: PB blocks of 16 pairs a CTA (96 CTAs at the 1B
-    shape), 8 warps (the two row tiles split 2 ways, K 4 ways)."""
-    _need(d % 128 == 0, f"pf_qkv_rope: K={d} must be a multiple of 128 (4 warps of 32-column steps)")
+    shape), 8 warps (the two row tiles split 2 ways, K 4 ways).  A K that 128 does not
+    divide (SmolLM2's 576) is split 2 ways (or 1), with more row warps (and blocks) where
+    the warps must cover the chunk's T/8 row groups."""
+    _need(d % 32 == 0 and d > 0, f"pf_qkv_rope: K={d} must be a positive multiple of 32 (32-column steps)")
+    _need_chunk("pf_qkv_rope", t)
+    wk = _split_k(d, 4)
+    wr = _rows_for(wk, t, 2)
+    pb = max(pb, wr // 2)
     _need(qkv_width(hq, hkv, hd) % (32 * pb) == 0, f"pf_qkv_rope: PB={pb} blocks of 16 pairs must divide the "
                                                    f"{qkv_width(hq, hkv, hd) // 2} RoPE pairs")
-    return [t, 32 * pb], [d, hd, hq, hkv, t, pb, 2, 4, nb]
+    return [t, 32 * pb], [d, hd, hq, hkv, t, pb, wr, wk, nb]
 
 
 # -- pf_attn ------------------------------------------------------------------------------------
@@ -313,8 +335,14 @@ def matmul_residual_plan(n: int, k: int, t: int, *, kc: int | None = None, nb: i
     """(tile, generics) of pf_matmul_residual: 16 rows a CTA (128 CTAs at the 1B shapes), 8 warps
     splitting K, x staged 2048 columns at a time (or ``kc``)."""
     _need(n % 16 == 0, f"pf_matmul_residual: N={n} rows must be a multiple of 16 (a tile)")
+    _need(k % 32 == 0 and k > 0, f"pf_matmul_residual: K={k} must be a positive multiple of 32 (32-column steps)")
+    _need_chunk("pf_matmul_residual", t)
     kc = kc or next((c for c in (2048, 1024, 512, 256) if k % c == 0), k)
-    return [t, 16], [k, kc, t, 1, 1, 8, nb]
+    wk = _split_k(kc, 8)            # a K of 576: 2 ways, and row tiles where the warps must cover T/8
+    rt = _rows_for(wk, t, 1)
+    _need(n % (16 * rt) == 0, f"pf_matmul_residual: N={n} rows must be a multiple of {16 * rt} ({rt} tiles a CTA "
+                              f"at T={t})")
+    return [t, 16 * rt], [k, kc, t, rt, rt, wk, nb]
 
 
 # -- pf_gate_up_silu ------------------------------------------------------------------------------
@@ -357,10 +385,14 @@ def gate_up_plan(d: int, inter: int, t: int, *, nb: int = 2) -> tuple[list, list
     16 when I is not a multiple of 64), 8 warps (tiles split 2 ways, K 4 ways); at T > 16 the
     tiles are split 4 ways (accumulators)."""
     _need(inter % 16 == 0, f"pf_gate_up_silu: I={inter} must be a multiple of 16 (a tile)")
-    _need(d % 128 == 0, f"pf_gate_up_silu: K={d} must be a multiple of 128 (4 warps of 32-column steps)")
+    _need(d % 32 == 0 and d > 0, f"pf_gate_up_silu: K={d} must be a positive multiple of 32 (32-column steps)")
+    _need_chunk("pf_gate_up_silu", t)
     rt = 8 if inter % 64 == 0 else 2
     wr = min(rt, 2 if t <= 16 else 4 if t <= 32 else 8)
-    return [t, 8 * rt], [d, t, rt, wr, 4 if wr <= 2 else 2, nb]
+    wk = _split_k(d, 4 if wr <= 2 else 2)   # a K of 576: 2 ways, with more row warps where T/8 needs them
+    wr = _rows_for(wk, t, wr)
+    _need(wr <= rt, f"pf_gate_up_silu: K={d} splits {wk} ways, too few warps for T={t} (use a smaller chunk)")
+    return [t, 8 * rt], [d, t, rt, wr, wk, nb]
 
 
 # -- control ------------------------------------------------------------------------------------
@@ -432,6 +464,7 @@ def check_chunk(d: int, inter: int, hq: int, hkv: int, hd: int, t: int) -> None:
     ShapeError naming the limit), before any buffer is made."""
     _need(isinstance(t, int) and not isinstance(t, bool), f"a prefill chunk must be an int, got {t!r}")
     _need_chunk("chunked prefill", t)
+    embed_plan(d, t)
     q = qkv_plan(d, hq, hkv, hd, t)[1]
     _gemm_checks("pf_qkv_rope", d, d, t, 2 * q[5], q[6], q[7], q[8])
     for name, (k, kc, tt, rt, wr, wk, nb) in (("pf_matmul_residual (O)", matmul_residual_plan(d, hq * hd, t)[1]),

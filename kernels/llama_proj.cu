@@ -11,7 +11,8 @@
 //   rms_gate_up_silu<K,CH,W,PPC>
 //                              act[I] = silu(gate_j . xn) * (up_j . xn), xn = RMSNorm(hidden) * norm_w
 //   rms_lm_head_argmax<K,NR,CH,W,RPC>
-//                              logits[V] = W[V, K] @ xn, and token = argmax(logits) (torch.argmax)
+//                              logits[V] = W[V, K] @ xn, and token = argmax(logits) (torch.argmax);
+//                              a non-finite logit sets the error word
 //
 // Shape of every projection (one structure, llama_common.cuh's RowStream): a
 // warp owns groups of NR weight rows and streams them in chunks of CH 16-byte
@@ -28,8 +29,13 @@
 //
 // Device-side values (token, pos) are read after the wait and bound-checked;
 // an out-of-range value writes nothing it would index with and ORs a bit into
-// the int32 error word (llama::ERR_TOKEN, llama::ERR_POS); the word is sticky,
-// the host zeroes it and tests it after a generation.
+// the int32 error word (llama::ERR_TOKEN, llama::ERR_POS), as a non-finite logit
+// does (llama::ERR_LOGITS); the word is sticky, the host zeroes it and tests it
+// after a generation.
+//
+// Shapes: K (every row length) a multiple of 8; a K that 256 CH does not divide
+// streams a partial last chunk (llama_common.cuh's RowStream), and x is staged
+// in dynamic shared memory past 40 KB (llama::x_stage): K up to ~56K.
 #include "llama_common.cuh"
 
 using llama::RowStream;
@@ -77,7 +83,8 @@ rms_qkv_rope(float* __restrict__ q, const float* __restrict__ hidden, const __nv
              float eps, int cap) {
     static_assert(HD % 2 == 0, "HD must be even");
     constexpr int HALF = HD / 2, P = (HQ + 2 * HKV) * HALF;
-    __shared__ float4 xlo[K / 8], xhi[K / 8];
+    float4 *xlo, *xhi;
+    llama::x_stage<K>(xlo, xhi);
     __shared__ float scratch[W];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int per_cta = P / gridDim.x, first = blockIdx.x * per_cta + warp;
@@ -138,7 +145,8 @@ matvec_residual(float* __restrict__ out, const float* __restrict__ x, const __nv
     static_assert(RPC % NR == 0, "RPC must be a multiple of NR");
     static_assert(KS >= 1 && W % KS == 0 && K % KS == 0, "KS must divide W and K");
     constexpr int G = RPC / NR, WR = W / KS, KP = K / KS, T = 32 * W, RP = (RPC + T - 1) / T;
-    __shared__ float4 xlo[K / 8], xhi[K / 8];
+    float4 *xlo, *xhi;
+    llama::x_stage<K>(xlo, xhi);
     __shared__ float res[RPC];
     __shared__ float part[KS > 1 ? KS * RPC : 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, slice = warp % KS, rw = warp / KS;
@@ -198,7 +206,8 @@ template <int K, int CH, int W, int PPC>
 __global__ void __launch_bounds__(32 * W, llama::min_ctas(W))
 rms_gate_up_silu(float* __restrict__ act, const float* __restrict__ hidden, const __nv_bfloat16* __restrict__ norm_w,
                  const __nv_bfloat16* __restrict__ w_gate_up, float eps) {
-    __shared__ float4 xlo[K / 8], xhi[K / 8];
+    float4 *xlo, *xhi;
+    llama::x_stage<K>(xlo, xhi);
     __shared__ float scratch[W];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int groups = warp < PPC ? (PPC - warp + W - 1) / W : 0;
@@ -226,20 +235,24 @@ rms_gate_up_silu(float* __restrict__ act, const float* __restrict__ hidden, cons
 // logits fp32 [Vp >= vocab] (RPC rows a CTA; rows >= vocab, the tail of the last
 // CTA, get -inf), hidden fp32 [K], norm_w bf16 [K], w bf16 [vocab, K] (the tied
 // embedding), token int32 [1] (written), work uint64 [2] (zero before the first
-// launch; left zero by each), eps, vocab.
+// launch; left zero by each), error int32 [1], eps, vocab.
 // logits[v] = rs * w[v] . (x * norm_w); token = the first index of the largest
 // logit (NaN counts as largest, like torch.argmax).  Each CTA folds its rows into
 // one 64-bit key (llama::argmax_key) and atomicMax-es it into work[0]; the last
 // CTA to count itself in work[1] takes the key, writes the token and zeroes both
-// words, so that the next launch (a graph replay) starts clean.
+// words, so that the next launch (a graph replay) starts clean.  A NaN or
+// infinite logit (a NaN weight, an overflow) ORs ERR_LOGITS into error: the
+// token is still written, and the host refuses the generation.
 template <int K, int NR, int CH, int W, int RPC>
 __global__ void __launch_bounds__(32 * W, llama::min_ctas(W))
 rms_lm_head_argmax(float* __restrict__ logits, const float* __restrict__ hidden,
                    const __nv_bfloat16* __restrict__ norm_w, const __nv_bfloat16* __restrict__ w_,
-                   int* __restrict__ token, unsigned long long* __restrict__ work, float eps, int vocab) {
+                   int* __restrict__ token, unsigned long long* __restrict__ work, int* __restrict__ error, float eps,
+                   int vocab) {
     static_assert(RPC % NR == 0, "RPC must be a multiple of NR");
     constexpr int G = RPC / NR;
-    __shared__ float4 xlo[K / 8], xhi[K / 8];
+    float4 *xlo, *xhi;
+    llama::x_stage<K>(xlo, xhi);
     __shared__ float scratch[W];
     __shared__ unsigned long long best[W];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -259,6 +272,7 @@ rms_lm_head_argmax(float* __restrict__ logits, const float* __restrict__ hidden,
     sx.issue(hidden);
     const float rs = rsqrtf(sx.commit(xlo, xhi, scratch) / K + eps);
     unsigned long long mine = 0ull;
+    bool bad = false;  // a non-finite logit among this lane's rows
     auto finish = [&](int k, const float (&acc)[NR]) {
         if (lane < NR) {
             const int row = row0 + (warp + k * W) * NR + lane;
@@ -268,6 +282,7 @@ rms_lm_head_argmax(float* __restrict__ logits, const float* __restrict__ hidden,
             v *= rs;
             if (row < vocab) {
                 logits[row] = v;
+                bad |= !(fabsf(v) <= 3.402823466e38f);  // NaN or +-inf
                 const unsigned long long key = llama::argmax_key(v, (unsigned)row);
                 mine = key > mine ? key : mine;
             } else {
@@ -276,6 +291,7 @@ rms_lm_head_argmax(float* __restrict__ logits, const float* __restrict__ hidden,
         }
     };
     s.run(row_ptr, finish, groups * s.C, xlo, xhi, lane);
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(error, llama::ERR_LOGITS);
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, mine, o);

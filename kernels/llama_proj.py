@@ -10,19 +10,25 @@ fp32 activations and accumulation; every kernel is PDL-ready (``.pdl()``).
 * ``matvec_residual<K, NR, CH, W, RPC, KS, NB>(out [N] tile [RPC], x [K], w bf16 [N, K], residual [N])``
 * ``rms_gate_up_silu<K, CH, W, PPC>(act [I] tile [PPC], hidden [K], norm_w bf16 [K], w_gate_up bf16 [2I, K], eps)``
 * ``rms_lm_head_argmax<K, NR, CH, W, RPC>(logits [Vp] tile [RPC], hidden [K], norm_w bf16 [K], w bf16 [V, K],
-  token int32 [1], work uint64 [2], eps, vocab)``: also writes token; ``work`` zeroed once by the caller
+  token int32 [1], work uint64 [2], error int32 [1], eps, vocab)``: also writes token (and error);
+  ``work`` zeroed once by the caller
 
-Generics: K the input width, CH the 16-byte loads per lane per row per chunk
-(K a multiple of 256*CH), W warps a CTA, NR rows a warp streams together, RPC /
+Generics: K the input width (a multiple of 8; where 256*CH does not divide it,
+the last chunk of a row is partial), CH the 16-byte loads per lane per row per
+chunk, W warps a CTA, NR rows a warp streams together, RPC /
 PPC rows / pairs a CTA (= the output tile), NB the chunks a warp keeps in flight
 (register buffers; the first NB are loaded before griddepcontrol.wait), KS the
 slices of K that the warps of a row group split (partial sums added in shared
 memory).  The ``*_plan`` functions give the tile and generics for a shape.
+x is staged in static shared memory up to K = 10240 (40 KB), in dynamic shared
+memory beyond (the declarations ask for it and the launch opts in past 48 KB):
+K is bounded by the 227 KB a CTA may have on sm_90 (about 56K), not by 48 KB.
 
 Errors the device reports: ``error`` is a sticky int32 word (zero it once);
 ``embed_gather`` ORs ``ERR_TOKEN`` (1) into it when the token is outside
 [0, vocab) and leaves ``hidden`` unwritten; ``rms_qkv_rope`` ORs ``ERR_POS`` (2)
-when pos is outside [0, cap) and appends nothing to the cache (q is written).
+when pos is outside [0, cap) and appends nothing to the cache (q is written);
+``rms_lm_head_argmax`` ORs ``ERR_LOGITS`` (4) when a logit is NaN or infinite.
 """
 from __future__ import annotations
 
@@ -40,8 +46,10 @@ from ._checks import _need
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_proj.cu"
-ERR_TOKEN, ERR_POS = 1, 2     # llama::ERR_* in llama_common.cuh
+ERR_TOKEN, ERR_POS, ERR_LOGITS = 1, 2, 4   # llama::ERR_* in llama_common.cuh
 SHARED_LIMIT = 48 * 1024      # static shared memory a CTA may declare
+X_STATIC_MAX = 40 * 1024      # llama::X_STATIC_MAX: x (4*K bytes) goes to dynamic shared memory beyond it
+SMEM_OPTIN = 227 * 1024       # shared memory a CTA may opt into on sm_90 (static + dynamic)
 MAX_LOADS = 32                # NB * NR * CH: 16-byte loads a lane holds in flight (4 registers each)
 H100_SMS = 132
 
@@ -57,18 +65,36 @@ def _one(name: str, **tensors) -> None:
         _need(t.shape == (1,), f"{name}: {label} must be a [1] device scalar, got shape {t.shape}")
 
 
+def x_shared(k: int) -> int:
+    """Dynamic shared memory of a projection of input width K: x's stage (4*K bytes) once it
+    is past X_STATIC_MAX, else 0 (x is static)."""
+    return 4 * k if 4 * k > X_STATIC_MAX else 0
+
+
 def _stream_checks(name: str, k: int, ch: int, nr: int, w: int, extra_shared: int, nb: int = 2, ks: int = 1) -> None:
-    _need(ch >= 1 and ks >= 1 and k % (256 * ch * ks) == 0,
-          f"{name}: K={k} must be a multiple of 256*CH*KS={256 * ch * ks} "
-          f"(CH 16-byte loads of 8 bf16 per lane per chunk, K cut in KS slices)")
+    """extra_shared: the kernel's static shared memory besides x."""
+    _need(1 <= ch <= 8 and ks >= 1 and k >= 8 * ks and k % (8 * ks) == 0,
+          f"{name}: K={k} must be a positive multiple of 8*KS={8 * ks} (16-byte loads of 8 bf16, K cut in KS "
+          f"slices) and CH={ch} in [1, 8]")
     _need(1 <= nb <= 8, f"{name}: NB={nb} buffers must be in [1, 8]")
     _need(1 <= nb * nr * ch <= MAX_LOADS, f"{name}: NB*NR*CH={nb * nr * ch} loads a lane holds must be in "
                                           f"[1, {MAX_LOADS}] (4 registers each)")
     _need(w % ks == 0, f"{name}: KS={ks} slices must divide the W={w} warps")
     _need(1 <= w <= 32, f"{name}: W={w} warps a CTA must be in [1, 32]")
-    _need(4 * k + extra_shared <= SHARED_LIMIT,
-          f"{name}: K={k} does not fit the CTA's {SHARED_LIMIT // 1024} KB shared-memory copy of x "
-          f"(4*K = {4 * k} bytes); the largest K served is {(SHARED_LIMIT - extra_shared) // 4 // 256 * 256}")
+    limit = SMEM_OPTIN if x_shared(k) else SHARED_LIMIT
+    _need(4 * k + extra_shared <= limit,
+          f"{name}: K={k} needs {4 * k + extra_shared} bytes of shared memory (x: 4*K = {4 * k}, the rest "
+          f"{extra_shared}), more than the {limit // 1024} KB a CTA may have; the largest K served is "
+          f"{max(0, SMEM_OPTIN - extra_shared) // 4 // 8 * 8}")
+
+
+def _fp32_semantics(ref):
+    """A reference that, like the kernel, lets an overflow become inf and inf * 0 NaN silently
+    (the LM head reports non-finite logits in the error word)."""
+    def quiet(*args):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return ref(*args)
+    return quiet
 
 
 def _rms(x: np.ndarray, eps: float) -> float:
@@ -131,6 +157,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=1)
 
 
+@_fp32_semantics
 def _rms_qkv_rope_ref(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
     hd, hq, hkv = g["HD"], g["HQ"], g["HKV"]
     xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
@@ -171,6 +198,10 @@ def qkv_cache_checks(name: str, w_qkv, inv_freq, k_cache, v_cache, cap: int, K: 
         raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
 
 
+def _qkv_limits(K, CH, W, NB):
+    _stream_checks("rms_qkv_rope", K, CH, 2, W, 4 * W, NB)
+
+
 def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
     K, HD, HQ, HKV, W, CH, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "W", "CH", "NB"))
     name = "rms_qkv_rope"
@@ -182,7 +213,7 @@ def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_c
                                                           f"{norm_w.shape} must be [{K}]")
     qkv_cache_checks(name, w_qkv, inv_freq, k_cache, v_cache, cap, K, HD, HQ, HKV)
     _one(name, pos=pos, error=error)
-    _stream_checks(name, K, CH, 2, W, 4 * W, NB)
+    _qkv_limits(K, CH, W, NB)
     pairs, grid = qkv_pairs(HQ, HKV, HD), q.num_tiles
     _need(pairs % grid == 0, f"{name}: q's partition makes {grid} CTAs, which must divide the {pairs} RoPE pairs; "
                              f"use qkv_plan(...) for the tile")
@@ -195,8 +226,8 @@ rms_qkv_rope = Kernel(
      In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("pos", "int32", rank=1),
      InOut("k_cache", "bfloat16", rank=3), InOut("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
      Scalar("eps", "float32"), Scalar("cap", "int32")],
-    generics=["K", "HD", "HQ", "HKV", "W", "CH", "NB"], block=lambda g: 32 * g["W"], reference=_rms_qkv_rope_ref,
-    validate=_rms_qkv_rope_check)
+    generics=["K", "HD", "HQ", "HKV", "W", "CH", "NB"], block=lambda g: 32 * g["W"],
+    shared_mem=lambda g: x_shared(g["K"]), reference=_rms_qkv_rope_ref, validate=_rms_qkv_rope_check)
 
 
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, *, sms: int = H100_SMS, ctas: int | None = None,
@@ -218,16 +249,22 @@ def qkv_plan(d: int, hq: int, hkv: int, hd: int, *, sms: int = H100_SMS, ctas: i
 
 def _chunk(k: int, nr: int) -> int:
     """The largest CH <= 4 dividing K/256 with NR*CH <= 8 (CH = 8 holds 16 floats of x
-    a lane besides the weights: 128+ registers, spills at two CTAs a SM)."""
-    _need(k % 256 == 0 and k > 0, f"the Llama projections stream rows in 16-byte loads of 32 lanes: K={k} must be a "
-                                  "positive multiple of 256 (SmolLM2's 576 is not served)")
-    return next(c for c in (4, 2, 1) if nr * c <= 8 and k % (256 * c) == 0)
+    a lane besides the weights: 128+ registers, spills at two CTAs a SM); 1 when 256 does
+    not divide K (the last chunk of a row is partial: the fewest idle lanes)."""
+    _need(k % 8 == 0 and k > 0, f"the Llama projections stream rows in 16-byte loads of 8 bf16: K={k} must be a "
+                                "positive multiple of 8")
+    return next((c for c in (4, 2, 1) if nr * c <= 8 and k % (256 * c) == 0), 1)
 
 
 # -- matvec_residual -------------------------------------------------------------------
 
+@_fp32_semantics
 def _matvec_residual_ref(g, out, x, w, residual):
     out[...] = residual.astype(np.float64) + w.astype(np.float64) @ x.astype(np.float64)
+
+
+def _matvec_limits(K, NR, CH, W, RPC, KS, NB):
+    _stream_checks("matvec_residual", K, CH, NR, W, 4 * RPC * (1 + (KS if KS > 1 else 0)), NB, KS)
 
 
 def _matvec_residual_check(g, out, x, w, residual):
@@ -240,7 +277,7 @@ def _matvec_residual_check(g, out, x, w, residual):
                                                  f"[{n}, {K}]")
     _need(residual.shape == (n,), f"{name}: residual {residual.shape} must match out {t.shape}")
     _need(1 <= NR <= 32 and RPC % NR == 0, f"{name}: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
-    _stream_checks(name, K, CH, NR, W, 4 * RPC * (1 + (KS if KS > 1 else 0)), NB, KS)
+    _matvec_limits(K, NR, CH, W, RPC, KS, NB)
     _aligned(name, x, w)
 
 
@@ -248,8 +285,8 @@ matvec_residual = Kernel(
     "matvec_residual", SOURCE,
     [Out("out", "float32", rank=1), In("x", "float32", rank=1), In("w", "bfloat16", rank=2),
      In("residual", "float32", rank=1)],
-    generics=["K", "NR", "CH", "W", "RPC", "KS", "NB"], block=lambda g: 32 * g["W"], reference=_matvec_residual_ref,
-    validate=_matvec_residual_check)
+    generics=["K", "NR", "CH", "W", "RPC", "KS", "NB"], block=lambda g: 32 * g["W"],
+    shared_mem=lambda g: x_shared(g["K"]), reference=_matvec_residual_ref, validate=_matvec_residual_check)
 
 
 def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int | None = None,
@@ -266,7 +303,7 @@ def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | Non
     nr = nr or (2 if long else 1)
     if ks is None:
         ks = next((s for s in (4, 2) if long and k % (256 * s) == 0 and k // s >= 2048), 1)
-    _need(ks >= 1 and k % ks == 0, f"matvec_residual: KS={ks} must divide K={k}")
+    _need(ks >= 1 and k % (8 * ks) == 0, f"matvec_residual: KS={ks} slices of K={k} must each be a multiple of 8")
     grid = _grid(n, ctas if ctas is not None else sms, nr)
     rpc = n // grid
     w = warps or ks * max(1, min(16 // ks, rpc // nr))
@@ -285,11 +322,16 @@ def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
+@_fp32_semantics
 def _rms_gate_up_silu_ref(g, act, hidden, norm_w, w_gate_up, eps):
     inter = act.shape[0]
     xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
     y = w_gate_up.astype(np.float64) @ xn
     act[...] = _silu(y[:inter]) * y[inter:]
+
+
+def _gate_up_limits(K, CH, W):
+    _stream_checks("rms_gate_up_silu", K, CH, 2, W, 4 * W)
 
 
 def _rms_gate_up_silu_check(g, act, hidden, norm_w, w_gate_up, eps):
@@ -302,7 +344,7 @@ def _rms_gate_up_silu_check(g, act, hidden, norm_w, w_gate_up, eps):
                                                           f"{norm_w.shape} must be [{K}]")
     _need(w_gate_up.shape == (2 * inter, K), f"{name}: w_gate_up {w_gate_up.shape} must be [2*I, K] = "
                                              f"[{2 * inter}, {K}] (cat of gate_proj and up_proj)")
-    _stream_checks(name, K, CH, 2, W, 4 * W)
+    _gate_up_limits(K, CH, W)
     _aligned(name, hidden, norm_w, w_gate_up)
 
 
@@ -310,8 +352,8 @@ rms_gate_up_silu = Kernel(
     "rms_gate_up_silu", SOURCE,
     [Out("act", "float32", rank=1), In("hidden", "float32", rank=1), In("norm_w", "bfloat16", rank=1),
      In("w_gate_up", "bfloat16", rank=2), Scalar("eps", "float32")],
-    generics=["K", "CH", "W", "PPC"], block=lambda g: 32 * g["W"], reference=_rms_gate_up_silu_ref,
-    validate=_rms_gate_up_silu_check)
+    generics=["K", "CH", "W", "PPC"], block=lambda g: 32 * g["W"], shared_mem=lambda g: x_shared(g["K"]),
+    reference=_rms_gate_up_silu_ref, validate=_rms_gate_up_silu_check)
 
 
 def gate_up_plan(d: int, inter: int, *, sms: int = H100_SMS, ctas: int | None = None, ch: int | None = None,
@@ -324,16 +366,23 @@ def gate_up_plan(d: int, inter: int, *, sms: int = H100_SMS, ctas: int | None = 
 
 # -- rms_lm_head_argmax --------------------------------------------------------------------
 
-def _rms_lm_head_argmax_ref(g, logits, hidden, norm_w, w, token, work, eps, vocab):
+@_fp32_semantics
+def _rms_lm_head_argmax_ref(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
     xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
     full = w.astype(np.float64) @ xn
     logits[:vocab] = full
     logits[vocab:] = -np.inf
     token[0] = int(np.argmax(logits[:vocab]))  # the first maximum of what was written (NaN counts as largest)
     work[...] = 0
+    if not np.all(np.abs(full) <= np.finfo(np.float32).max):  # NaN, or infinite as a float32
+        error[0] |= ERR_LOGITS
 
 
-def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, eps, vocab):
+def _lm_head_limits(K, NR, CH, W):
+    _stream_checks("rms_lm_head_argmax", K, CH, NR, W, 12 * W)
+
+
+def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
     K, NR, CH, W, RPC = (g[n] for n in ("K", "NR", "CH", "W", "RPC"))
     name = "rms_lm_head_argmax"
     t = logits.tensor
@@ -347,11 +396,13 @@ def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, eps, vo
     _need(vocab <= vp < vocab + RPC, f"{name}: logits has {vp} rows; it needs vocab={vocab} rows padded to a "
                                      f"multiple of RPC={RPC}, less than one tile more ({lm_head_rows(vocab, RPC)})")
     _need(1 <= NR <= 32 and RPC % NR == 0, f"{name}: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
-    _one(name, token=token)
+    _one(name, token=token, error=error)
     _need(work.shape == (2,), f"{name}: work must be a uint64 [2] workspace (zeroed once), got shape {work.shape}")
-    _stream_checks(name, K, CH, NR, W, 12 * W)
-    if work.overlaps(token):
-        raise dop.AliasingError(f"{name}: work and token overlap; give each its own memory")
+    _lm_head_limits(K, NR, CH, W)
+    for a, an, b, bn in ((work, "work", token, "token"), (error, "error", token, "token"),
+                         (error, "error", work, "work")):
+        if a.overlaps(b):
+            raise dop.AliasingError(f"{name}: {an} and {bn} overlap; give each its own memory")
     _aligned(name, hidden, norm_w, w, work)
 
 
@@ -359,9 +410,9 @@ rms_lm_head_argmax = Kernel(
     "rms_lm_head_argmax", SOURCE,
     [Out("logits", "float32", rank=1), In("hidden", "float32", rank=1), In("norm_w", "bfloat16", rank=1),
      In("w", "bfloat16", rank=2), In("token", "int32", rank=1), In("work", "uint64", rank=1),
-     Scalar("eps", "float32"), Scalar("vocab", "int32")],
-    generics=["K", "NR", "CH", "W", "RPC"], block=lambda g: 32 * g["W"], reference=_rms_lm_head_argmax_ref,
-    validate=_rms_lm_head_argmax_check)
+     In("error", "int32", rank=1), Scalar("eps", "float32"), Scalar("vocab", "int32")],
+    generics=["K", "NR", "CH", "W", "RPC"], block=lambda g: 32 * g["W"], shared_mem=lambda g: x_shared(g["K"]),
+    reference=_rms_lm_head_argmax_ref, validate=_rms_lm_head_argmax_check)
 
 
 def lm_head_rows(vocab: int, rpc: int) -> int:
@@ -380,6 +431,25 @@ def lm_head_plan(d: int, vocab: int, *, sms: int = H100_SMS, ctas_per_sm: int = 
     return rpc, lm_head_rows(vocab, rpc), [d, nr, ch or _chunk(d, nr), warps, rpc]
 
 
+def check_decode_shapes(d: int, inter: int, hq: int, hkv: int, hd: int, vocab: int) -> None:
+    """Refuse a model shape whose projections the plans above cannot serve, from the numbers
+    alone (before any weight is read or buffer made): each plan, and the limits its launch
+    would check (a ShapeError naming the kernel and the limit).  d: hidden size, inter: the
+    MLP's, hq/hkv: query/KV heads, hd: head dim."""
+    steps = [("hidden_size", lambda: embed_plan(d)),
+             ("hidden_size and the heads (QKV)", lambda: _qkv_limits(*(qkv_plan(d, hq, hkv, hd)[1][i]
+                                                                       for i in (0, 5, 4, 6)))),
+             ("num_attention_heads * head_dim (O)", lambda: _matvec_limits(*matvec_residual_plan(d, hq * hd)[1])),
+             ("hidden_size and intermediate_size (gate/up)", lambda: _gate_up_limits(*gate_up_plan(d, inter)[1][:3])),
+             ("intermediate_size (down)", lambda: _matvec_limits(*matvec_residual_plan(d, inter)[1])),
+             ("hidden_size and vocab_size (LM head)", lambda: _lm_head_limits(*lm_head_plan(d, vocab)[2][:4]))]
+    for what, check in steps:
+        try:
+            check()
+        except dop.ShapeError as exc:
+            raise dop.ShapeError(f"{what}: {exc}") from None
+
+
 __all__ = ["embed_gather", "rms_qkv_rope", "matvec_residual", "rms_gate_up_silu", "rms_lm_head_argmax",
            "embed_plan", "qkv_plan", "matvec_residual_plan", "gate_up_plan", "lm_head_plan", "lm_head_rows",
-           "rope_angles", "qkv_pairs", "qkv_cache_checks", "ERR_TOKEN", "ERR_POS"]
+           "rope_angles", "qkv_pairs", "qkv_cache_checks", "x_shared", "check_decode_shapes", "ERR_TOKEN", "ERR_POS", "ERR_LOGITS"]

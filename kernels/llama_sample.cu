@@ -54,7 +54,7 @@ using llama::pdl_wait;
 constexpr int NT = 1024;                   // threads per CTA
 constexpr int MAXCAND = 4096;              // B*C candidates at most (32 KB of shared memory)
 constexpr float LOG2E = 1.4426950408889634f;
-constexpr float FIXED = 1099511627776.f;   // 2^40: masses are <= 1 each, V < 2^17 of them
+constexpr float FIXED = 1099511627776.f;   // 2^40: masses are <= 1 each, V <= 2^20 of them (< 2^64)
 
 // order-preserving key of a float (NaN lowest); -0 is canonicalised to +0 by the caller (x + 0.f)
 __device__ __forceinline__ unsigned ord(float x) {

@@ -16,8 +16,9 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
-from deviceop.kernels.llama_attn import (attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference, gumbel_noise,
-                                philox4x32_10, sample, sample_buffers, sample_distribution, sample_reference)
+from deviceop.kernels.llama_attn import (MAX_VOCAB, attn_buffers, attn_chunks, attn_decode, attn_plan, attn_reference,
+                                check_capacity, check_heads, gumbel_noise, philox4x32_10, sample, sample_buffers,
+                                sample_candidates, sample_distribution, sample_reference, sample_rows)
 
 BF16 = ml_dtypes.bfloat16
 
@@ -251,6 +252,31 @@ def _sample_try(stream, C=32, rows=None, V=5000, **scalars):
            s["temperature"], s["top_k"], s["top_p"], s["seed"]).generics([C]).sync_on(stream)
 
 
+def test_sample_candidates_shrink_past_131072_logits_and_any_vocabulary_to_2_20_is_served():
+    assert [sample_candidates(v) for v in (1, 49152, 128256, 131072, 131073, 262144, MAX_VOCAB)] == \
+        [32, 32, 32, 32, 16, 16, 4]
+    for v in (131073, 262144, 600_000, MAX_VOCAB):
+        assert sample_rows(v) * sample_candidates(v) <= 4096 and -(-v // sample_rows(v)) <= 1024
+    with pytest.raises(dop.ShapeError, match=f"a vocabulary of {MAX_VOCAB + 1} is not served"):
+        sample_candidates(MAX_VOCAB + 1)
+
+
+def test_capacity_past_what_a_chunk_can_stage_is_refused_naming_the_largest():
+    check_capacity(4096, 128, 4)                       # Llama-3.1-8B at 4096: 32 chunks of 128 rows
+    check_capacity(16384, 64, 4)
+    with pytest.raises(dop.ShapeError, match="the largest capacity served is 2[0-9]{4}"):
+        check_capacity(131072, 128, 4)
+
+
+def test_attention_shapes_outside_the_kernels_are_refused_naming_the_limit():
+    for hd, hq, hkv in ((64, 9, 3), (128, 32, 8), (64, 8, 8), (128, 64, 8)):
+        check_heads(hd, hq, hkv)
+    for (hd, hq, hkv), match in (((96, 8, 8), "head_dim 96"), ((64, 9, 2), "not a multiple of 2 KV heads"),
+                                 ((64, 32, 2), "a group of 16")):
+        with pytest.raises(dop.ShapeError, match=match):
+            check_heads(hd, hq, hkv)
+
+
 def test_sample_refuses_bad_shapes_and_parameters(stream):
     with pytest.raises(dop.ShapeError, match="at most 1024"):
         _sample_try(stream, rows=2)
@@ -417,11 +443,12 @@ def test_gpu_sample_greedy_is_the_argmax_at_the_llama_vocab(stream, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("V,scale", [(1000, 2.0), (5000, 3.0), (128256, 4.0), (128256, 0.05)])
+@pytest.mark.parametrize("V,scale", [(1000, 2.0), (5000, 3.0), (128256, 4.0), (128256, 0.05), (262144, 4.0)])
 def test_gpu_sample_draws_the_reference_token(stream, rng, V, scale):
-    # scale 0.05: flat logits, so top_p without top_k needs the fallback on all logits
+    # scale 0.05: flat logits, so top_p without top_k needs the fallback on all logits;
+    # 262144 (past 131072): 256 CTAs keep 16 candidates each (sample_candidates)
     x = (rng.standard_normal(V) * scale).astype(np.float32)
-    draw, _ = _gpu_sampler(stream, x)
+    draw, _ = _gpu_sampler(stream, x, sample_candidates(V))
     checked = 0
     for t, k, p in ((1.0, 0, 1.0), (0.7, 50, 1.0), (0.8, 0, 0.9), (1.1, 40, 0.8), (0.6, 1000, 0.95)):
         for s in range(6):

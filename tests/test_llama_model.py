@@ -77,3 +77,22 @@ def test_a_request_the_cache_or_vocabulary_cannot_serve_is_refused_before_launch
     with pytest.raises(dop.ShapeError, match=message):
         llama.generate(prompt, max_new_tokens=max_new)
     assert dop.op.stats["launches"] == before
+
+
+@pytest.mark.parametrize("poison", ["overflow", "nan"])
+def test_logits_that_go_non_finite_make_generate_raise_instead_of_returning_tokens(weights, poison):
+    """A down projection whose row overflows float32 (finite bf16 weights near its maximum) or
+    holds a NaN: the logits turn NaN, the LM head sets the device error word, and generate
+    raises, as for a position outside the cache (issue 32, item 4)."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    w = weights[name].copy()
+    if poison == "overflow":
+        w[7] = np.float32(3.0e38)
+    else:
+        w[7, 100] = np.nan
+    llama = Llama(TINY, {**weights, name: w}, capacity=CAP)
+    for graph in (True, False):
+        with pytest.raises(dop.StateError, match="4: a NaN or infinite logit"):
+            llama.generate([5, 17, 4], max_new_tokens=4, graph=graph)
+    with pytest.raises(dop.StateError, match="error word 4"):
+        list(llama.stream([5, 17, 4], max_new_tokens=2))

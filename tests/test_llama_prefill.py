@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 from deviceop.kernels import llama_attn as la  # noqa: E402
 from deviceop.kernels import llama_prefill as pf  # noqa: E402
-from llama.config import LLAMA_3_2_1B, TINY  # noqa: E402
+from llama.config import LLAMA_3_2_1B, TINY, LlamaConfig  # noqa: E402
 from llama.generate import Llama  # noqa: E402
 from llama.model import Sampling  # noqa: E402
 from llama.reference import ReferenceLlama  # noqa: E402
@@ -37,6 +37,8 @@ BF16 = ml_dtypes.bfloat16
 EPS = 1e-5
 LLAMA_1B = dict(d=2048, inter=8192, hq=32, hkv=8, hd=64, vocab=128256)
 SMALL = dict(d=256, inter=512, hq=8, hkv=2, hd=64, vocab=1000)
+LLAMA_8B = dict(d=4096, inter=14336, hq=32, hkv=8, hd=128, vocab=128256)
+SMOLLM2 = dict(d=576, inter=1536, hq=9, hkv=3, hd=64, vocab=49152)   # K = 576: split 2 ways, not 4
 
 
 def t(a, stream):
@@ -80,12 +82,18 @@ def shipped(s, chunk):
             (pf.prefill_finish, [chunk]), (pf.prefill_start, []), (pf.prefill_step, [])]
 
 
-COMPILED = [(n, k, g) for n, s, c in (("llama-3.2-1b", LLAMA_1B, 16), ("tiny", SMALL, 16), ("tiny", SMALL, 32))
+# CPU CI compiles the 1B and tiny sets and, of SmolLM2's at T = 64, the projections whose plans a
+# K of 576 changes (split 2 ways, more row warps); the full sweep compiles the rest (8B at T = 8...)
+CHUNKED = (("llama-3.2-1b", LLAMA_1B, 16, True), ("tiny", SMALL, 16, True), ("tiny", SMALL, 32, True),
+           ("llama-3.1-8b", LLAMA_8B, 8, False), ("smollm2", SMOLLM2, 16, False), ("smollm2", SMOLLM2, 64, None))
+NEW_PLANS = ("pf_embed", "pf_qkv_rope", "pf_matmul_residual", "pf_gate_up_silu")
+COMPILED = [(n, k, g, ci if ci is not None else k.name in NEW_PLANS) for n, s, c, ci in CHUNKED
             for k, g in shipped(s, c)]
 
 
-@pytest.mark.parametrize("shape,kernel,generics", COMPILED,
-                         ids=[f"{n}-{k.name}-{'-'.join(map(str, g))}" for n, k, g in COMPILED])
+@pytest.mark.parametrize("shape,kernel,generics",
+                         [pytest.param(n, k, g, marks=[] if ci else [pytest.mark.full_sweep]) for n, k, g, ci in COMPILED],
+                         ids=[f"{n}-{k.name}-{'-'.join(map(str, g))}" for n, k, g, _ in COMPILED])
 def test_every_shipped_generics_set_compiles_to_an_sm90_cubin(shape, kernel, generics):
     kernel.check_compiled("sm_90", kernel.check_generics(generics))
 
@@ -98,6 +106,17 @@ def test_a_chunk_the_kernels_cannot_serve_at_the_1b_shape_is_refused(chunk, matc
     with pytest.raises(dop.ShapeError, match=match):
         pf.check_chunk(s["d"], s["inter"], s["hq"], s["hkv"], s["hd"], chunk)
     pf.check_chunk(s["d"], s["inter"], s["hq"], s["hkv"], s["hd"], 16)  # the shipped chunk passes
+
+
+def test_the_family_shapes_prefill_in_the_chunks_that_fit_and_refuse_the_others():
+    for t in pf.CHUNKS:
+        pf.check_chunk(SMOLLM2["d"], SMOLLM2["inter"], SMOLLM2["hq"], SMOLLM2["hkv"], SMOLLM2["hd"], t)
+    s = LLAMA_8B
+    pf.check_chunk(s["d"], s["inter"], s["hq"], s["hkv"], s["hd"], 8)
+    with pytest.raises(dop.ShapeError, match=r"pf_qkv_rope: T=16 tokens of KC=4096 columns need \d+ bytes"):
+        pf.check_chunk(s["d"], s["inter"], s["hq"], s["hkv"], s["hd"], 16)
+    with pytest.raises(dop.ShapeError, match="pf_embed: D=544 must be a positive multiple of 64"):
+        pf.check_chunk(544, 1536, 9, 3, 64, 16)
 
 
 # -- the kernels, one by one -------------------------------------------------------------------------
@@ -368,6 +387,28 @@ def test_a_request_the_prefill_cannot_serve_is_refused_before_launching(llama, p
     with pytest.raises(dop.ShapeError, match=message):
         llama.generate(prompt, max_new_tokens=5, prefill_chunk=chunk)
     assert dop.op.stats["launches"] == before
+
+
+# Rows of 192 and 320 (multiples of 64, not of 128 or 256: SmolLM2's kind), groups of 3: the decode
+# kernels end their rows in a partial chunk, the prefill splits K 2 ways.
+NARROW = LlamaConfig(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=3,
+                     num_key_value_heads=1, vocab_size=500, head_dim=64, rope_theta=100000.0,
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=(2,))
+
+
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.full_sweep), 64])
+def test_a_narrow_model_prefills_and_decodes_as_the_float64_decoder(rng, chunk):
+    weights = random_weights(NARROW, seed=int(rng.integers(1 << 30)), std=0.1)
+    llama = Llama(NARROW, weights, capacity=CAP)
+    prompt = [int(x) for x in rng.integers(3, NARROW.vocab_size, 17)]
+    by_token = llama.generate(prompt, max_new_tokens=4)
+    assert llama.generate(prompt, max_new_tokens=4, prefill_chunk=chunk) == by_token
+    ref = ReferenceLlama(NARROW, weights, CAP)
+    history = prompt + by_token
+    for pos in range(len(history) - 1):
+        logits = ref.step(history[pos], pos)
+        if pos + 1 >= len(prompt):
+            assert logits[history[pos + 1]] >= logits.max() - 2.0 ** -7 * abs(logits.max()), pos
 
 
 # -- the Llama-3.2-1B shapes on the GPU ----------------------------------------------------------------

@@ -69,9 +69,17 @@ def rope_complex(heads, pos, inv_freq):
 # -- compiles --------------------------------------------------------------------------
 
 LLAMA_1B = dict(d=2048, inter=8192, hq=32, hkv=8, hd=64, vocab=128256)
-SHAPES = {"llama-3.2-1b": LLAMA_1B,
+# The family's shapes beyond 1B: 8B's K = 14336 stages x in dynamic shared memory, SmolLM2's
+# rows of 576 and 1536 end in a partial chunk.  Both compile in CPU CI; the others in the sweep.
+LLAMA_8B = dict(d=4096, inter=14336, hq=32, hkv=8, hd=128, vocab=128256)
+SMOLLM2 = dict(d=576, inter=1536, hq=9, hkv=3, hd=64, vocab=49152)
+SHAPES = {"llama-3.2-1b": LLAMA_1B, "llama-3.1-8b": LLAMA_8B, "smollm2-135m": SMOLLM2,
           "tinyllama": dict(d=2048, inter=5632, hq=32, hkv=4, hd=64, vocab=32000),
-          "llama-3.2-3b": dict(d=3072, inter=8192, hq=24, hkv=8, hd=128, vocab=128256)}
+          "llama-3.2-3b": dict(d=3072, inter=8192, hq=24, hkv=8, hd=128, vocab=128256),
+          "llama-3.1-70b": dict(d=8192, inter=28672, hq=64, hkv=8, hd=128, vocab=128256)}
+# CPU CI compiles every 1B kernel and the family's new code paths: 8B's projections with x in
+# dynamic shared memory (down, K = 14336), SmolLM2's partial chunks (K = 576); the sweep the rest
+CI = {"llama-3.2-1b": None, "llama-3.1-8b": ("matvec_residual",), "smollm2-135m": ("rms_qkv_rope", "matvec_residual")}
 
 
 def shipped(s):
@@ -87,7 +95,8 @@ COMPILED = [(name, k, g) for name, s in SHAPES.items() for k, g in shipped(s)]
 
 
 @pytest.mark.parametrize("shape,kernel,generics",   # Llama-3.2-1B's by default, the other shapes in the full sweep
-                         [pytest.param(*c, marks=[pytest.mark.full_sweep] if c[0] != "llama-3.2-1b" else [])
+                         [pytest.param(*c, marks=[] if c[0] in CI and (CI[c[0]] is None or c[1].name in CI[c[0]])
+                                       else [pytest.mark.full_sweep])
                           for c in COMPILED],
                          ids=[f"{n}-{k.name}-{'-'.join(map(str, g))}" for n, k, g in COMPILED])
 def test_every_shipped_generics_set_compiles_to_an_sm90_cubin(shape, kernel, generics):
@@ -95,11 +104,26 @@ def test_every_shipped_generics_set_compiles_to_an_sm90_cubin(shape, kernel, gen
     assert program.cubin[:4] == b"\x7fELF" and program.symbol(expr).startswith("_Z")
 
 
-def test_plans_refuse_shapes_the_kernels_cannot_serve():
-    with pytest.raises(dop.ShapeError, match="multiple of 256.*576"):
-        lp.qkv_plan(576, 9, 3, 64)               # SmolLM2-135M's hidden size
+def test_plans_serve_rows_of_any_multiple_of_8_and_refuse_the_rest():
+    assert lp.qkv_plan(576, 9, 3, 64)[1][5] == 1          # SmolLM2-135M: a partial last chunk, CH = 1
+    assert lp.matvec_residual_plan(4096, 14336)[1][5] == 4  # 8B's down projection: 4 slices of 3584
+    with pytest.raises(dop.ShapeError, match="K=572 must be a positive multiple of 8"):
+        lp.qkv_plan(572, 9, 3, 64)
     with pytest.raises(dop.ShapeError, match="multiple of 8"):
         lp.embed_plan(2047)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_family_shapes_pass_the_decode_limits(name):
+    s = SHAPES[name]
+    lp.check_decode_shapes(s["d"], s["inter"], s["hq"], s["hkv"], s["hd"], s["vocab"])
+
+
+def test_a_k_past_the_shared_memory_a_cta_may_have_is_refused_naming_the_field():
+    lp.check_decode_shapes(4096, 57344, 32, 8, 128, 1000)       # x of the down projection: 224 KB, served
+    with pytest.raises(dop.ShapeError, match="intermediate_size \\(down\\): matvec_residual: K=65536 needs "
+                                             "262.* bytes of shared memory.*227 KB.*largest K served is 5"):
+        lp.check_decode_shapes(4096, 65536, 32, 8, 128, 1000)
 
 
 def test_lm_head_plan_pads_the_vocabulary_to_equal_ctas():
@@ -226,8 +250,14 @@ def test_qkv_rope_refuses_bad_shapes_and_dtypes(stream, rng):
                                      (32, 2048, [2048, 1, 4, 3, 16, 1, 2]),
                                      (48, 2048, [2048, 2, 2, 6, 24, 2, 3]),   # K in 2 slices, 3 buffers
                                      (32, 4096, [4096, 1, 4, 8, 16, 4, 1]),   # 4 slices, 1 buffer
-                                     (40, 1024, [1024, 1, 1, 4, 8, 1, 8])],   # 8 buffers: rows pass the buffers
-                         ids=["plan", "nr2-w5", "w3", "ks2-nb3", "ks4-nb1", "nb8"])
+                                     (40, 1024, [1024, 1, 1, 4, 8, 1, 8]),    # 8 buffers: rows pass the buffers
+                                     (64, 576, None),                          # SmolLM2: 72 vectors, CH=1
+                                     (24, 520, [520, 2, 1, 4, 12, 1, 2]),      # 65 vectors: one lane in the tail
+                                     (16, 1536, [1536, 2, 4, 4, 8, 2, 2]),     # slices of 96 vectors, CH=4
+                                     (16, 14336, None),                        # x in 56 KB of dynamic shared memory
+                                     (8, 28672, None)],                        # Llama-3.1-70B's down: 112 KB
+                         ids=["plan", "nr2-w5", "w3", "ks2-nb3", "ks4-nb1", "nb8", "tail-576", "tail-520",
+                              "tail-ks2-ch4", "dynamic-14336", "dynamic-28672"])
 def test_matvec_residual_vs_float64(stream, rng, n, k, gen):
     w, x = bf16(rng, n, k), rng.standard_normal(k, dtype=np.float32)
     res = rng.standard_normal(n, dtype=np.float32)
@@ -245,12 +275,15 @@ def test_matvec_residual_refuses_what_it_cannot_do(stream, rng):
     n, k = 64, 512
     out, x, w = dop.empty([n], stream=stream), dop.empty([k], stream=stream), t(bf16(rng, n, k), stream)
     res = dop.empty([n], stream=stream)
-    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH\\*KS=1024"):
-        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 4, 4, 8, 1, 2]).sync_on(stream)
+    odd = dop.empty([516], stream=stream)
+    with pytest.raises(dop.ShapeError, match="K=516 must be a positive multiple of 8\\*KS=8"):
+        lp.matvec_residual(out.partition([8]), odd, t(bf16(rng, n, 516), stream), res) \
+            .generics([516, 2, 1, 4, 8, 1, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="partition out with \\[16\\]"):
         lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 2, 2, 4, 16, 1, 2]).sync_on(stream)
-    with pytest.raises(dop.ShapeError, match="multiple of 256\\*CH\\*KS=1024"):
-        lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 1, 2, 4, 8, 2, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="K=520 must be a positive multiple of 8\\*KS=16"):
+        lp.matvec_residual(out.partition([8]), dop.empty([520], stream=stream), t(bf16(rng, n, 520), stream), res) \
+            .generics([520, 1, 2, 4, 8, 2, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="KS=2 slices must divide the W=3 warps"):
         lp.matvec_residual(out.partition([8]), x, w, res).generics([k, 1, 1, 3, 8, 2, 2]).sync_on(stream)
     with pytest.raises(dop.ShapeError, match="NB\\*NR\\*CH=64"):
@@ -259,15 +292,16 @@ def test_matvec_residual_refuses_what_it_cannot_do(stream, rng):
         lp.matvec_residual(out.partition([8]), x, dop.empty([n, k], stream=stream), res)
     with pytest.raises(dop.AliasingError):
         lp.matvec_residual(out.partition([8]), x, w, out).generics([k, 2, 2, 4, 8, 1, 2]).sync_on(stream)
-    with pytest.raises(dop.ShapeError, match="shared-memory"):
-        big = dop.empty([16384], stream=stream)
-        lp.matvec_residual(out.partition([8]), big, t(bf16(rng, n, 16384), stream), res) \
-            .generics([16384, 2, 4, 4, 8, 1, 2]).sync_on(stream)
+    with pytest.raises(dop.ShapeError, match="K=65536 needs .* bytes of shared memory.*more than the 227 KB"):
+        big = dop.empty([65536], stream=stream)
+        lp.matvec_residual(out.partition([8]), big, dop.empty([n, 65536], dop.bfloat16, stream=stream), res) \
+            .generics([65536, 2, 4, 4, 8, 1, 2]).sync_on(stream)
 
 
 # -- rms_gate_up_silu --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("inter,d,ctas", [(128, 512, 8), (96, 1024, 3)])
+@pytest.mark.parametrize("inter,d,ctas", [(128, 512, 8), (96, 1024, 3), (96, 576, 4), (24, 12288, 3)],
+                         ids=["512", "1024", "tail-576", "dynamic-12288"])
 def test_gate_up_silu_vs_float64(stream, rng, inter, d, ctas):
     x, g = rng.standard_normal(d, dtype=np.float32), (1 + 0.1 * rng.standard_normal(d)).astype(BF16)
     w = bf16(rng, 2 * inter, d)
@@ -301,12 +335,13 @@ class LmHead:
         self.logits = dop.empty([self.rows], stream=s)
         self.token = t(np.full(1, -7, np.int32), s)
         self.work = t(np.zeros(2, np.uint64), s)
+        self.error = t(np.zeros(1, np.int32), s)
         self.x = t(self.hidden, s)
 
     def op(self):
         s = self.stream
         return lp.rms_lm_head_argmax(self.logits.partition([self.tile]), self.x, t(self.norm_w, s), t(self.w, s),
-                                     self.token, self.work, EPS, self.vocab).generics(self.gen).pdl()
+                                     self.token, self.work, self.error, EPS, self.vocab).generics(self.gen).pdl()
 
     def expect(self, hidden=None):
         return self.w.astype(np.float64) @ rms_normed(self.hidden if hidden is None else hidden, self.norm_w)
@@ -324,6 +359,23 @@ def test_lm_head_logits_and_argmax_vs_float64(stream, rng):
     if top2[1] - top2[0] > 1e-4 * np.max(np.abs(ref)):
         assert tok == int(np.argmax(ref))
     np.testing.assert_array_equal(case.work.numpy(stream=stream), [0, 0])  # left clean for the next launch
+    assert case.error.numpy(stream=stream)[0] == 0
+
+
+@pytest.mark.parametrize("d", [256, 576], ids=["256", "tail-576"])
+@pytest.mark.parametrize("poison", ["nan-weight", "inf-weight", "nan-hidden"])
+def test_lm_head_flags_a_non_finite_logit_in_the_error_word(stream, rng, d, poison):
+    case = LmHead(rng, stream, d=d)
+    row, col = int(rng.integers(0, case.vocab)), int(rng.integers(0, d))
+    if poison == "nan-hidden":
+        case.hidden[col] = np.nan
+        case.x = t(case.hidden, stream)
+    else:
+        case.w[row, col] = np.nan if poison == "nan-weight" else np.inf
+    case.op().sync_on(stream)
+    assert case.error.numpy(stream=stream)[0] == lp.ERR_LOGITS
+    logits = case.logits.numpy(stream=stream)[: case.vocab]
+    assert not np.isfinite(logits[row]) and 0 <= int(case.token.numpy(stream=stream)[0]) < case.vocab
 
 
 def test_lm_head_argmax_ties_pick_the_lowest_index(stream, rng):
@@ -359,13 +411,16 @@ def test_lm_head_refuses_unpadded_or_mismatched_buffers(stream, rng):
     too_long = dop.empty([case.rows + case.tile], stream=s)   # a whole CTA of padding
     with pytest.raises(dop.ShapeError, match="padded to a multiple of RPC"):
         lp.rms_lm_head_argmax(too_long.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
-                              case.token, case.work, EPS, case.vocab).generics(case.gen).sync_on(s)
+                              case.token, case.work, case.error, EPS, case.vocab).generics(case.gen).sync_on(s)
     with pytest.raises(dop.ShapeError, match="vocab=999 but w has 1000 rows"):
         lp.rms_lm_head_argmax(case.logits.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
-                              case.token, case.work, EPS, 999).generics(case.gen).sync_on(s)
+                              case.token, case.work, case.error, EPS, 999).generics(case.gen).sync_on(s)
     with pytest.raises(dop.DTypeError, match="uint64"):
         lp.rms_lm_head_argmax(case.logits.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
-                              case.token, t(np.zeros(2, np.int64), s), EPS, case.vocab)
+                              case.token, t(np.zeros(2, np.int64), s), case.error, EPS, case.vocab)
+    with pytest.raises(dop.AliasingError, match="error and token overlap"):
+        lp.rms_lm_head_argmax(case.logits.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
+                              case.token, case.work, case.token, EPS, case.vocab).generics(case.gen).sync_on(s)
 
 
 # -- the Llama-3.2-1B shapes on the GPU ------------------------------------------------------------------------
@@ -483,3 +538,40 @@ def test_llama_1b_embed_gather(stream, rng):
                     s["vocab"]).generics(gen).pdl().sync_on(stream)
     np.testing.assert_array_equal(hidden.numpy(stream=stream), embed[token].astype(np.float32))
     assert error.numpy(stream=stream)[0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "smollm2-135m"])
+def test_the_family_shapes_projections_on_the_gpu(stream, rng, name):
+    """The shipped plans of 8B (dynamic shared memory for K = 14336, head_dim 128) and SmolLM2
+    (rows of 576 and 1536: partial chunks, groups of 3) against float64."""
+    s = SHAPES[name]
+    d, inter, nq = s["d"], s["inter"], s["hq"] * s["hd"]
+    case = Qkv(rng, stream, d=d, hq=s["hq"], hkv=s["hkv"], hd=s["hd"], cap=64)
+    pos = int(rng.integers(0, 64))
+    q, kc, vc, error = case.run(pos, layers=1, layer=0)
+    q_ref, k_ref, v_ref = case.expect(pos)
+    assert rel(q, q_ref) < 1e-4 and error == 0
+    assert_bf16_close(kc[0][:, pos], k_ref)
+    assert_bf16_close(vc[0][:, pos], v_ref)
+    for n, k in ((d, nq), (d, inter)):              # O and down
+        w, x, res = bf16(rng, n, k), rng.standard_normal(k, dtype=np.float32), rng.standard_normal(n, dtype=np.float32)
+        tile, gen = lp.matvec_residual_plan(n, k)
+        out = dop.empty([n], stream=stream)
+        lp.matvec_residual(out.partition([tile]), t(x, stream), t(w, stream), t(res, stream)).generics(gen).pdl() \
+            .sync_on(stream)
+        ref = res.astype(np.float64) + w.astype(np.float64) @ x.astype(np.float64)
+        assert rel(out.numpy(stream=stream), ref) < 2e-4, (n, k)
+    x, g = rng.standard_normal(d, dtype=np.float32), (1 + 0.1 * rng.standard_normal(d)).astype(BF16)
+    w = bf16(rng, 2 * inter, d)
+    tile, gen = lp.gate_up_plan(d, inter)
+    act = dop.empty([inter], stream=stream)
+    lp.rms_gate_up_silu(act.partition([tile]), t(x, stream), t(g, stream), t(w, stream), EPS).generics(gen).pdl() \
+        .sync_on(stream)
+    y = w.astype(np.float64) @ rms_normed(x, g)
+    assert rel(act.numpy(stream=stream), y[:inter] / (1.0 + np.exp(-y[:inter])) * y[inter:]) < 1e-4
+    head = LmHead(rng, stream, d=d, vocab=5003, sms=lp.H100_SMS)
+    head.op().sync_on(stream)
+    logits = head.logits.numpy(stream=stream)[: head.vocab]
+    assert rel(logits, head.expect()) < 1e-4 and head.error.numpy(stream=stream)[0] == 0
+    assert int(head.token.numpy(stream=stream)[0]) == int(np.argmax(logits))

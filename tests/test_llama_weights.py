@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import deviceop as dop  # noqa: E402
-from llama.config import LLAMA_3_2_1B, TINY, LlamaConfig  # noqa: E402
+from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B, SMOLLM2_135M, TINY, LlamaConfig  # noqa: E402
 from llama.weights import BF16, check_weights, load_checkpoint, random_weights, save_checkpoint  # noqa: E402
 
 
@@ -35,12 +35,21 @@ def test_llama3_rope_frequencies_follow_the_three_bands():
 @pytest.mark.parametrize("change,message", [
     ({"head_dim": 80}, "head_dim 80 is not supported"),
     ({"num_key_value_heads": 3}, "not a multiple of 3 KV heads"),
-    ({"hidden_size": 1000, "head_dim": 64}, "hidden_size=1000 must be a positive multiple of 256"),
+    ({"hidden_size": 1001, "head_dim": 64}, "hidden_size=1001 must be a positive multiple of 8"),
+    ({"intermediate_size": 65536}, "intermediate_size \\(down\\): matvec_residual: K=65536 needs .* bytes of "
+                                   "shared memory"),
+    ({"vocab_size": 2**20 + 1}, "a vocabulary of 1048577 is not served"),
+    ({"num_attention_heads": 32, "num_key_value_heads": 2}, "a group of 16 query heads"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
 ])
 def test_a_config_the_kernels_cannot_serve_is_refused_naming_the_limit(change, message):
     with pytest.raises(dop.ShapeError, match=message):
         LlamaConfig.from_dict({**TINY.to_dict(), **change})
+
+
+@pytest.mark.parametrize("cfg", [LLAMA_3_2_1B, LLAMA_3_1_8B, SMOLLM2_135M], ids=["1b", "8b", "smollm2"])
+def test_the_family_configs_are_served(cfg):
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 def test_a_config_without_the_llama_fields_is_refused():

@@ -13,11 +13,32 @@ from pathlib import Path
 import numpy as np
 
 import deviceop as dop
+from deviceop.kernels import llama_attn as attn_k
+from deviceop.kernels import llama_proj as proj
 
 # What the decode kernels serve (kernels/llama_*.cu): head dims they are compiled
 # for, and the width their 16-byte bf16 loads need.
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = attn_k.HEAD_DIMS
 VECTOR = 8  # bf16 elements per 16-byte load: every row length must be a multiple
+
+
+def check_kernel_limits(cfg: "LlamaConfig") -> None:
+    """Every limit of the decode kernels, from the config's numbers alone (no weight read, no
+    buffer made): attention's head dims and groups, the row widths of the 16-byte loads, each
+    projection's plan and shared memory (kernels/llama_proj.py's check_decode_shapes) and the
+    sampler's vocabulary.  A ShapeError names the field and the limit."""
+    try:
+        attn_k.check_heads(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+        for name in ("hidden_size", "intermediate_size"):
+            v = getattr(cfg, name)
+            if not v > 0 or v % VECTOR:
+                raise dop.ShapeError(f"{name}={v} must be a positive multiple of {VECTOR} (rows are read in "
+                                     "16-byte loads of 8 bf16)")
+        proj.check_decode_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+        attn_k.sample_candidates(cfg.vocab_size)
+    except dop.ShapeError as exc:
+        raise dop.ShapeError(f"Llama config: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -89,17 +110,8 @@ class LlamaConfig:
         def need(ok, message):
             if not ok:
                 raise dop.ShapeError(f"Llama config: {message}")
-        need(self.head_dim in HEAD_DIMS, f"head_dim {self.head_dim} is not supported (the attention kernels "
-                                         f"serve {', '.join(map(str, HEAD_DIMS))})")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} KV heads")
-        need(1 <= self.group <= 8, f"a group of {self.group} query heads per KV head (the attention kernel "
-                                   "serves 1 to 8)")
-        for name in ("hidden_size", "intermediate_size"):
-            v = getattr(self, name)
-            need(v > 0 and v % (32 * VECTOR) == 0, f"{name}={v} must be a positive multiple of {32 * VECTOR} "
-                                                   "(one warp of 16-byte bf16 loads)")
         need(self.vocab_size > 0 and self.num_hidden_layers > 0, "vocab_size and num_hidden_layers must be positive")
+        check_kernel_limits(self)
         need(self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be positive")
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         need(kind in ("default", "llama3"), f"rope_scaling type {kind!r} is not supported (default or llama3)")
@@ -160,3 +172,19 @@ TINY = LlamaConfig(
     hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
     vocab_size=1000, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
     rope_scaling=dict(LLAMA_3_2_1B.rope_scaling), tie_word_embeddings=True, bos_token_id=1, eos_token_id=(2,))
+
+# Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B's config.json): head_dim 128, an
+# untied head, K = 14336 in the down projection.
+LLAMA_3_1_8B = LlamaConfig(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    tie_word_embeddings=False, bos_token_id=128000, eos_token_id=(128001, 128008, 128009))
+
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M-Instruct): rows of 576 and 1536
+# (multiples of 64, not of 256), 9 query heads in groups of 3, vocabulary 49152.
+SMOLLM2_135M = LlamaConfig(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    vocab_size=49152, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=(2,))

@@ -40,7 +40,7 @@ ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
 # step that ends an iteration, and each step's QKV kernel appends entry pos alone, so attention loads
 # the older entries before its griddepcontrol.wait.
 ATTN_PREFETCH = True
-SAMPLE_CANDIDATES = 32
+SAMPLE_CANDIDATES = 32  # a CTA's candidates, fewer past 131072 logits (llama_attn.sample_candidates)
 
 
 @dataclass
@@ -108,6 +108,7 @@ class LlamaDecoder:
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True):
         if capacity < 2:
             raise dop.ShapeError(f"a KV capacity of {capacity} holds no generation; use at least 2")
+        attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK)
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
         self.w = DeviceWeights(cfg, weights, stream)
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -142,7 +143,8 @@ class LlamaDecoder:
         self.attn_tile, self.attn_gen = attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS,
                                                          min_chunk=ATTN_MIN_CHUNK, prefetch=ATTN_PREFETCH)
         self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
-        self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, SAMPLE_CANDIDATES,
+        self.sample_candidates = attn_k.sample_candidates(cfg.vocab_size, SAMPLE_CANDIDATES)
+        self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, self.sample_candidates,
                                                                        stream=stream)
 
     # -- views of the state --------------------------------------------------------
@@ -182,13 +184,13 @@ class LlamaDecoder:
                                  cfg.vocab_size).generics(self.embed_gen).pdl(p)]
         ops += [self._layer(i) for i in range(cfg.num_hidden_layers)]
         ops.append(proj.rms_lm_head_argmax(self.logits.partition([self.head_tile]), self.h0, self.w.final_norm,
-                                           self.w.head, self.token, self.head_work, cfg.rms_norm_eps,
+                                           self.w.head, self.token, self.head_work, self.error, cfg.rms_norm_eps,
                                            cfg.vocab_size).generics(self.head_gen).pdl(p))
         if not sampling.greedy:
             ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
                                      self.logits[:cfg.vocab_size], self.token, self.sample_state, self.pos,
                                      cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
-                                     sampling.seed).generics([SAMPLE_CANDIDATES]).pdl(p))
+                                     sampling.seed).generics([self.sample_candidates]).pdl(p))
         return dop.zip_(*ops)
 
     def step(self, sampling: Sampling, prompt_len: int, max_new: int) -> dop.DeviceOp:
@@ -233,5 +235,6 @@ class LlamaDecoder:
         error = int(self.error.numpy(stream=self.stream)[0])
         if error:
             raise dop.StateError(f"the device reported error word {error} (1: a token outside the vocabulary, "
-                                 "2: a position outside the KV cache); the generation is not valid")
+                                 "2: a position outside the KV cache, 4: a NaN or infinite logit, as a NaN "
+                                 "weight or an overflow makes); the generation is not valid")
         return [int(t) for t in self.tokens.numpy(stream=self.stream)[prompt_len:prompt_len + int(state[3])]]

@@ -32,7 +32,7 @@ from deviceop.kernels import llama_prefill as pf
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step
 
-from .model import SAMPLE_CANDIDATES, LlamaDecoder, Sampling
+from .model import LlamaDecoder, Sampling
 
 
 class ChunkedPrefill:
@@ -104,13 +104,14 @@ class ChunkedPrefill:
                pf.prefill_finish(self.h_last.partition([cfg.hidden_size]), self.x0, self.state, dec.state,
                                  dec.tokens, prompt_len, cfg.hidden_size).generics([self.chunk]),
                proj.rms_lm_head_argmax(dec.logits.partition([dec.head_tile]), self.h_last, dec.w.final_norm,
-                                       dec.w.head, dec.token, dec.head_work, cfg.rms_norm_eps, cfg.vocab_size)
+                                       dec.w.head, dec.token, dec.head_work, dec.error, cfg.rms_norm_eps,
+                                       cfg.vocab_size)
                .generics(dec.head_gen).pdl(p)]
         if not sampling.greedy:
             ops.append(attn_k.sample(dec.sample_part.partition([1, dec.sample_part.shape[1]]),
                                      dec.logits[:cfg.vocab_size], dec.token, dec.sample_state, dec.pos,
                                      cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
-                                     sampling.seed).generics([SAMPLE_CANDIDATES]).pdl(p))
+                                     sampling.seed).generics([dec.sample_candidates]).pdl(p))
         ops.append(llama_step(dec.tokens.partition([dec.capacity]), dec.state, dec.token, dec.eos,
                               len(cfg.eos_token_id), prompt_len, max_new, dec.capacity).pdl(p))
         return dop.zip_(*ops)
