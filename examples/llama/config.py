@@ -22,6 +22,7 @@ import deviceop as dop
 # for, and the width their 16-byte bf16 loads need.
 HEAD_DIMS = (64, 128)
 VECTOR = 8  # bf16 elements per 16-byte load: every row length must be a multiple
+X_COPY_BYTES = 47 * 1024  # each projection CTA copies x to shared memory: 48 KB static, less its workspace
 INT32_MAX = 2 ** 31 - 1  # sizes and token ids live in int32 on the device
 ROPE_TYPES = ("default", "llama3")
 MAX_CHECKED_HEAD_DIM = 1 << 16  # RoPE tables checked finite up to this head_dim
@@ -175,13 +176,11 @@ class LlamaConfig:
         if path.is_dir():
             path = path / "config.json"
         try:
-            text = path.read_text()
+            d = json.loads(path.read_text())
         except OSError as exc:
             raise dop.StateError(f"cannot read the config {path}: {exc.strerror}; pass a config.json "
                                  "or the directory holding one") from None
-        try:
-            d = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError, and text that is not UTF-8
+        except ValueError as exc:  # JSONDecodeError, and bytes that are not UTF-8
             raise dop.StateError(f"the config {path} is not valid JSON ({exc}); pass a Hugging Face "
                                  "config.json") from None
         return cls.from_dict(d, kernels=kernels)
@@ -264,6 +263,11 @@ def kernel_limits(cfg: LlamaConfig) -> None:
         v = getattr(cfg, name)
         need(v % (32 * VECTOR) == 0, f"{name}={v} must be a positive multiple of {32 * VECTOR} "
                                      "(one warp of 16-byte bf16 loads)")
+    for name, k in (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                    ("num_attention_heads * head_dim", cfg.q_size)):  # the widths the projections read
+        need(4 * k <= X_COPY_BYTES, f"{name}={k}: a projection of that input width does not fit the CTA's "
+                                    f"{X_COPY_BYTES // 1024} KB shared-memory copy of x (float32); the widest "
+                                    f"served is {X_COPY_BYTES // 4 // 256 * 256}")
 
 
 LLAMA_3_2_1B = LlamaConfig(

@@ -148,9 +148,13 @@ class LlamaDecoder:
             raise dop.ShapeError(f"a KV capacity of {capacity!r} holds no generation; give an integer of at least 2")
         capacity = int(capacity)
         kernel_limits(cfg)
+        plans = self.plans(cfg, capacity)
         check_weights(cfg, weights)
         check_memory(cfg, weights, capacity, dop.Device(0))
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
+        for name, (tile, generics) in plans.items():
+            setattr(self, f"{name}_tile", tile)
+            setattr(self, f"{name}_gen", generics)
         self.w = DeviceWeights(cfg, weights, stream, check=False)
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
@@ -172,20 +176,24 @@ class LlamaDecoder:
         self.token = ints([0])                  # the step's chosen token
         self.eos = ints(list(cfg.eos_token_id) or [0])
 
-        self.embed_tile, self.embed_gen = proj.embed_plan(d)
-        self.qkv_tile, self.qkv_gen = proj.qkv_plan(d, hq, hkv, hd)
-        self.o_tile, self.o_gen = proj.matvec_residual_plan(d, cfg.q_size)
-        self.gu_tile, self.gu_gen = proj.gate_up_plan(d, cfg.intermediate_size)
-        self.down_tile, self.down_gen = proj.matvec_residual_plan(d, cfg.intermediate_size)
-        self.head_tile, rows, self.head_gen = proj.lm_head_plan(d, cfg.vocab_size)
-        self.logits = buf([rows])
+        self.logits = buf([proj.lm_head_rows(cfg.vocab_size, self.head_tile)])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
-        # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-        self.attn_tile, self.attn_gen = attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS,
-                                                         min_chunk=ATTN_MIN_CHUNK, prefetch=ATTN_PREFETCH)
         self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
         self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, SAMPLE_CANDIDATES,
                                                                        stream=stream)
+
+    @staticmethod
+    def plans(cfg: LlamaConfig, capacity: int) -> dict:
+        """Each kernel's (tile, generics) for this model: pure arithmetic, so a shape the kernels'
+        plans refuse is refused before anything is allocated."""
+        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        head_tile, _, head_gen = proj.lm_head_plan(d, cfg.vocab_size)
+        return {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, hq, hkv, hd),
+                "o": proj.matvec_residual_plan(d, cfg.q_size), "gu": proj.gate_up_plan(d, cfg.intermediate_size),
+                "down": proj.matvec_residual_plan(d, cfg.intermediate_size), "head": (head_tile, head_gen),
+                # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
+                "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
+                                         prefetch=ATTN_PREFETCH)}
 
     # -- views of the state --------------------------------------------------------
     @property
