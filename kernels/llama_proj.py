@@ -43,6 +43,7 @@ from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
+from ._refmath import matvec64
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_proj.cu"
@@ -161,7 +162,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 def _rms_qkv_rope_ref(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
     hd, hq, hkv = g["HD"], g["HQ"], g["HKV"]
     xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
-    y = w_qkv.astype(np.float64) @ xn
+    y = matvec64(w_qkv, xn)
     p = int(pos[0])
     ang = rope_angles(p, inv_freq).astype(np.float64)
     cos, sin = np.cos(ang), np.sin(ang)
@@ -260,7 +261,7 @@ def _chunk(k: int, nr: int) -> int:
 
 @_fp32_semantics
 def _matvec_residual_ref(g, out, x, w, residual):
-    out[...] = residual.astype(np.float64) + w.astype(np.float64) @ x.astype(np.float64)
+    out[...] = residual.astype(np.float64) + matvec64(w, x)
 
 
 def _matvec_limits(K, NR, CH, W, RPC, KS, NB):
@@ -326,7 +327,7 @@ def _silu(x):
 def _rms_gate_up_silu_ref(g, act, hidden, norm_w, w_gate_up, eps):
     inter = act.shape[0]
     xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
-    y = w_gate_up.astype(np.float64) @ xn
+    y = matvec64(w_gate_up, xn)
     act[...] = _silu(y[:inter]) * y[inter:]
 
 
@@ -369,7 +370,7 @@ def gate_up_plan(d: int, inter: int, *, sms: int = H100_SMS, ctas: int | None = 
 @_fp32_semantics
 def _rms_lm_head_argmax_ref(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
     xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
-    full = w.astype(np.float64) @ xn
+    full = matvec64(w, xn)
     logits[:vocab] = full
     logits[vocab:] = -np.inf
     token[0] = int(np.argmax(logits[:vocab]))  # the first maximum of what was written (NaN counts as largest)

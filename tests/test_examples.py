@@ -76,10 +76,11 @@ def test_every_option_of_an_example_has_help_and_its_default(monkeypatch, capsys
 
 
 def test_the_llama_example_runs_on_the_reference_device_in_seconds():
-    """python -m examples.llama: a tiny config, a whole generation in one graph launch."""
+    """python -m examples.llama --random: a tiny config, a whole generation in one graph launch."""
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, DEVICEOP_DEVICE="reference")
-    proc = subprocess.run([sys.executable, "-m", "examples.llama", "--max-new", "8", "--capacity", "64"], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "examples.llama", "--random", "--max-new", "8", "--capacity", "64"],
+                          cwd=root,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "generated 8 tokens" in proc.stdout

@@ -55,7 +55,8 @@ def test_teacher_forcing_at_the_last_position_predicts_what_generate_picks(tiny,
     assert llama.generate(prompt, max_new_tokens=1) == [int(np.argmax(last))]
 
 
-@pytest.mark.parametrize("positions,message", [([0, 6], "got 6"), ([-1], "got -1"), ([], "got none")])
+@pytest.mark.parametrize("positions,message", [([0, 6], "got 6"), ([-1], "got -1"), ([], "got none"),
+                                               ([1.5], "got 1.5"), ([True], "got True")])
 def test_teacher_forcing_refuses_positions_outside_the_sequence_before_launching(tiny, positions, message):
     _, llama = tiny
     before = dop.op.stats["launches"]

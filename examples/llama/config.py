@@ -1,12 +1,16 @@
 """A Llama-family decoder's shape, read from a Hugging Face ``config.json``.
 
-Only the fields the decode kernels depend on are kept; anything the kernels
-cannot serve is refused here, before a byte is allocated, with the limit named.
+Only the fields the decode kernels depend on are kept.  Every field is checked
+for type and range when a config is made (``LlamaConfig(...)``, ``from_dict``,
+``from_json``), naming the field: a config that is not a Llama decoder never
+gets as far as a weight.  What the kernels cannot serve is a separate, named
+check (``kernel_limits``), run before a byte is allocated.
 """
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,25 +24,63 @@ from deviceop.kernels import llama_proj as proj
 # for, and the width their 16-byte bf16 loads need.
 HEAD_DIMS = attn_k.HEAD_DIMS
 VECTOR = 8  # bf16 elements per 16-byte load: every row length must be a multiple
+INT32_MAX = 2 ** 31 - 1  # sizes and token ids live in int32 on the device
+ROPE_TYPES = ("default", "llama3")
+MAX_CHECKED_HEAD_DIM = 1 << 16  # RoPE tables checked finite up to this head_dim
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def check_kernel_limits(cfg: "LlamaConfig") -> None:
-    """Every limit of the decode kernels, from the config's numbers alone (no weight read, no
-    buffer made): attention's head dims and groups, the row widths of the 16-byte loads, each
-    projection's plan and shared memory (kernels/llama_proj.py's check_decode_shapes) and the
-    sampler's vocabulary.  A ShapeError names the field and the limit."""
-    try:
-        attn_k.check_heads(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
-        for name in ("hidden_size", "intermediate_size"):
-            v = getattr(cfg, name)
-            if not v > 0 or v % VECTOR:
-                raise dop.ShapeError(f"{name}={v} must be a positive multiple of {VECTOR} (rows are read in "
-                                     "16-byte loads of 8 bf16)")
-        proj.check_decode_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-                                 cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
-        attn_k.sample_candidates(cfg.vocab_size)
-    except dop.ShapeError as exc:
-        raise dop.ShapeError(f"Llama config: {exc}") from None
+def _bad(message: str):
+    raise dop.ShapeError(f"Llama config: {message}")
+
+
+def _integer(name: str, v, low: int = 1, high: int = INT32_MAX) -> int:
+    """``v`` as an int in [low, high], or a ShapeError naming ``name`` (a bool or a float is no count)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        _bad(f"{name}={v!r} must be an integer in [{low}, {high}], not {type(v).__name__}")
+    if not low <= int(v) <= high:
+        _bad(f"{name}={int(v)} is outside [{low}, {high}]")
+    return int(v)
+
+
+def _positive_real(name: str, v) -> float:
+    """``v`` as a float > 0 that stays finite and positive in float32 (the kernels' and
+    Hugging Face's RoPE arithmetic), or a ShapeError naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        _bad(f"{name}={v!r} must be a finite positive number, not {type(v).__name__}")
+    with np.errstate(over="ignore", under="ignore"):
+        as_float32 = np.float32(v)
+    if not (math.isfinite(float(v)) and float(v) > 0 and np.isfinite(as_float32) and as_float32 > 0):
+        _bad(f"{name}={float(v)} must be a finite positive number (in float32 too)")
+    return float(v)
+
+
+def _token_ids(name: str, v, vocab: int) -> tuple:
+    """None, an id or a list of ids, each in [0, vocab), as a tuple."""
+    ids = () if v is None else tuple(v) if isinstance(v, (list, tuple)) else (v,)
+    return tuple(_integer(name, i, 0, vocab - 1) for i in ids)
+
+
+def _rope_scaling(v) -> dict | None:
+    """None or a default / llama3 ``rope_scaling`` dict whose llama3 fields are finite, in order."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        _bad(f"rope_scaling={v!r} must be a dict (or null), not {type(v).__name__}")
+    kind = v.get("rope_type", v.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        _bad(f"rope_scaling type {kind!r} is not supported (default or llama3)")
+    if kind == "llama3":
+        missing = [k for k in LLAMA3_KEYS if k not in v]
+        if missing:
+            _bad(f"rope_scaling of type llama3 lacks {', '.join(missing)}")
+        for k in LLAMA3_KEYS[:3]:
+            _positive_real(f"rope_scaling.{k}", v[k])
+        _integer("rope_scaling.original_max_position_embeddings", v["original_max_position_embeddings"])
+        if not v["high_freq_factor"] > v["low_freq_factor"]:
+            _bad(f"rope_scaling.high_freq_factor={v['high_freq_factor']} must exceed low_freq_factor="
+                 f"{v['low_freq_factor']} (llama3 RoPE interpolates between them)")
+    return dict(v)
 
 
 @dataclass(frozen=True)
@@ -57,38 +99,92 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple = ()
 
+    def __post_init__(self):
+        """Type and range of every field, naming it: cheap, whatever the sizes (no weight is named here)."""
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "vocab_size", "head_dim"):
+            _integer(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            _bad(f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} KV "
+                 "heads (num_attention_heads, num_key_value_heads)")
+        if self.head_dim % 2:
+            _bad(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        if not isinstance(self.tie_word_embeddings, bool):
+            _bad(f"tie_word_embeddings={self.tie_word_embeddings!r} must be true or false")
+        bos = self.bos_token_id
+        normalized = {"rms_norm_eps": _positive_real("rms_norm_eps", self.rms_norm_eps),
+                      "rope_theta": _positive_real("rope_theta", self.rope_theta),
+                      "rope_scaling": _rope_scaling(self.rope_scaling),
+                      "bos_token_id": None if bos is None else _integer("bos_token_id", bos, 0, self.vocab_size - 1),
+                      "eos_token_id": _token_ids("eos_token_id", self.eos_token_id, self.vocab_size)}
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)
+        if self.head_dim <= MAX_CHECKED_HEAD_DIM:  # larger ones no kernel serves: not worth the table
+            with np.errstate(all="ignore"):
+                inv = self.inv_freq()
+            if not np.all(np.isfinite(inv) & (inv > 0)):
+                _bad(f"rope_theta={self.rope_theta} with rope_scaling={self.rope_scaling} gives RoPE frequencies "
+                     "that are not finite and positive in float32")
+
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: dict) -> "LlamaConfig":
-        """From the fields of a Hugging Face ``LlamaConfig`` (``config.json``)."""
+    def from_dict(cls, d: dict, *, kernels: bool = True) -> "LlamaConfig":
+        """From the fields of a Hugging Face ``LlamaConfig`` (``config.json``, transformers 4's
+        ``rope_theta``/``rope_scaling`` or 5's ``rope_parameters``).  ``kernels``: also refuse
+        what the kernels cannot serve (``kernel_limits``); False for a config only read (the
+        NumPy decoder, Hugging Face)."""
+        if not isinstance(d, dict):
+            _bad(f"a config is a JSON object of fields, got {type(d).__name__}")
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "vocab_size") if k not in d]
         if missing:
-            raise dop.ShapeError(f"config is missing {', '.join(missing)}: pass a Llama-family config.json")
-        heads = int(d["num_attention_heads"])
-        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
-        eos = d.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        cfg = cls(hidden_size=int(d["hidden_size"]), intermediate_size=int(d["intermediate_size"]),
-                  num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=heads,
-                  num_key_value_heads=int(d.get("num_key_value_heads") or heads), vocab_size=int(d["vocab_size"]),
-                  head_dim=int(head_dim), rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-                  rope_theta=float(d.get("rope_theta", 10000.0)), rope_scaling=d.get("rope_scaling"),
-                  tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                  bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
-        cfg.check()
+            _bad(f"config is missing {', '.join(missing)}: pass a Llama-family config.json")
+        heads, hidden = _integer("num_attention_heads", d["num_attention_heads"]), _integer("hidden_size",
+                                                                                             d["hidden_size"])
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                _bad(f"hidden_size={hidden} is not a multiple of num_attention_heads={heads}: give head_dim")
+            head_dim = hidden // heads
+        theta, scaling = d.get("rope_theta", 10000.0), d.get("rope_scaling")
+        params = d.get("rope_parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                _bad(f"rope_parameters={params!r} must be a dict")
+            theta = params.get("rope_theta", theta)
+            kind = params.get("rope_type", params.get("type", "default"))
+            scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+        if d.get("hidden_act", "silu") != "silu":
+            _bad(f"hidden_act={d['hidden_act']!r}: the kernels compute SiLU (silu)")
+        for name in ("attention_bias", "mlp_bias"):
+            if d.get(name, False) is not False:
+                _bad(f"{name}={d[name]!r}: the kernels add no biases (a Llama decoder has none)")
+        kv = d.get("num_key_value_heads")
+        cfg = cls(hidden_size=hidden, intermediate_size=d["intermediate_size"],
+                  num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+                  num_key_value_heads=heads if kv is None else kv, vocab_size=d["vocab_size"], head_dim=head_dim,
+                  rms_norm_eps=d.get("rms_norm_eps", 1e-6),  # Hugging Face's default
+                  rope_theta=theta, rope_scaling=scaling,
+                  tie_word_embeddings=d.get("tie_word_embeddings", False),
+                  bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"))
+        if kernels:
+            kernel_limits(cfg)
         return cfg
 
     @classmethod
-    def from_json(cls, path) -> "LlamaConfig":
+    def from_json(cls, path, *, kernels: bool = True) -> "LlamaConfig":
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         try:
-            return cls.from_dict(json.loads(path.read_text()))
+            d = json.loads(path.read_text())
         except OSError as exc:
             raise dop.StateError(f"cannot read the config {path}: {exc.strerror}; pass a config.json "
                                  "or the directory holding one") from None
+        except ValueError as exc:  # JSONDecodeError, and bytes that are not UTF-8
+            raise dop.StateError(f"the config {path} is not valid JSON ({exc}); pass a Hugging Face "
+                                 "config.json") from None
+        return cls.from_dict(d, kernels=kernels)
 
     def to_dict(self) -> dict:
         """The Hugging Face ``LlamaConfig`` fields (what ``from_dict`` reads)."""
@@ -104,17 +200,10 @@ class LlamaConfig:
             d["eos_token_id"] = list(self.eos_token_id) if len(self.eos_token_id) > 1 else self.eos_token_id[0]
         return d
 
-    # -- the shapes the kernels serve -----------------------------------------------
     def check(self) -> None:
-        """Refuse what the decode kernels cannot serve, naming the limit."""
-        def need(ok, message):
-            if not ok:
-                raise dop.ShapeError(f"Llama config: {message}")
-        need(self.vocab_size > 0 and self.num_hidden_layers > 0, "vocab_size and num_hidden_layers must be positive")
-        check_kernel_limits(self)
-        need(self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be positive")
-        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        need(kind in ("default", "llama3"), f"rope_scaling type {kind!r} is not supported (default or llama3)")
+        """Refuse what the decode kernels cannot serve, naming the limit (the fields themselves
+        were checked when the config was made)."""
+        kernel_limits(self)
 
     @property
     def group(self) -> int:
@@ -157,6 +246,25 @@ class LlamaConfig:
         smoothed = ((1 - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def kernel_limits(cfg: LlamaConfig) -> None:
+    """Every limit of the decode kernels, from the config's numbers alone (no weight read, no
+    buffer made): attention's head dims and groups, the row widths of the 16-byte loads, each
+    projection's plan and shared memory (kernels/llama_proj.py's check_decode_shapes) and the
+    sampler's vocabulary.  A ShapeError names the field and the limit."""
+    try:
+        attn_k.check_heads(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+        for name in ("hidden_size", "intermediate_size"):
+            v = getattr(cfg, name)
+            if not v > 0 or v % VECTOR:
+                raise dop.ShapeError(f"{name}={v} must be a positive multiple of {VECTOR} (rows are read in "
+                                     "16-byte loads of 8 bf16)")
+        proj.check_decode_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size)
+        attn_k.sample_candidates(cfg.vocab_size)
+    except dop.ShapeError as exc:
+        raise dop.ShapeError(f"Llama config: {exc}") from None
 
 
 LLAMA_3_2_1B = LlamaConfig(

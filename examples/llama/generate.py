@@ -12,13 +12,16 @@ the prompt itself, the position and the KV cache live in device memory).
 """
 from __future__ import annotations
 
+import numbers
 import statistics
 import time
+
+import numpy as np
 
 import deviceop as dop
 
 from .config import LlamaConfig
-from .model import LlamaDecoder, Sampling
+from .model import NONFINITE, LlamaDecoder, Sampling
 
 
 class Llama:
@@ -75,14 +78,15 @@ class Llama:
         graph, whatever it would have chosen) and returns the float32 logits it computed at each
         of ``positions`` (default: every position), ``[len(positions), vocab]``; row i predicts
         the token after ``positions[i]``."""
-        import numpy as np
         dec = self.decoder
         tokens = dec.check_request(tokens, 1)
         positions = list(range(tokens.size) if positions is None else positions)
-        bad = [p for p in positions if not 0 <= p < tokens.size]
+        bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, numbers.Integral)
+               or not 0 <= p < tokens.size]
         if not positions or bad:
             raise dop.ShapeError(f"positions must name tokens of the sequence [0, {tokens.size}); got "
-                                 f"{bad[0] if bad else 'none'}")
+                                 f"{bad[0] if bad else 'none'} (each an integer)")
+        positions = [int(p) for p in positions]
         wanted = {p: i for i, p in enumerate(positions)}
         out = np.empty((len(positions), self.cfg.vocab_size), np.float32)
         logits = dec.logits[:self.cfg.vocab_size]
@@ -98,7 +102,9 @@ class Llama:
             if pos in wanted:
                 out[wanted[pos]] = logits.numpy(stream=self.cuda_stream)
         self.cuda_stream.synchronize()
-        dec.read_generated(tokens.size)  # raises if the device flagged a token or a position
+        dec.check_errors(logits=False)  # raises if the device flagged a token or a position
+        if not np.isfinite(out).all():
+            raise dop.StateError(NONFINITE)
         return out
 
     def time_generation(self, prompt, max_new_tokens: int, sampling: Sampling | None = None,
@@ -146,7 +152,7 @@ class Llama:
             g.replay()
             self.cuda_stream.synchronize()
             state = dec.state.numpy(stream=self.cuda_stream)
-            if state[3] > seen:
+            if state[3] > seen:  # a new token: checked (error word, finite logits) before it is given out
                 yield from dec.read_generated(prompt.size)[seen:]
                 seen = int(state[3])
             if state[1] == 0:

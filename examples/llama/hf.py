@@ -94,13 +94,38 @@ def build_hf_model(cfg: LlamaConfig, seed: int, device: str = "cuda"):
         model = LlamaForCausalLM(hf_config(cfg))
     # .to() casts every floating buffer, RoPE's inverse frequencies too; they stay float32,
     # as from_pretrained(dtype=torch.bfloat16) leaves them
+    model = to_bf16(model)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return model
+
+
+def to_bf16(model):
+    """``model`` cast to bf16 for inference, RoPE's inverse frequencies left in float32 (as
+    from_pretrained(dtype=torch.bfloat16) leaves them; .to() would cast every buffer)."""
+    import torch
     rope = {(m, n): b.clone() for m in model.modules() for n, b in m._buffers.items() if n.endswith("inv_freq")}
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     for (module, name), buf in rope.items():
         module._buffers[name] = buf
-    if device != "cpu":
-        torch.cuda.synchronize()
     return model
+
+
+def hf_from_weights(cfg: LlamaConfig, weights: dict, dtype: str = "float32", device: str = "cpu"):
+    """Hugging Face's ``LlamaForCausalLM`` of ``cfg`` holding ``weights`` (bf16 NumPy arrays by
+    Hugging Face name, as ``read_gguf`` or ``load_checkpoint`` give them), promoted to float32,
+    then in ``dtype`` ("float32" or "bfloat16") on ``device``: the same weights as deviceop's."""
+    import torch
+    from transformers import LlamaForCausalLM
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config(cfg)).eval().requires_grad_(False)
+    state = {k: torch.from_numpy(np.asarray(v, dtype=np.float32)) for k, v in weights.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ValueError(f"the weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return to_bf16(model) if dtype == "bfloat16" else model
 
 
 def reference_copy(model):

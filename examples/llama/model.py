@@ -19,6 +19,7 @@ position, and a ``dop.while_`` over it is a whole generation in one graph launch
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,8 +30,8 @@ from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
 
-from .config import LlamaConfig
-from .weights import BF16, check_weights, layer_names
+from .config import INT32_MAX, LlamaConfig, kernel_limits
+from .weights import BF16, check_weights, host_memory_bytes, layer_names
 
 
 # Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers); attention's
@@ -41,15 +42,38 @@ ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
 # the older entries before its griddepcontrol.wait.
 ATTN_PREFETCH = True
 SAMPLE_CANDIDATES = 32  # a CTA's candidates, fewer past 131072 logits (llama_attn.sample_candidates)
+# The device's error word (kernels/llama_common.cuh llama::ERR_*): bits OR-ed in by the kernels.
+# ERR_NONFINITE is what the LM head kernel sets when a logit is NaN or inf (the host also
+# checks the last logits, which a non-finite value anywhere in a generation reaches).
+ERR_TOKEN, ERR_POS, ERR_NONFINITE = proj.ERR_TOKEN, proj.ERR_POS, proj.ERR_LOGITS
+NONFINITE = ("the logits went non-finite (NaN or inf) during the generation: a weight or an activation is not "
+             "finite, so the tokens are garbage; check the checkpoint (check_weights names a non-finite weight)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen: temperature 0 is greedy (the head's own argmax)."""
+    """How the next token is chosen: temperature 0 is greedy (the head's own argmax).
+    Every field is checked when made, greedy or not: ``top_k`` an int >= 0 (0 = off),
+    ``top_p`` in [0, 1] (1 = off), ``temperature`` finite and >= 0, ``seed`` an int in
+    [0, 2^64)."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        def real(name, low, high):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not low <= float(v) <= high:
+                raise dop.ShapeError(f"Sampling: {name}={v!r} must be a number in [{low}, {high}]")
+            object.__setattr__(self, name, float(v))
+        real("temperature", 0.0, float(np.finfo(np.float32).max))  # also refuses NaN and inf
+        real("top_p", 0.0, 1.0)
+        for name, high in (("top_k", INT32_MAX), ("seed", 2 ** 64 - 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= int(v) <= high:
+                raise dop.ShapeError(f"Sampling: {name}={v!r} must be an integer in [0, {high}]")
+            object.__setattr__(self, name, int(v))
 
     @property
     def greedy(self) -> bool:
@@ -60,8 +84,9 @@ class DeviceWeights:
     """A model's weights on the device, laid out as the kernels read them: q, k and v
     rows in one matrix, gate and up rows in one matrix (the rest as given)."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, stream):
-        check_weights(cfg, weights)
+    def __init__(self, cfg: LlamaConfig, weights: dict, stream, *, check: bool = True):
+        if check:  # LlamaDecoder checks first, before it sizes anything
+            check_weights(cfg, weights)
         self.cfg = cfg
 
         def put(name):
@@ -102,15 +127,36 @@ def _concat(parts: list, stream) -> dop.Tensor:
     return out
 
 
+def check_memory(cfg: LlamaConfig, weights: dict, capacity: int, device) -> None:
+    """Refuse, before anything is allocated, a model whose KV cache and host weights (copied
+    to the device) exceed the device's free memory (the reference device: this machine's)."""
+    need = cfg.kv_bytes(capacity) + sum(w.nbytes for w in weights.values() if isinstance(w, np.ndarray))
+    free = host_memory_bytes() if device.is_reference else device.memory_info()[0]
+    if free and need > free:
+        raise dop.OutOfMemoryError(
+            "Llama(...)", 2, "CUDA_ERROR_OUT_OF_MEMORY",
+            f"the weights and a KV cache of {capacity} entries need {need / 2**30:.2f} GiB; "
+            f"{free / 2**30:.2f} GiB are free", "Use a smaller capacity or model, or free device memory")
+
+
 class LlamaDecoder:
     """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True):
-        if capacity < 2:
-            raise dop.ShapeError(f"a KV capacity of {capacity} holds no generation; use at least 2")
+        # every refusal before a byte is allocated: the request, the kernels' limits, the weights, the memory
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or not 2 <= capacity <= INT32_MAX:
+            raise dop.ShapeError(f"a KV capacity of {capacity!r} holds no generation; give an integer of at least 2")
+        capacity = int(capacity)
+        kernel_limits(cfg)
+        plans = self.plans(cfg, capacity)
+        check_weights(cfg, weights)
+        check_memory(cfg, weights, capacity, dop.Device(0))
         attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK)
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
-        self.w = DeviceWeights(cfg, weights, stream)
+        for name, (tile, generics) in plans.items():
+            setattr(self, f"{name}_tile", tile)
+            setattr(self, f"{name}_gen", generics)
+        self.w = DeviceWeights(cfg, weights, stream, check=False)
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
 
         def buf(shape, dtype="float32"):
@@ -131,21 +177,25 @@ class LlamaDecoder:
         self.token = ints([0])                  # the step's chosen token
         self.eos = ints(list(cfg.eos_token_id) or [0])
 
-        self.embed_tile, self.embed_gen = proj.embed_plan(d)
-        self.qkv_tile, self.qkv_gen = proj.qkv_plan(d, hq, hkv, hd)
-        self.o_tile, self.o_gen = proj.matvec_residual_plan(d, cfg.q_size)
-        self.gu_tile, self.gu_gen = proj.gate_up_plan(d, cfg.intermediate_size)
-        self.down_tile, self.down_gen = proj.matvec_residual_plan(d, cfg.intermediate_size)
-        self.head_tile, rows, self.head_gen = proj.lm_head_plan(d, cfg.vocab_size)
-        self.logits = buf([rows])
+        self.logits = buf([proj.lm_head_rows(cfg.vocab_size, self.head_tile)])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
-        # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-        self.attn_tile, self.attn_gen = attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS,
-                                                         min_chunk=ATTN_MIN_CHUNK, prefetch=ATTN_PREFETCH)
         self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
         self.sample_candidates = attn_k.sample_candidates(cfg.vocab_size, SAMPLE_CANDIDATES)
         self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, self.sample_candidates,
                                                                        stream=stream)
+
+    @staticmethod
+    def plans(cfg: LlamaConfig, capacity: int) -> dict:
+        """Each kernel's (tile, generics) for this model: pure arithmetic, so a shape the kernels'
+        plans refuse is refused before anything is allocated."""
+        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        head_tile, _, head_gen = proj.lm_head_plan(d, cfg.vocab_size)
+        return {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, hq, hkv, hd),
+                "o": proj.matvec_residual_plan(d, cfg.q_size), "gu": proj.gate_up_plan(d, cfg.intermediate_size),
+                "down": proj.matvec_residual_plan(d, cfg.intermediate_size), "head": (head_tile, head_gen),
+                # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
+                "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
+                                         prefetch=ATTN_PREFETCH)}
 
     # -- views of the state --------------------------------------------------------
     @property
@@ -216,11 +266,13 @@ class LlamaDecoder:
         bad = prompt[(prompt < 0) | (prompt >= self.cfg.vocab_size)]
         if bad.size:
             raise dop.ShapeError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if isinstance(max_new, bool) or not isinstance(max_new, numbers.Integral):
+            raise dop.ShapeError(f"max_new_tokens={max_new!r} must be an integer (the tokens to generate)")
         if max_new < 1:
             raise dop.ShapeError(f"max_new_tokens={max_new}: ask for at least one token")
-        if prompt.size + max_new > self.capacity:
+        if prompt.size + int(max_new) > self.capacity:
             raise dop.ShapeError(f"a prompt of {prompt.size} tokens and {max_new} new ones need "
-                                 f"{prompt.size + max_new} KV entries; the cache holds {self.capacity}: "
+                                 f"{prompt.size + int(max_new)} KV entries; the cache holds {self.capacity}: "
                                  "build the decoder with a larger capacity or ask for fewer tokens")
         return prompt.astype(np.int32)
 
@@ -230,11 +282,20 @@ class LlamaDecoder:
         api.memcpy(self.tokens, dop.from_numpy(tokens, stream=self.stream)).sync_on(self.stream)
         api.memcpy(self.error, dop.from_numpy(np.zeros(1, np.int32), stream=self.stream)).sync_on(self.stream)
 
-    def read_generated(self, prompt_len: int) -> list:
-        state = self.state.numpy(stream=self.stream)
+    def check_errors(self, logits: bool = True) -> None:
+        """Raise if the device flagged the step (the error word) or, with ``logits``, if the
+        last logits are not finite: a NaN or inf anywhere in a step reaches the KV cache, so
+        every later step's logits, and the tokens chosen from them would be garbage."""
         error = int(self.error.numpy(stream=self.stream)[0])
         if error:
-            raise dop.StateError(f"the device reported error word {error} (1: a token outside the vocabulary, "
-                                 "2: a position outside the KV cache, 4: a NaN or infinite logit, as a NaN "
-                                 "weight or an overflow makes); the generation is not valid")
+            raise dop.StateError(
+                f"the device reported error word {error} ({ERR_TOKEN}: a token outside the vocabulary, {ERR_POS}: a "
+                f"position outside the KV cache, {ERR_NONFINITE}: a NaN or infinite logit, as a NaN weight or an "
+                "overflow makes); the generation is not valid" + (f"; {NONFINITE}" if error & ERR_NONFINITE else ""))
+        if logits and not np.isfinite(self.logits[:self.cfg.vocab_size].numpy(stream=self.stream)).all():
+            raise dop.StateError(NONFINITE)
+
+    def read_generated(self, prompt_len: int) -> list:
+        self.check_errors()
+        state = self.state.numpy(stream=self.stream)
         return [int(t) for t in self.tokens.numpy(stream=self.stream)[prompt_len:prompt_len + int(state[3])]]
