@@ -30,6 +30,7 @@ from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
 
 from .config import LlamaConfig
+from .tp import Shard, agree, shard_weights
 from .weights import BF16, check_weights, layer_names
 
 
@@ -58,27 +59,29 @@ class Sampling:
 
 class DeviceWeights:
     """A model's weights on the device, laid out as the kernels read them: q, k and v
-    rows in one matrix, gate and up rows in one matrix (the rest as given)."""
+    rows in one matrix, gate and up rows in one matrix (the rest as given).  With a
+    ``shard`` of a tensor-parallel group, only that rank's blocks (examples/llama/tp.py)."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, stream):
+    def __init__(self, cfg: LlamaConfig, weights: dict, stream, shard: Shard | None = None):
         check_weights(cfg, weights)
         self.cfg = cfg
+        shard = shard or Shard(cfg)
+        part = shard_weights(cfg, weights, shard, layer_names)
 
-        def put(name):
-            return _to_device(weights[name], stream)
+        def put(w):
+            return _to_device(w, stream)
 
-        def cat(*names):
-            return _concat([weights[n] for n in names], stream)
+        def cat(*ws):
+            return _concat(list(ws), stream)
 
-        self.embed = put("model.embed_tokens.weight")
-        self.final_norm = put("model.norm.weight")
-        self.head = self.embed if cfg.tie_word_embeddings else put("lm_head.weight")
+        self.embed = put(part["embed"])
+        self.final_norm = put(part["final_norm"])
+        self.head = self.embed if part["head"] is part["embed"] else put(part["head"])
         self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            n = layer_names(i)
-            self.layers.append({"input_norm": put(n["input_norm"]), "post_norm": put(n["post_norm"]),
-                                "qkv": cat(n["q"], n["k"], n["v"]), "o": put(n["o"]),
-                                "gate_up": cat(n["gate"], n["up"]), "down": put(n["down"])})
+        for w in part["layers"]:
+            self.layers.append({"input_norm": put(w["input_norm"]), "post_norm": put(w["post_norm"]),
+                                "qkv": cat(w["q"], w["k"], w["v"]), "o": put(w["o"]),
+                                "gate_up": cat(w["gate"], w["up"]), "down": put(w["down"])})
 
 
 def _to_device(w, stream) -> dop.Tensor:
@@ -103,14 +106,20 @@ def _concat(parts: list, stream) -> dop.Tensor:
 
 
 class LlamaDecoder:
-    """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``."""
+    """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``.
+    With a ``group`` (deviceop.distributed) of N ranks, this rank's share of a tensor-parallel
+    decoder (examples/llama/tp.py): every rank builds the same ops, collectives included."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True):
+    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True, group=None):
         if capacity < 2:
             raise dop.ShapeError(f"a KV capacity of {capacity} holds no generation; use at least 2")
+        self.shard = sh = Shard(cfg, group.rank, group.world_size) if group is not None else Shard(cfg)
+        if group is not None:  # before any allocation: ranks building different decoders would hang later
+            agree(group, "the model (config, KV capacity, PDL)", (repr(cfg.to_dict()), capacity, pdl))
+        self.group = group if sh.size > 1 else None
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
-        self.w = DeviceWeights(cfg, weights, stream)
-        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.w = DeviceWeights(cfg, weights, stream, sh)
+        d, hq, hkv, hd = cfg.hidden_size, sh.heads, sh.kv_heads, cfg.head_dim
 
         def buf(shape, dtype="float32"):
             return dop.empty(shape, dtype, stream=stream)
@@ -119,7 +128,7 @@ class LlamaDecoder:
             return dop.from_numpy(np.asarray(values, np.int32), stream=stream)
 
         self.h0, self.h1 = buf([d]), buf([d])
-        self.q, self.attn, self.act = buf([cfg.q_size]), buf([cfg.q_size]), buf([cfg.intermediate_size])
+        self.q, self.attn, self.act = buf([sh.q_size]), buf([sh.q_size]), buf([sh.inter])
         shape = [cfg.num_hidden_layers, hkv, capacity, hd]
         self.k_cache = dop.from_numpy(np.zeros(shape, BF16), stream=stream)
         self.v_cache = dop.from_numpy(np.zeros(shape, BF16), stream=stream)
@@ -132,10 +141,10 @@ class LlamaDecoder:
 
         self.embed_tile, self.embed_gen = proj.embed_plan(d)
         self.qkv_tile, self.qkv_gen = proj.qkv_plan(d, hq, hkv, hd)
-        self.o_tile, self.o_gen = proj.matvec_residual_plan(d, cfg.q_size)
-        self.gu_tile, self.gu_gen = proj.gate_up_plan(d, cfg.intermediate_size)
-        self.down_tile, self.down_gen = proj.matvec_residual_plan(d, cfg.intermediate_size)
-        self.head_tile, rows, self.head_gen = proj.lm_head_plan(d, cfg.vocab_size)
+        self.o_tile, self.o_gen = proj.matvec_residual_plan(d, sh.q_size)
+        self.gu_tile, self.gu_gen = proj.gate_up_plan(d, sh.inter)
+        self.down_tile, self.down_gen = proj.matvec_residual_plan(d, sh.inter)
+        self.head_tile, rows, self.head_gen = proj.lm_head_plan(d, sh.vocab)
         self.logits = buf([rows])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
         # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
@@ -144,6 +153,13 @@ class LlamaDecoder:
         self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
         self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, SAMPLE_CANDIDATES,
                                                                        stream=stream)
+        if self.group is not None:
+            # the partial sums' residual: rank 0 adds the hidden vector, the others nothing
+            self.zeros = dop.from_numpy(np.zeros(d, np.float32), stream=stream)
+            self.local_token = ints([0])       # this rank's argmax over its vocabulary rows
+            self.key = dop.from_numpy(np.zeros(1, np.uint64), stream=stream)
+            self.keys = dop.from_numpy(np.zeros(sh.size, np.uint64), stream=stream)
+            self.full_logits = buf([cfg.vocab_size])  # gathered for sampling and teacher forcing
 
     # -- views of the state --------------------------------------------------------
     @property
@@ -159,6 +175,17 @@ class LlamaDecoder:
         return self.state[2:3]
 
     # -- the ops of one step ----------------------------------------------------------
+    def _residual(self, hidden: dop.Tensor) -> dop.Tensor:
+        """What a projection adds its product to: the hidden vector, or (tensor parallel, rank > 0)
+        zeros, so that the all-reduce of the ranks' outputs adds it once."""
+        return self.zeros if self.group is not None and self.shard.rank > 0 else hidden
+
+    def _all_reduce(self, x: dop.Tensor) -> list:
+        if self.group is None:
+            return []
+        import deviceop.distributed as dist
+        return [dist.all_reduce(self.group, x)]
+
     def _layer(self, i: int) -> dop.DeviceOp:
         cfg, w, p = self.cfg, self.w.layers[i], self.pdl
         eps, cap = cfg.rms_norm_eps, self.capacity
@@ -168,32 +195,59 @@ class LlamaDecoder:
                               self.pos, k, v, self.error, eps, cap).generics(self.qkv_gen).pdl(p),
             attn_k.attn_decode(self.attn.partition([self.attn_tile]), self.q, k, v, self.pos, self.attn_ws,
                                self.attn_counters, cap).generics(self.attn_gen).pdl(p),
-            proj.matvec_residual(self.h1.partition([self.o_tile]), self.attn, w["o"], self.h0)
+            proj.matvec_residual(self.h1.partition([self.o_tile]), self.attn, w["o"], self._residual(self.h0))
             .generics(self.o_gen).pdl(p),
+            *self._all_reduce(self.h1),
             proj.rms_gate_up_silu(self.act.partition([self.gu_tile]), self.h1, w["post_norm"], w["gate_up"], eps)
             .generics(self.gu_gen).pdl(p),
-            proj.matvec_residual(self.h0.partition([self.down_tile]), self.act, w["down"], self.h1)
-            .generics(self.down_gen).pdl(p))
+            proj.matvec_residual(self.h0.partition([self.down_tile]), self.act, w["down"], self._residual(self.h1))
+            .generics(self.down_gen).pdl(p),
+            *self._all_reduce(self.h0))
 
-    def forward(self, sampling: Sampling) -> dop.DeviceOp:
+    @property
+    def vocab_logits(self) -> dop.Tensor:
+        """The last step's logits over the whole vocabulary (tensor parallel: gathered, so only
+        after a step built with ``gather_logits``, or a sampling one)."""
+        return self.full_logits if self.group is not None else self.logits[:self.cfg.vocab_size]
+
+    def head(self, hidden: dop.Tensor, sampling: Sampling, gather_logits: bool = False) -> list:
+        """The ops from the last hidden vector to ``self.token``: the LM head and its argmax, then
+        the sampler; tensor parallel, each rank's pick or logits exchanged first (every rank ends
+        with the same token, so the ranks' loops stay in step)."""
+        cfg, p, sh = self.cfg, self.pdl, self.shard
+        tp = self.group is not None
+        ops = [proj.rms_lm_head_argmax(self.logits.partition([self.head_tile]), hidden, self.w.final_norm,
+                                       self.w.head, self.local_token if tp else self.token, self.head_work,
+                                       cfg.rms_norm_eps, sh.vocab).generics(self.head_gen).pdl(p)]
+        if tp:
+            import deviceop.distributed as dist
+            from deviceop.kernels.llama_tp import tp_argmax_key, tp_argmax_pick
+            if gather_logits or not sampling.greedy:
+                ops.append(dist.all_gather(self.group, self.logits[:sh.vocab], self.full_logits))
+            if sampling.greedy:
+                ops += [tp_argmax_key(self.key.partition([1]), self.logits, self.local_token, sh.vocab_offset)
+                        .pdl(p),
+                        dist.all_gather(self.group, self.key, self.keys),
+                        tp_argmax_pick(self.token.partition([1]), self.keys, sh.size).pdl(p)]
+        if not sampling.greedy:
+            ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
+                                     self.vocab_logits, self.token, self.sample_state, self.pos,
+                                     cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
+                                     sampling.seed).generics([SAMPLE_CANDIDATES]).pdl(p))
+        return ops
+
+    def forward(self, sampling: Sampling, gather_logits: bool = False) -> dop.DeviceOp:
         """The token at ``state.pos`` (``state.cur``) in, the next token in ``self.token`` out."""
         cfg, p = self.cfg, self.pdl
         ops = [proj.embed_gather(self.h0.partition([self.embed_tile]), self.w.embed, self.cur, self.error,
                                  cfg.vocab_size).generics(self.embed_gen).pdl(p)]
         ops += [self._layer(i) for i in range(cfg.num_hidden_layers)]
-        ops.append(proj.rms_lm_head_argmax(self.logits.partition([self.head_tile]), self.h0, self.w.final_norm,
-                                           self.w.head, self.token, self.head_work, cfg.rms_norm_eps,
-                                           cfg.vocab_size).generics(self.head_gen).pdl(p))
-        if not sampling.greedy:
-            ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
-                                     self.logits[:cfg.vocab_size], self.token, self.sample_state, self.pos,
-                                     cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
-                                     sampling.seed).generics([SAMPLE_CANDIDATES]).pdl(p))
+        ops += self.head(self.h0, sampling, gather_logits)
         return dop.zip_(*ops)
 
-    def step(self, sampling: Sampling, prompt_len: int, max_new: int) -> dop.DeviceOp:
+    def step(self, sampling: Sampling, prompt_len: int, max_new: int, gather_logits: bool = False) -> dop.DeviceOp:
         """One loop iteration: the forward, then the control step."""
-        return dop.zip_(self.forward(sampling),
+        return dop.zip_(self.forward(sampling, gather_logits),
                         llama_step(self.tokens.partition([self.capacity]), self.state, self.token, self.eos,
                                    len(self.cfg.eos_token_id), prompt_len, max_new, self.capacity).pdl(self.pdl))
 
