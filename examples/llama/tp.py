@@ -140,3 +140,14 @@ def agree(group, what: str, value) -> None:
         raise dop.StateError(f"the ranks disagree on {what}: rank 0 has {values[0]!r}, rank(s) {differ} another; "
                              "every rank of a tensor-parallel model must build the same model and serve the same "
                              "requests")
+
+
+# A shape small enough for the reference device that splits over 1, 2 and 4 ranks at the kernels'
+# limits: 4 KV heads, and 1024-wide attention and MLP (the O and down projections of a rank of 4
+# stream rows of 256).
+TINY_TP = LlamaConfig(
+    hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4,
+    vocab_size=1000, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+    tie_word_embeddings=True, bos_token_id=1, eos_token_id=(2,))
