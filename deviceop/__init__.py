@@ -48,7 +48,7 @@ from .compile import CompiledProgram, cache_dir, compile_cubin, nvrtc_version
 from .dtypes import (DType, bfloat16, bool_, dtype, float16, float32, float64, int8, int16, int32, int64,
                      uint8, uint32, uint64)
 from .errors import (AliasingError, ArchError, CapabilityError, CaptureError, CompileError, CudaError,
-                     DeviceOpError, DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
+                     DeviceOpError, DistributedError, DTypeError, GraphSafetyError, GraphUpdateError, KernelFaultError, LaunchError,
                      NoDeviceError, OutOfMemoryError, OwnershipError, ReentrancyError, ShapeError, StateError,
                      UnexecutedOpWarning)
 from .runtime import (CudaDevice, CudaStream, Device, Event, Function, LaunchConfig, ReferenceDevice,
@@ -68,7 +68,7 @@ __all__ = [
     "DType", "bfloat16", "bool_", "dtype", "float16", "float32", "float64", "int8", "int16", "int32",
     "int64", "uint8", "uint32", "uint64",
     "AliasingError", "ArchError", "CapabilityError", "CaptureError", "CompileError", "CudaError", "DeviceOpError",
-    "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
+    "DistributedError", "DTypeError", "GraphSafetyError", "GraphUpdateError", "KernelFaultError", "LaunchError", "NoDeviceError",
     "OutOfMemoryError",
     "OwnershipError", "ReentrancyError", "ShapeError", "StateError", "UnexecutedOpWarning",
     "CudaDevice", "CudaStream", "Device", "Event", "Function", "LaunchConfig", "ReferenceDevice",

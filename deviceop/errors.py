@@ -128,6 +128,14 @@ class StateError(DeviceOpError):
     """An object was used in a state that does not allow it (closed, capturing ...)."""
 
 
+class DistributedError(DeviceOpError):
+    """A multi-rank operation failed (deviceop.distributed): a rank failed, hung
+    or disagreed with the others (configs, weights, the collectives it issued),
+    a host-side rendezvous timed out, or the communicator was aborted.  Every
+    rank gets one within the group's timeout; the message names the ranks and
+    the operation.  A group that raised it is aborted: make a new one."""
+
+
 class UnexecutedOpWarning(RuntimeWarning):
     """An op that does device work (a kernel launch, ``api.memcpy``,
     ``graph.launch()``) was garbage-collected without ever executing and without

@@ -20,6 +20,7 @@ LAYERS = [
     ("op algebra", ("deviceop.execution", "deviceop.values", "deviceop.op", "deviceop.api")),
     ("kernels", ("deviceop.kernel",)),
     ("graphs", ("deviceop.graph",)),
+    ("distributed", ("deviceop.distributed",)),
     ("package", ("deviceop", "deviceop.__main__", "deviceop.testing")),
     ("kernel library", ("deviceop.kernels",)),
 ]

@@ -1,0 +1,174 @@
+"""A Group: this process's (or thread-rank's) place among the ranks, the
+host-side exchanges between them, and the backend that runs collectives.
+
+Two parts do the work, one per side of the host/device line:
+
+* the *exchanger* moves small picklable objects between ranks on the host
+  (the launcher's store, or the reference hub): ``exchange`` and ``barrier``,
+  the unique id at init, the checks that ranks agree;
+* the *backend* enqueues collectives on a stream (NCCL, or the reference
+  backend's tape steps) — what ``deviceop.distributed.ops`` calls.
+
+Every host-side wait is bounded by ``timeout``; a failure aborts the group
+(the backend's communicator too, so that no rank's GPU waits forever for a
+peer that will not come), and every later use raises DistributedError.
+"""
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import numpy as np
+
+from ..errors import DistributedError
+from ..tensor import SharedTensor, Tensor
+
+
+class Group:
+    """The ranks of one job, seen from one of them (made by ``dist.init`` or
+    ``dist.run_reference``).  ``with dist.init() as group:`` closes it at the end,
+    and aborts it (so that the other ranks fail at once) if the block raised."""
+
+    def __init__(self, rank: int, world_size: int, device, stream, exchanger, backend, timeout: float,
+                 launcher: str):
+        self.rank, self.world_size = rank, world_size
+        self.device, self.stream = device, stream
+        self.timeout, self.launcher = timeout, launcher
+        self._exchanger, self._backend = exchanger, backend
+        self._exchanges = 0        # how many host exchanges this rank made (their sequence numbers)
+        self._agreed = set()       # collective signatures every rank has been seen to issue alike
+        self._state = "open"       # open, closed, or aborted: <why>
+
+    @property
+    def backend(self) -> str:
+        """``"nccl"`` or ``"reference"``."""
+        return self._backend.name
+
+    def __repr__(self) -> str:
+        return (f"<deviceop Group rank {self.rank}/{self.world_size} on {self.device.label} "
+                f"({self.backend}, {self._state})>")
+
+    # -- host-side exchanges ----------------------------------------------------------
+    def exchange(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order: a host-side all-gather through
+        the launcher's store (or the reference hub), bounded by the group's timeout."""
+        self._check_open("group.exchange()")
+        seq, self._exchanges = self._exchanges, self._exchanges + 1
+        try:
+            return self._exchanger.exchange(self.rank, seq, obj, f"group.exchange() #{seq}", self.timeout)
+        except DistributedError as exc:
+            self.abort(str(exc))
+            raise
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point (host side; the GPU's work is not waited for)."""
+        self.exchange(None)
+
+    def check_same(self, name: str, obj) -> str:
+        """Refuse (DistributedError, on every rank) unless every rank passes an equal ``obj``
+        (a config, a checkpoint's tensors ...): ranks exchange a 16-byte digest, not the
+        object.  Returns the digest.  Arrays and tensors are hashed by dtype, shape and bytes
+        (a tensor is copied to the host for it: pass a checkpoint's file digest instead of
+        gigabytes of weights when that is cheaper)."""
+        digest = fingerprint(obj)
+        digests = self.exchange((name, digest))
+        differ = [r for r, (n, d) in enumerate(digests) if (n, d) != (name, digest)]
+        if differ:
+            names = sorted({n for n, _ in digests})
+            what = f"{name!r}" if names == [name] else f"{name!r} (the ranks checked {names} at this point)"
+            self.abort(f"check_same({name!r}) found ranks that disagree")
+            raise DistributedError(
+                f"check_same: ranks disagree on {what}: rank(s) {differ} hold a different value than rank "
+                f"{self.rank}. Every rank must load the same config and weights (same files, same arguments); "
+                "the group is aborted: fix the inputs and start again")
+        return digest
+
+    # -- the collectives' side ----------------------------------------------------------
+    def agree(self, signature: tuple, what: str) -> None:
+        """Check once per distinct collective signature that every rank issues it alike
+        (dtype, count, reduction, root): the first call with a new signature costs one
+        host exchange; later ones a set lookup."""
+        if signature in self._agreed:
+            return
+        seen = self.exchange(("collective", signature))
+        differ = [r for r, s in enumerate(seen) if s != ("collective", signature)]
+        if differ:
+            self.abort(f"{what} disagreed across ranks")
+            raise DistributedError(
+                f"{what}: ranks issued different collectives at this point: {describe_ranks(seen)}. Every rank "
+                "must issue the same collectives, in the same order, with the same dtype, count, reduction and "
+                "root; the group is aborted")
+        self._agreed.add(signature)
+
+    def issue(self, stream, call) -> None:
+        """Enqueue ``call`` (ops.Call) on ``stream`` through the backend."""
+        self._check_open(call.describe())
+        self._backend.issue(self, stream, call)
+
+    # -- life ---------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._state != "open":
+            raise DistributedError(f"{what} on a group that was {self._state}: make a new group "
+                                   "(dist.init / dist.run_reference)")
+
+    def abort(self, why: str = "aborted by the user") -> None:
+        """Stop the group at once: the backend's communicator is aborted (kernels
+        waiting for peers return), the other ranks learn of it through the exchanger
+        and fail instead of waiting; every later use raises DistributedError."""
+        if self._state != "open":
+            return
+        self._state = f"aborted ({why})"
+        try:
+            self._exchanger.abort(self.rank, why)
+        finally:
+            self._backend.abort()
+
+    def close(self) -> None:
+        """Release the communicator (idempotent).  An aborted group stays aborted."""
+        if self._state != "open":
+            return
+        self._state = "closed"
+        try:
+            self._backend.close()
+        finally:
+            self._exchanger.close(self.rank)
+
+    def __enter__(self) -> "Group":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is not None:
+            self.abort(f"rank {self.rank} raised {kind.__name__}: {exc}")
+        else:
+            self.close()
+        return False
+
+
+def fingerprint(obj) -> str:
+    """A 16-byte digest (hex) of ``obj``: arrays and tensors by dtype, shape and bytes,
+    other objects by their pickle."""
+    h = hashlib.blake2b(digest_size=16)
+    for item in obj if isinstance(obj, (list, tuple)) and obj and _is_array(obj[0]) else [obj]:
+        if _is_array(item):
+            host = item.numpy() if isinstance(item, (Tensor, SharedTensor)) else item
+            h.update(f"{host.dtype.str}{host.shape}".encode())
+            h.update(np.ascontiguousarray(host).view(np.uint8).data)
+        else:
+            try:
+                h.update(pickle.dumps(item, protocol=4))
+            except Exception as exc:
+                raise DistributedError(f"check_same cannot hash a {type(item).__name__} ({exc}); pass something "
+                                       "picklable (a dict of the config, a file digest) or an array") from None
+    return h.hexdigest()
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, Tensor, SharedTensor))
+
+
+def describe_ranks(values: list) -> str:
+    """``rank 0: ..., rank 1: ...`` grouped by value (for errors about disagreeing ranks)."""
+    by_value: dict = {}
+    for r, v in enumerate(values):
+        by_value.setdefault(repr(v), []).append(r)
+    return "; ".join(f"rank(s) {ranks}: {v}" for v, ranks in by_value.items())

@@ -1,0 +1,213 @@
+"""Collectives as DeviceOps: all_reduce, all_gather, reduce_scatter, broadcast,
+send and recv.
+
+A collective is lazy like a kernel launch: building it checks what is known
+and runs nothing; executing it enqueues the group's backend work on the
+execution's stream — eagerly (``sync_on``/``async_on``), or, while the stream
+captures (``graph_on``, ``CudaGraph.scope``, ``recapture``, a ``dop.loop`` or
+``dop.while_`` body), as nodes of the graph, which replays it.  On the GPU
+that is NCCL's own work captured on the stream; on the reference device a
+tape step that meets the other thread-ranks when it runs.
+
+The written tensor is claimed as any write is: a SharedTensor must be the only
+handle to its buffer (as ``api.memcpy``'s destination), a plain Tensor is a
+mutable borrow its caller vouches for; an output overlapping an input is an
+AliasingError (except an in-place all_reduce/broadcast, which NCCL allows);
+dtypes, sizes and contiguity are checked here, and that every rank issues the
+same collective by the backend (the reference hub at every call; NCCL once per
+distinct signature, through one host exchange).
+
+The op is one class, ``Collective``: what it asks of deviceop (inputs,
+outputs, graph safety, the capture keeping its buffers alive) is what a
+generic foreign-work op would ask, so it can later sit on top of one.
+"""
+from __future__ import annotations
+
+from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
+from ..op import DeviceOp, resolve, warn_if_unexecuted
+from ..tensor import SharedTensor, Tensor
+
+REDUCTIONS = ("sum", "prod", "max", "min", "avg")
+# what NCCL reduces and moves (ncclDataType_t); bool and the fp8s are refused
+DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64")
+
+
+class Call:
+    """One collective as a backend sees it: the checked tensors and the parameters."""
+
+    __slots__ = ("kind", "send", "recv", "reduce", "root", "peer", "count")
+
+    def __init__(self, kind, send, recv, reduce, root, peer, count):
+        self.kind, self.send, self.recv = kind, send, recv
+        self.reduce, self.root, self.peer, self.count = reduce, root, peer, count
+
+    @property
+    def dtype(self):
+        return (self.send if self.send is not None else self.recv).dtype
+
+    @property
+    def signature(self) -> tuple:
+        """What every rank must agree on (send/recv: the pair, checked by the pair)."""
+        return (self.kind, self.dtype.name, self.count, self.reduce, self.root)
+
+    def describe(self) -> str:
+        args = [f"{self.count} x {self.dtype.name}"]
+        if self.reduce is not None:
+            args.append(self.reduce)
+        if self.root is not None:
+            args.append(f"root={self.root}")
+        if self.peer is not None:
+            args.append(f"peer={self.peer}")
+        return f"dist.{self.kind}({', '.join(args)})"
+
+
+class Collective(DeviceOp):
+    """One collective on ``group``: reads ``x``, writes ``out`` (see the module docstring)."""
+
+    __slots__ = ("group", "kind", "x", "out", "reduce", "root", "peer", "__weakref__")
+    graph_safe = True
+    op_name = "dist.collective"
+
+    def __init__(self, group, kind: str, x, out, reduce=None, root=None, peer=None):
+        super().__init__()
+        self.group, self.kind, self.x, self.out = group, kind, x, out
+        self.reduce, self.root, self.peer = reduce, root, peer
+        if reduce is not None and reduce not in REDUCTIONS:
+            raise DistributedError(f"dist.{kind}: unknown reduction {reduce!r}; use one of {', '.join(REDUCTIONS)}")
+        for r, what in ((root, "root"), (peer, "peer")):
+            if r is not None and not (isinstance(r, int) and 0 <= r < group.world_size):
+                raise DistributedError(f"dist.{kind}: {what}={r!r} is not a rank of this group "
+                                       f"(0..{group.world_size - 1})")
+        if peer is not None and peer == group.rank:
+            raise DistributedError(f"dist.{kind}: peer={peer} is this rank itself; send to and receive "
+                                   "from another rank (a copy within a rank is api.memcpy)")
+        if not any(isinstance(a, DeviceOp) for a in (x, out)):
+            self._check(x, out)  # known now: checked now, before anything runs
+        for a in (x, out):
+            if isinstance(a, DeviceOp):
+                a._armed = False  # run by this collective
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
+
+    def children(self):
+        seen = []
+        for a in (self.x, self.out):
+            if isinstance(a, DeviceOp) and not any(a is s for s in seen):
+                seen.append(a)
+        return tuple(seen)
+
+    def describe(self) -> str:
+        extra = f", {self.reduce}" if self.reduce else ""
+        extra += f", root={self.root}" if self.root is not None else ""
+        extra += f", peer={self.peer}" if self.peer is not None else ""
+        return f"dist.{self.kind}(rank {self.group.rank}/{self.group.world_size}{extra})"
+
+    def _execute(self, ctx):
+        x = resolve(self.x, ctx)
+        out = x if self.out is self.x else resolve(self.out, ctx)
+        call = self._check(x, out)
+        if ctx.device is not self.group.device:  # (thread-ranks' reference devices differ only in identity)
+            raise DistributedError(f"{self.describe()} executed on a stream of {ctx.device.label}, but the group's "
+                                   f"device is {self.group.device.label}; run it on the group's stream "
+                                   "(group.stream) or another stream of group.device")
+        self.group.issue(ctx.stream, call)
+        if ctx.capture is not None:
+            ctx.capture.keep.append((call.send, call.recv, self.group))  # the graph reads and writes these
+        return call.recv if call.recv is not None else call.send  # the tensor written (send: the one read)
+
+    # -- checks ------------------------------------------------------------------------
+    def _check(self, x, out) -> Call:
+        kind, ws = self.kind, self.group.world_size
+        read = None if kind == "recv" else _tensor(x, f"dist.{kind}'s input")
+        written = None if kind == "send" else _written(out, f"dist.{kind}'s output")
+        for t in (read, written):
+            if t is None:
+                continue
+            if t.dtype.name not in DTYPES:
+                raise DTypeError(f"dist.{kind} of a {t.dtype.name} tensor: collectives move "
+                                 f"{', '.join(DTYPES)}; convert it first")
+            if not t.is_contiguous:
+                raise ShapeError(f"dist.{kind} needs contiguous tensors (a {list(t.shape)} view with strides "
+                                 f"{list(t.strides)} is not); copy it into a contiguous buffer first")
+        if read is not None and written is not None:
+            if read.dtype is not written.dtype:
+                raise DTypeError(f"dist.{kind} reads {read.dtype.name} and writes {written.dtype.name}; "
+                                 "dtypes must match")
+            want = {"all_gather": read.size * ws, "reduce_scatter": read.size // ws}.get(kind, read.size)
+            if kind == "reduce_scatter" and read.size % ws:
+                raise ShapeError(f"dist.reduce_scatter of {read.size} elements over {ws} ranks: the input's size "
+                                 "must be a multiple of the world size")
+            if written.size != want:
+                rule = {"all_gather": f"world_size ({ws}) x the input's", "reduce_scatter":
+                        f"the input's / world_size ({ws})"}.get(kind, "the input's")
+                raise ShapeError(f"dist.{kind}: the output holds {written.size} elements ({list(written.shape)}) "
+                                 f"but must hold {rule}: {want} (input {list(read.shape)})")
+            if written.overlaps(read) and not (kind in ("all_reduce", "broadcast") and written.data_ptr ==
+                                               read.data_ptr and written.shape == read.shape):
+                raise AliasingError(f"dist.{kind}: the output overlaps the input; "
+                                    + ("pass out=None to reduce in place, or " if kind == "all_reduce" else "")
+                                    + "write into a separate buffer")
+        if kind == "reduce_scatter" or kind == "recv":
+            count = written.size
+        else:
+            count = read.size
+        dt = (read if read is not None else written).dtype
+        if self.reduce == "avg" and not dt.is_floating:
+            raise DTypeError(f"dist.{kind}(op='avg') of {dt.name}: an average needs a "
+                             "floating-point dtype; use 'sum' and divide")
+        return Call(kind, read, written, self.reduce, self.root, self.peer, count)
+
+
+def _tensor(x, what: str) -> Tensor:
+    if isinstance(x, SharedTensor):
+        return x.tensor
+    if isinstance(x, Tensor):
+        return x
+    raise DTypeError(f"{what} must be a deviceop Tensor or SharedTensor, got {type(x).__name__}"
+                     + ("; copy a host array to the device with dop.from_numpy(array)"
+                        if hasattr(x, "__array_interface__") else ""))
+
+
+def _written(x, what: str) -> Tensor:
+    """The tensor a collective writes: a SharedTensor only when nothing else reaches it."""
+    if isinstance(x, SharedTensor):
+        return x.check_writable(what)
+    return _tensor(x, what)
+
+
+# -- the public functions ---------------------------------------------------------------
+
+def all_reduce(group, x, out=None, op: str = "sum") -> DeviceOp:
+    """Reduce ``x`` over the ranks (``op``: sum, prod, max, min, avg) into ``out``, or in
+    place when ``out`` is None (``x`` is then written: it must be writable).  Value: the
+    written tensor."""
+    return Collective(group, "all_reduce", x, x if out is None else out, reduce=op)
+
+
+def all_gather(group, x, out) -> DeviceOp:
+    """Every rank's ``x``, in rank order, into ``out`` (``world_size`` times ``x``'s size,
+    e.g. shape ``[world_size * n, ...]`` for ``x`` of ``[n, ...]``).  Value: ``out``."""
+    return Collective(group, "all_gather", x, out)
+
+
+def reduce_scatter(group, x, out, op: str = "sum") -> DeviceOp:
+    """Reduce ``x`` over the ranks and give rank ``r`` the ``r``-th of ``world_size``
+    equal chunks, in ``out``.  Value: ``out``."""
+    return Collective(group, "reduce_scatter", x, out, reduce=op)
+
+
+def broadcast(group, x, root: int = 0) -> DeviceOp:
+    """Rank ``root``'s ``x`` into every rank's ``x`` (written on the others).  Value: ``x``."""
+    return Collective(group, "broadcast", x, x, root=root)
+
+
+def send(group, x, peer: int) -> DeviceOp:
+    """Send ``x`` to rank ``peer``, which must ``recv`` a tensor of the same dtype and size
+    (sends and receives between two ranks match in order).  Value: ``x``."""
+    return Collective(group, "send", x, None, peer=peer)
+
+
+def recv(group, out, peer: int) -> DeviceOp:
+    """Receive into ``out`` what rank ``peer`` sends.  Value: ``out``."""
+    return Collective(group, "recv", None, out, peer=peer)
