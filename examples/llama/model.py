@@ -105,6 +105,34 @@ def _concat(parts: list, stream) -> dop.Tensor:
     return out
 
 
+def launch_plans(cfg: LlamaConfig, capacity: int, shard: Shard) -> dict:
+    """Launch name -> (tile, generics) of a decode step (the head's: (tile, logits rows, generics))."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    return {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, shard.heads, shard.kv_heads, hd),
+            "o": proj.matvec_residual_plan(d, shard.q_size), "gate_up": proj.gate_up_plan(d, shard.inter),
+            "down": proj.matvec_residual_plan(d, shard.inter), "head": proj.lm_head_plan(d, shard.vocab),
+            # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
+            "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
+                                     prefetch=ATTN_PREFETCH)}
+
+
+def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> list:
+    """(kernel, generics) of every kernel a decode loop launches, greedy or sampling (the same on
+    every rank of a tensor-parallel group): what ``dop.precompile`` takes, to compile them all
+    at start-up in parallel instead of one by one at the first capture."""
+    from deviceop.kernels.llama_tp import tp_argmax_key, tp_argmax_pick
+    shard = shard or Shard(cfg)
+    p = launch_plans(cfg, capacity, shard)
+    items = [(proj.embed_gather, p["embed"][1]), (proj.rms_qkv_rope, p["qkv"][1]), (attn_k.attn_decode, p["attn"][1]),
+             (proj.matvec_residual, p["o"][1]), (proj.rms_gate_up_silu, p["gate_up"][1]),
+             (proj.matvec_residual, p["down"][1]), (proj.rms_lm_head_argmax, p["head"][2]),
+             (attn_k.sample, [SAMPLE_CANDIDATES]), (llama_step, ()), (llama_step_start, ())]
+    if shard.size > 1:
+        items += [(tp_argmax_key, ()), (tp_argmax_pick, ())]
+    unique = {(k.name, tuple(g)): (k, list(g)) for k, g in items}
+    return list(unique.values())
+
+
 class LlamaDecoder:
     """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``.
     With a ``group`` (deviceop.distributed) of N ranks, this rank's share of a tensor-parallel
@@ -139,17 +167,16 @@ class LlamaDecoder:
         self.token = ints([0])                  # the step's chosen token
         self.eos = ints(list(cfg.eos_token_id) or [0])
 
-        self.embed_tile, self.embed_gen = proj.embed_plan(d)
-        self.qkv_tile, self.qkv_gen = proj.qkv_plan(d, hq, hkv, hd)
-        self.o_tile, self.o_gen = proj.matvec_residual_plan(d, sh.q_size)
-        self.gu_tile, self.gu_gen = proj.gate_up_plan(d, sh.inter)
-        self.down_tile, self.down_gen = proj.matvec_residual_plan(d, sh.inter)
-        self.head_tile, rows, self.head_gen = proj.lm_head_plan(d, sh.vocab)
+        plans = launch_plans(cfg, capacity, sh)
+        self.embed_tile, self.embed_gen = plans["embed"]
+        self.qkv_tile, self.qkv_gen = plans["qkv"]
+        self.o_tile, self.o_gen = plans["o"]
+        self.gu_tile, self.gu_gen = plans["gate_up"]
+        self.down_tile, self.down_gen = plans["down"]
+        self.head_tile, rows, self.head_gen = plans["head"]
         self.logits = buf([rows])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
-        # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-        self.attn_tile, self.attn_gen = attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS,
-                                                         min_chunk=ATTN_MIN_CHUNK, prefetch=ATTN_PREFETCH)
+        self.attn_tile, self.attn_gen = plans["attn"]
         self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
         self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, SAMPLE_CANDIDATES,
                                                                        stream=stream)
