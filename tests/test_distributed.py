@@ -210,6 +210,7 @@ def test_graph_on_scope_and_recapture_replay_what_eager_computes(rng):
             _set(group, x, data[k, r])
             graph.replay()
             scoped.replay()
+            group.synchronize()  # bounded: a replay stuck on a peer would abort the group instead
             seen.append((out.numpy(stream=s), gathered.numpy(stream=s)))
         out2 = dop.empty(n, "float64", stream=s)
         assert graph.recapture(dist.all_reduce(group, x, out2, op="max")) == "updated"

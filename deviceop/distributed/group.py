@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 
 import numpy as np
 
@@ -104,6 +105,25 @@ class Group:
         """Enqueue ``call`` (ops.Call) on ``stream`` through the backend."""
         self._check_open(call.describe())
         self._backend.issue(self, stream, call)
+
+    def synchronize(self, stream=None, timeout: float | None = None) -> None:
+        """Wait for ``stream``'s work (default: the group's stream), at most ``timeout`` seconds
+        (the group's): a replay or collective stuck on a peer that hung or died aborts the
+        group and raises DistributedError instead of waiting forever (``stream.synchronize()``
+        would)."""
+        self._check_open("group.synchronize()")
+        stream = stream if stream is not None else self.stream
+        timeout = self.timeout if timeout is None else timeout
+        event, deadline, pause = stream.record_event(timing=False), time.monotonic() + timeout, 0.00005
+        while not event.query():
+            if self._state != "open":
+                raise DistributedError(f"rank {self.rank}: the group was {self._state} while waiting for its stream")
+            if time.monotonic() > deadline:
+                self.abort(f"rank {self.rank}'s stream did not finish within {timeout:g} s")
+                raise DistributedError(f"rank {self.rank}: the stream's work did not finish within {timeout:g} s (a "
+                                       "collective waits for a peer that hung or died); the group is aborted")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.001)
 
     # -- life ---------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:

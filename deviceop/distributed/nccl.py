@@ -1,0 +1,240 @@
+"""The NCCL backend, through nccl4py (imported here, lazily: a machine without
+libnccl — CPU CI — never loads it).
+
+Bootstrap: rank 0 asks NCCL for a unique id, the store carries it to the
+others (in an exchange that also checks that every rank has the same world
+size and multicast setting, and a GPU of its own where ranks share a host),
+and each rank builds its communicator on its GPU.  Collectives are nccl4py's low-level
+calls with raw device pointers and our stream's handle — no buffer protocol
+or stream wrapping per call — so a captured stream records NCCL's own kernels
+into the graph, and an eager call costs the host a few microseconds more
+than NCCL itself.
+
+Faults: a watchdog thread beats a heartbeat into the store, and aborts the
+communicator (``ncclCommAbort``: kernels waiting for a peer return) when a
+rank aborted the group, a peer's heartbeat stopped for the group's timeout
+(the process died), NCCL reports an asynchronous error, or an eager
+collective has not completed within the timeout (a peer hung).  Every rank
+then gets a DistributedError at its next use of the group, and
+``group.synchronize()`` waits for a stream with the same bound.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from ..errors import DistributedError
+from .group import Group
+from .store import StoreExchanger
+
+_REDUCTIONS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}  # ncclRedOp_t
+_DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6, "float32": 7,
+           "float64": 8, "bfloat16": 9}  # ncclDataType_t
+
+
+def _nccl():
+    try:
+        import nccl.bindings.nccl as low
+        import nccl.core as core
+    except ImportError as exc:
+        raise DistributedError(f"the NCCL backend needs nccl4py ({exc}): pip install nccl4py (its wheel is in "
+                               ".whl/ for the GPU machines), with libnccl (nvidia-nccl-cu13)") from None
+    return core, low
+
+
+class NcclBackend:
+    """Collectives on one NCCL communicator (see the module docstring)."""
+
+    name = "nccl"
+
+    def __init__(self, comm, low, rank: int, timeout: float):
+        self.comm, self.low, self.rank, self.timeout = comm, low, rank, timeout
+        self.handle = low.Comm(comm.ptr)  # what the low-level calls take
+        self.error = None          # why the watchdog aborted the communicator, once it has
+        # per stream: [event re-recorded after each eager collective, when the oldest unfinished one was issued
+        # (None: all seen finished), its description]; one event per stream, not one per call
+        self._watch: dict = {}
+        self._lock = threading.Lock()
+
+    def issue(self, group, stream, call) -> None:
+        if self.error is not None:
+            raise DistributedError(f"{call.describe()}: the communicator was aborted ({self.error}); make a new group")
+        if call.kind not in ("send", "recv"):
+            group.agree(call.signature, call.describe())
+        dt, s, h = _DTYPES[call.dtype.name], stream.ptr, self.handle
+        send = call.send.data_ptr if call.send is not None else 0
+        recv = call.recv.data_ptr if call.recv is not None else 0
+        kind = call.kind
+        try:
+            if kind == "all_reduce":
+                self.low.all_reduce(send, recv, call.count, dt, _REDUCTIONS[call.reduce], h, s)
+            elif kind == "all_gather":
+                self.low.all_gather(send, recv, call.count, dt, h, s)
+            elif kind == "reduce_scatter":
+                self.low.reduce_scatter(send, recv, call.count, dt, _REDUCTIONS[call.reduce], h, s)
+            elif kind == "broadcast":
+                self.low.broadcast(send, recv, call.count, dt, call.root, h, s)
+            elif kind == "send":
+                self.low.send(send, call.count, dt, call.peer, h, s)
+            else:
+                self.low.recv(recv, call.count, dt, call.peer, h, s)
+        except self.low.NCCLError as exc:
+            detail = self._last_error()
+            group.abort(f"{call.describe()} failed in NCCL: {exc}")
+            raise DistributedError(f"{call.describe()} failed in NCCL: {exc}{detail}; the group is aborted") from None
+        if not stream.is_capturing():  # eager: the watchdog bounds how long it may take
+            with self._lock:
+                watch = self._watch.get(s)
+                if watch is None:
+                    watch = self._watch[s] = [stream.device.new_event(timing=False), None, None, stream]
+                if watch[1] is None:
+                    watch[1], watch[2] = time.monotonic(), call.describe()
+                stream.record_event(watch[0])
+
+    def _last_error(self) -> str:
+        try:
+            text = self.low.get_last_error(self.handle)
+        except Exception:  # noqa: BLE001
+            return ""
+        return f" ({text})" if text else ""
+
+    def overdue(self) -> str | None:
+        """The eager collective that has not completed within the timeout, if any (the watchdog asks)."""
+        now = time.monotonic()
+        with self._lock:
+            for watch in self._watch.values():
+                if watch[1] is None:
+                    continue
+                try:
+                    done = watch[0].query()
+                except Exception:  # noqa: BLE001 - a faulted context: the user's next sync says so
+                    done = True
+                if done:
+                    watch[1] = None
+                elif now - watch[1] > self.timeout:
+                    return f"{watch[2]} (or a collective after it) did not complete within {self.timeout:g} s " \
+                           "(a peer hung or died)"
+        return None
+
+    def async_error(self) -> str | None:
+        try:
+            code = int(self.low.comm_get_async_error(self.handle))
+        except Exception as exc:  # noqa: BLE001
+            return f"ncclCommGetAsyncError failed: {exc}"
+        if code in (0, 7):  # ncclSuccess, ncclInProgress
+            return None
+        return f"NCCL reported {self.low.get_error_string(code)}{self._last_error()}"
+
+    def abort(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # noqa: BLE001 - aborting is the last resort; it must not raise
+                pass
+
+    def close(self) -> None:
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            comm.destroy()
+
+
+class Watchdog:
+    """The thread that keeps a group from waiting forever (see the module docstring)."""
+
+    def __init__(self, group: Group, exchanger: StoreExchanger, backend: NcclBackend, timeout: float):
+        self.group, self.exchanger, self.backend, self.timeout = group, exchanger, backend, timeout
+        self.interval = min(1.0, timeout / 10)
+        self._stop = threading.Event()
+        self._beats: dict = {}  # peer -> (last beat seen, when it changed, on our clock)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"deviceop-watchdog-{group.rank}")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        beat, store, prefix = 0, self.exchanger.store, self.exchanger.prefix
+        while not self._stop.wait(self.interval):
+            try:
+                beat += 1
+                store.set(f"{prefix}beat/{self.group.rank}", str(beat).encode())
+                why = (self.exchanger.problem() or self.backend.async_error() or self.backend.overdue()
+                       or self._silent_peer(store, prefix))
+            except Exception as exc:  # noqa: BLE001 - the store itself failed: rank 0 is gone
+                why = f"the store failed ({exc})"
+            if why is not None and not self._stop.is_set():
+                self.backend.error = why
+                self.group.abort(f"watchdog on rank {self.group.rank}: {why}")
+                return
+
+    def _silent_peer(self, store, prefix) -> str | None:
+        now = time.monotonic()
+        for r in range(self.group.world_size):
+            if r == self.group.rank or store.get(f"{prefix}closed/{r}") is not None:
+                continue
+            value = store.get(f"{prefix}beat/{r}")
+            last = self._beats.get(r)
+            if last is None or last[0] != value:
+                self._beats[r] = (value, now)
+            elif now - last[1] > self.timeout:
+                return f"rank {r} has not been heard from for {self.timeout:g} s (its process died or froze)"
+        return None
+
+
+class NcclGroup(Group):
+    """A Group whose collectives run on NCCL, watched by a Watchdog."""
+
+    _watchdog = None
+
+    def abort(self, why: str = "aborted by the user") -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        super().abort(why)
+
+    def close(self) -> None:
+        """Destroy the communicator once every rank is done with it (ncclCommDestroy waits for
+        the node's other ranks; the barrier before it is bounded, and aborts instead)."""
+        if self._state != "open":
+            return
+        try:
+            self.barrier()
+        except DistributedError:
+            return  # the barrier aborted the group (and the communicator)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        super().close()
+
+
+def nccl_group(rank: int, world_size: int, device, store, timeout: float, launcher: str) -> NcclGroup:
+    """Bootstrap a communicator on ``device`` (see the module docstring)."""
+    core, low = _nccl()
+    exchanger = StoreExchanger(store, world_size, timeout)
+    device.bind()  # NCCL builds the communicator on the calling thread's current device
+    uid = bytes(core.get_unique_id()) if rank == 0 else None
+    me = (world_size, os.environ.get("NCCL_NVLS_ENABLE"), socket.gethostname(), device.ordinal)
+    try:
+        seen = exchanger.exchange(rank, "init", (me, uid), f"dist.init (rank {rank} of {world_size})", timeout)
+    except DistributedError:
+        exchanger.abort(rank, "init failed")
+        raise
+    problems = [f"rank {r} was started with world size {v[0]} and NCCL_NVLS_ENABLE={v[1]}" for r, (v, _)
+                in enumerate(seen) if v[:2] != me[:2]]
+    places = [(v[2], v[3]) for v, _ in seen]
+    if len(set(places)) != len(places):
+        problems.append(f"ranks share a GPU (host, ordinal per rank: {places}); one process per GPU: set "
+                        "local_rank (LOCAL_RANK) or device=")
+    if problems:
+        exchanger.abort(rank, "ranks disagree at init")
+        raise DistributedError("dist.init: " + "; ".join(problems))
+    try:
+        comm = core.Communicator.init(world_size, rank, core.UniqueId.from_bytes(seen[0][1]))
+    except Exception as exc:
+        exchanger.abort(rank, f"ncclCommInitRank failed: {exc}")
+        raise DistributedError(f"dist.init: NCCL could not build the communicator on rank {rank} ({exc})") from None
+    backend = NcclBackend(comm, low, rank, timeout)
+    group = NcclGroup(rank, world_size, device, device.new_stream(), exchanger, backend, timeout, launcher)
+    group._watchdog = Watchdog(group, exchanger, backend, timeout)
+    return group
