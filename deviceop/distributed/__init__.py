@@ -13,7 +13,8 @@ from ..errors import DistributedError
 from .group import Group, fingerprint
 from .launch import init
 from .ops import Collective, all_gather, all_reduce, broadcast, recv, reduce_scatter, send
+from .peer import PeerBuffers
 from .reference import run_reference
 
 __all__ = ["DistributedError", "Group", "fingerprint", "init", "Collective", "all_gather", "all_reduce",
-           "broadcast", "recv", "reduce_scatter", "send", "run_reference"]
+           "broadcast", "recv", "reduce_scatter", "send", "run_reference", "PeerBuffers"]

@@ -26,8 +26,10 @@ from __future__ import annotations
 from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
 from ..op import DeviceOp, resolve, warn_if_unexecuted
 from ..tensor import SharedTensor, Tensor
+from .peer import peer_buffers
 
 REDUCTIONS = ("sum", "prod", "max", "min", "avg")
+ALGORITHMS = ("auto", "nccl", "oneshot")  # of all_reduce: peer.py is the one-shot kernel
 # what NCCL reduces and moves (ncclDataType_t); bool and the fp8s are refused
 DTYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "bfloat16", "float32", "float64")
 
@@ -178,10 +180,29 @@ def _written(x, what: str) -> Tensor:
 
 # -- the public functions ---------------------------------------------------------------
 
-def all_reduce(group, x, out=None, op: str = "sum") -> DeviceOp:
+def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> DeviceOp:
     """Reduce ``x`` over the ranks (``op``: sum, prod, max, min, avg) into ``out``, or in
     place when ``out`` is None (``x`` is then written: it must be writable).  Value: the
-    written tensor."""
+    written tensor.
+
+    ``algorithm``: ``"nccl"``, NCCL's all-reduce; ``"oneshot"``, the one-shot kernel
+    over the group's peer buffers (``dist.PeerBuffers(group)`` first, on every rank: a
+    sum of float32 or bfloat16, a multiple of 512 bytes up to its ``max_bytes``; see
+    peer.py); ``"auto"`` (the default), the one-shot kernel where the group has peer
+    buffers and it applies, NCCL otherwise."""
+    if algorithm not in ALGORITHMS:
+        raise DistributedError(f"dist.all_reduce: unknown algorithm {algorithm!r}; use one of "
+                               f"{', '.join(map(repr, ALGORITHMS))}")
+    bufs = peer_buffers(group) if algorithm != "nccl" else None
+    if algorithm == "oneshot" or (bufs is not None and op == "sum" and bufs.accepts(x)):
+        if bufs is None:
+            raise DistributedError("dist.all_reduce(algorithm='oneshot') needs the group's peer buffers: make them "
+                                   "once on every rank with dist.PeerBuffers(group)")
+        if op != "sum":
+            raise DistributedError(f"dist.all_reduce(op={op!r}, algorithm='oneshot'): the one-shot kernel sums; "
+                                   "use algorithm='nccl'")
+        written = x if out is None else out
+        return bufs.all_reduce(x, out).map(lambda _: written)
     return Collective(group, "all_reduce", x, x if out is None else out, reduce=op)
 
 

@@ -166,6 +166,11 @@ class CudaDevice(Device):
         self.bind()
         return check(cu.cuMemGetInfo(), "cuMemGetInfo")
 
+    def peer_memory(self, nbytes: int):
+        """A zeroed buffer other processes' GPUs can map and store into (runtime/ipc.py)."""
+        from .ipc import IpcPeerMemory
+        return IpcPeerMemory(self, nbytes)
+
     # -- memory: CuPy arrays from CuPy's pool (tensor.py says why CuPy) ----------
     def alloc(self, dims, dt, stream):
         import cupy

@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 
 from ..dtypes import host_array_from_dlpack
-from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
+from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver
 from .device import CTX_SYNC, Device
 from .tape import Kernel as _Kernel, Copy as _Copy, TapeGraphs
@@ -109,6 +109,10 @@ class ReferenceDevice(Device):
     def memory_info(self) -> tuple[int, int]:
         return (0, 0)
 
+    @staticmethod
+    def peer_memory(nbytes: int) -> "HostPeerMemory":
+        return HostPeerMemory(nbytes)
+
     # -- memory: NumPy arrays -------------------------------------------------------
     def alloc(self, dims, dt, stream):
         try:
@@ -167,6 +171,34 @@ class ReferenceDevice(Device):
 
     def __repr__(self) -> str:
         return f"<reference device: {self.reason}>"
+
+
+class HostPeerMemory:
+    """runtime/ipc.py's peer memory on the host: a NumPy array the other thread-ranks of
+    this process (dist.run_reference) reach by its address, as GPUs reach each other's."""
+
+    _alive = weakref.WeakValueDictionary()  # address -> owner: open() refuses a freed buffer
+
+    def __init__(self, nbytes: int):
+        self.array = np.zeros(nbytes // 4, dtype=np.uint32)
+        self.address = int(self.array.ctypes.data)
+        self._alive[self.address] = self
+
+    def export(self):
+        return (os.getpid(), self.address)
+
+    def open(self, idents, rank: int) -> list[int]:
+        for r, (pid, address) in enumerate(idents):
+            if pid != os.getpid() or self._alive.get(address) is None:
+                raise DistributedError(f"rank {r}'s peer memory is not in this process: the reference device's "
+                                       "ranks are threads of one process (dist.run_reference)")
+        return [address for _, address in idents]
+
+    def release(self, barrier) -> None:
+        if barrier is not None:  # else leak it: a peer might still store into it
+            barrier()
+            self._alive.pop(self.address, None)
+            self.array = None
 
 
 class _HostMemory:
