@@ -1,32 +1,42 @@
-// The greedy choice across vocabulary shards of a tensor-parallel Llama (one thread each).
+// The greedy choice across vocabulary shards of a tensor-parallel Llama.
 //
 // Each rank's rms_lm_head_argmax picks the first largest logit of its own rows; the token
-// of the whole vocabulary is the first largest over the ranks' picks.  Both steps use
-// llama::argmax_key (kernels/llama_common.cuh) on the *global* index, so the rule is the
-// TP=1 kernel's exactly: the largest logit, NaN counting as largest, the lowest index on ties.
+// of the whole vocabulary is the first largest over the ranks' picks, ordered by
+// llama::argmax_key (kernels/llama_common.cuh) on the *global* index: the TP=1 kernel's
+// rule exactly (the largest logit, NaN counting as largest, the lowest index on ties).
+// The picks travel as an all-reduce *sum* of a [P] float32 vector that is zero but for
+// each rank's own pair (its logit, its global index as a float): adding zeros is exact in
+// any order, so the sum is every rank's pair, and the small-message all-reduce serves it.
 //
-//   tp_argmax_key(key u64 [1], logits fp32 [Vp], token int32 [1], offset)
-//       key = argmax_key(logits[token], offset + token)   (token: this rank's local argmax)
-//   ... all_gather of the ranks' keys -> keys u64 [N] (8 bytes a rank)
-//   tp_argmax_pick(token int32 [1], keys u64 [N], n)
-//       token = the global index of the largest of keys[0, n)
+//   tp_argmax_pair(pairs fp32 [P], logits fp32 [Vp], token int32 [1], rank, offset)
+//       pairs = 0 but pairs[2 rank] = logits[token], pairs[2 rank + 1] = offset + token
+//   ... all-reduce (sum) of pairs over the ranks
+//   tp_argmax_pick(token int32 [1], pairs fp32 [P], n)
+//       token = the global index of the largest of the n pairs
 //
-// PDL-ready: both read only what the previous kernels wrote, so they wait first.
+// PDL-ready: both read what the previous kernels wrote only after griddepcontrol.wait.
 #include "llama_common.cuh"
 
-extern "C" __global__ void tp_argmax_key(unsigned long long* __restrict__ key, const float* __restrict__ logits,
-                                         const int* __restrict__ token, int offset) {
+extern "C" __global__ void tp_argmax_pair(float* __restrict__ pairs, const float* __restrict__ logits,
+                                          const int* __restrict__ token, int n_pairs, int rank, int offset) {
     llama::pdl_launch_dependents();
     llama::pdl_wait();
     const int t = *token;
-    *key = llama::argmax_key(logits[t], (unsigned)(offset + t));
+    for (int i = threadIdx.x; i < n_pairs; i += blockDim.x) {
+        float v = 0.f;
+        if (i == 2 * rank) v = logits[t];
+        if (i == 2 * rank + 1) v = (float)(offset + t);  // exact: the host checks vocab < 2^24
+        pairs[i] = v;
+    }
 }
 
-extern "C" __global__ void tp_argmax_pick(int* __restrict__ token, const unsigned long long* __restrict__ keys,
-                                          int n) {
+extern "C" __global__ void tp_argmax_pick(int* __restrict__ token, const float* __restrict__ pairs, int n) {
     llama::pdl_launch_dependents();
     llama::pdl_wait();
-    unsigned long long best = keys[0];
-    for (int i = 1; i < n; ++i) best = keys[i] > best ? keys[i] : best;
+    unsigned long long best = 0ull;
+    for (int r = 0; r < n; ++r) {
+        const unsigned long long key = llama::argmax_key(pairs[2 * r], (unsigned)pairs[2 * r + 1]);
+        best = key > best ? key : best;
+    }
     *token = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
 }

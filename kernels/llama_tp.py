@@ -1,13 +1,13 @@
 """The greedy choice across vocabulary shards of tensor-parallel Llama decode (kernels/llama_tp.cu).
 
-* ``tp_argmax_key(key uint64 [1] tile [1], logits fp32 [Vp], token int32 [1], offset)``: this rank's
-  pick (the local argmax ``token``, from rms_lm_head_argmax) as one 64-bit key of its logit and its
-  global index ``offset + token``;
-* ``tp_argmax_pick(token int32 [1] tile [1], keys uint64 [N], n)``: the global token of the largest
-  of the ranks' keys (gathered with an all-gather of 8 bytes a rank).
-
-The key orders as rms_lm_head_argmax orders (:func:`argmax_key`): the largest logit, NaN counting
-as largest, the lowest index on ties; so the token is the one TP=1 picks from the same logits.
+* ``tp_argmax_pair(pairs fp32 [P] tile [P], logits fp32 [Vp], token int32 [1], n_pairs, rank, offset)``:
+  ``pairs`` zero but for this rank's pick: ``pairs[2 rank] = logits[token]`` (``token``: its local
+  argmax, from rms_lm_head_argmax) and ``pairs[2 rank + 1] = offset + token``, its global index;
+* an all-reduce *sum* of ``pairs`` over the ranks (adding zeros is exact in any order: the sum is
+  every rank's pair, and a small-message all-reduce carries it);
+* ``tp_argmax_pick(token int32 [1] tile [1], pairs fp32 [P], n)``: the global index of the largest
+  of the ``n`` pairs, ordered by :func:`argmax_key` as rms_lm_head_argmax orders (the largest
+  logit, NaN counting as largest, the lowest index on ties): the token TP=1 picks.
 """
 from pathlib import Path
 
@@ -19,6 +19,8 @@ from ._checks import _need
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_tp.cu"
+PAIRS = 128          # floats of the pairs vector: 512 bytes (the one-shot all-reduce's unit), 64 ranks
+MAX_INDEX = 1 << 24  # a global index travels as a float32: exact below 2^24
 
 
 def argmax_key(value: float, index: int) -> int:
@@ -33,39 +35,44 @@ def argmax_key(value: float, index: int) -> int:
     return (u << 32) | (0xFFFFFFFF - int(index))
 
 
-def _key_ref(g, key, logits, token, offset):
+def _pair_ref(g, pairs, logits, token, n_pairs, rank, offset):
     t = int(token[0])
-    key[0] = argmax_key(logits[t], offset + t)
+    pairs[...] = 0
+    pairs[2 * rank], pairs[2 * rank + 1] = logits[t], np.float32(offset + t)
 
 
-def _key_check(g, key, logits, token, offset):
-    _need(key.tile_shape == (1,) and key.tensor.shape == (1,), "tp_argmax_key runs one thread: key must be a "
-                                                               "uint64 [1] partitioned with [1]")
-    _need(token.shape == (1,), f"tp_argmax_key: token {token.shape} must be this rank's int32 [1] argmax")
-    _need(offset >= 0, f"tp_argmax_key: offset={offset} (the shard's first global row) must be >= 0")
+def _pair_check(g, pairs, logits, token, n_pairs, rank, offset):
+    t = pairs.tensor
+    _need(pairs.tile_shape == t.shape and t.shape == (n_pairs,),
+          f"tp_argmax_pair is one CTA: pairs {t.shape} must be [n_pairs={n_pairs}] partitioned whole")
+    _need(0 <= rank and 2 * rank + 1 < n_pairs, f"tp_argmax_pair: rank {rank} has no pair in {n_pairs} floats")
+    _need(token.shape == (1,), f"tp_argmax_pair: token {token.shape} must be this rank's int32 [1] argmax")
+    _need(0 <= offset and offset + logits.shape[0] <= MAX_INDEX,
+          f"tp_argmax_pair: global indices up to {offset + logits.shape[0]} do not all fit a float32 exactly "
+          f"(vocabularies below {MAX_INDEX} do)")
 
 
-def _pick_ref(g, token, keys, n):
-    best = int(np.max(keys[:n]))
-    token[0] = 0xFFFFFFFF - (best & 0xFFFFFFFF)
+def _pick_ref(g, token, pairs, n):
+    keys = [argmax_key(pairs[2 * r], int(pairs[2 * r + 1])) for r in range(n)]
+    token[0] = 0xFFFFFFFF - (max(keys) & 0xFFFFFFFF)
 
 
-def _pick_check(g, token, keys, n):
+def _pick_check(g, token, pairs, n):
     _need(token.tile_shape == (1,) and token.tensor.shape == (1,), "tp_argmax_pick runs one thread: token must be "
                                                                    "an int32 [1] partitioned with [1]")
-    _need(1 <= n <= keys.shape[0], f"tp_argmax_pick: n={n} ranks but keys holds {keys.shape[0]}; pass the "
-                                   "world size")
+    _need(1 <= n and 2 * n <= pairs.shape[0], f"tp_argmax_pick: n={n} ranks but pairs holds {pairs.shape[0]} "
+                                              "floats (two a rank); pass the world size")
 
 
-tp_argmax_key = Kernel(
-    "tp_argmax_key", SOURCE,
-    [Out("key", "uint64", rank=1), In("logits", "float32", rank=1), In("token", "int32", rank=1),
-     Scalar("offset", "int32")],
-    block=1, reference=_key_ref, validate=_key_check)
+tp_argmax_pair = Kernel(
+    "tp_argmax_pair", SOURCE,
+    [Out("pairs", "float32", rank=1), In("logits", "float32", rank=1), In("token", "int32", rank=1),
+     Scalar("n_pairs", "int32"), Scalar("rank", "int32"), Scalar("offset", "int32")],
+    block=128, reference=_pair_ref, validate=_pair_check)
 
 tp_argmax_pick = Kernel(
     "tp_argmax_pick", SOURCE,
-    [Out("token", "int32", rank=1), In("keys", "uint64", rank=1), Scalar("n", "int32")],
+    [Out("token", "int32", rank=1), In("pairs", "float32", rank=1), Scalar("n", "int32")],
     block=1, reference=_pick_ref, validate=_pick_check)
 
-__all__ = ["tp_argmax_key", "tp_argmax_pick", "argmax_key"]
+__all__ = ["tp_argmax_pair", "tp_argmax_pick", "argmax_key", "PAIRS"]

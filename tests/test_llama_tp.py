@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import deviceop as dop  # noqa: E402
 import deviceop.distributed as dist  # noqa: E402
-from deviceop.kernels.llama_tp import argmax_key, tp_argmax_key, tp_argmax_pick  # noqa: E402
+from deviceop.kernels.llama_tp import PAIRS, argmax_key, tp_argmax_pair, tp_argmax_pick  # noqa: E402
 from llama.generate import Llama  # noqa: E402
 from llama.model import Sampling, decode_kernels  # noqa: E402
 from llama.tp import TINY_TP, shard_weights, Shard  # noqa: E402
@@ -41,10 +41,11 @@ def model():
             "logits": llama.logits_along(prompt)}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_greedy_tokens_are_tp1s_in_one_launch_and_eagerly(model, tp):
+@pytest.mark.parametrize("tp,allreduce", [(2, "auto"), (4, "auto"), (2, "nccl")])
+def test_tensor_parallel_greedy_tokens_are_tp1s_in_one_launch_and_eagerly(model, tp, allreduce):
+    """"auto": the all-reduces are the one-shot kernel over peer buffers; "nccl": collectives."""
     def rank(group):
-        llama = Llama(CFG, model["weights"], capacity=CAP, group=group)
+        llama = Llama(CFG, model["weights"], capacity=CAP, group=group, allreduce=allreduce)
         return llama.generate(model["prompt"], NEW), llama.generate(model["prompt"], NEW, graph=False)
     for in_graph, eager in dist.run_reference(tp, rank):
         assert in_graph == model["greedy"] and eager == model["greedy"]
@@ -73,30 +74,31 @@ def test_the_shards_of_every_rank_put_back_together_are_the_model(model):
 
 
 def test_the_vocabulary_shards_argmax_keeps_tp1s_tie_rule(stream, rng):
-    """Ranks' picks combine to the first largest logit of the whole vocabulary: a tie goes to
-    the lower global index (rank 0's), and NaN beats every number."""
+    """Ranks' picks, summed as the all-reduce sums them, combine to the first largest logit of
+    the whole vocabulary: a tie goes to the lower global index (rank 0's), NaN beats every number."""
     best = float(rng.standard_normal())
-    logits = [np.float32(rng.standard_normal(16) - 10) for _ in range(2)]
-    local = [int(rng.integers(16)) for _ in range(2)]
-    for shard, i in zip(logits, local):
+    logits = [np.float32(rng.standard_normal(16) - 10) for _ in range(3)]
+    local = [int(rng.integers(16)) for _ in range(3)]
+    for shard, i in zip(logits[:2], local):
         shard[i] = best
 
     def pick(values, tokens):
-        keys = []
+        total = np.zeros(PAIRS, np.float32)
         for r, (v, t) in enumerate(zip(values, tokens)):
-            key = dop.from_numpy(np.zeros(1, np.uint64), stream=stream)
-            tp_argmax_key(key.partition([1]), dop.from_numpy(v, stream=stream),
-                          dop.from_numpy(np.array([t], np.int32), stream=stream), 16 * r).sync_on(stream)
-            keys.append(key.numpy(stream=stream)[0])
-        assert keys == [argmax_key(v[t], 16 * r + t) for r, (v, t) in enumerate(zip(values, tokens))]
+            pairs = dop.empty([PAIRS], stream=stream)
+            tp_argmax_pair(pairs.partition([PAIRS]), dop.from_numpy(v, stream=stream),
+                           dop.from_numpy(np.array([t], np.int32), stream=stream), PAIRS, r, 16 * r).sync_on(stream)
+            mine = pairs.numpy(stream=stream)
+            assert np.count_nonzero(np.delete(mine, [2 * r, 2 * r + 1])) == 0 and mine[2 * r + 1] == 16 * r + t
+            total += mine
         out = dop.from_numpy(np.zeros(1, np.int32), stream=stream)
-        tp_argmax_pick(out.partition([1]), dop.from_numpy(np.array(keys, np.uint64), stream=stream),
-                       len(keys)).sync_on(stream)
+        tp_argmax_pick(out.partition([1]), dop.from_numpy(total, stream=stream), len(values)).sync_on(stream)
         return int(out.numpy(stream=stream)[0])
 
     assert pick(logits, local) == local[0] == int(np.argmax(np.concatenate(logits)))
-    logits[1][3] = np.nan
-    assert pick(logits, [local[0], 3]) == 16 + 3 == int(np.argmax(np.concatenate(logits)))
+    logits[2][3] = np.nan
+    assert pick(logits, [local[0], local[1], 3]) == 32 + 3 == int(np.argmax(np.concatenate(logits)))
+    assert argmax_key(-0.0, 1) == argmax_key(0.0, 1)  # -0 and +0 tie, as the kernel's key has them
 
 
 @pytest.mark.parametrize("changes,tp,message", [
@@ -121,6 +123,6 @@ def test_ranks_that_ask_for_different_generations_all_refuse_before_launching(mo
 
 
 def test_the_tp_kernels_compile_for_sm90():
-    for k in (tp_argmax_key, tp_argmax_pick):
+    for k in (tp_argmax_pair, tp_argmax_pick):
         program, _ = k.compile((), arch="sm_90")
         assert program.cubin[:4] == b"\x7fELF"

@@ -27,10 +27,12 @@ class Llama:
     """``tp=N`` (or a ``group``): tensor parallel over the N ranks of a ``deviceop.distributed``
     group, one process per GPU; ``dist.init()`` makes the group from torchrun's or mpirun's
     environment when none is given.  Every rank passes the whole checkpoint (host arrays are
-    memory-mapped; only the rank's blocks reach its GPU) and makes the same calls."""
+    memory-mapped; only the rank's blocks reach its GPU) and makes the same calls.
+    ``allreduce``: "auto" (the one-shot all-reduce over peer memory, deviceop.distributed's
+    PeerBuffers; NCCL where it does not apply) or "nccl"."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
-                 prefill_chunk: int | None = None, tp: int | None = None, group=None):
+                 prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):
         group = self._group(cfg, tp, group)
         if group is not None and prefill_chunk:
             raise dop.ShapeError("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 "
@@ -38,7 +40,8 @@ class Llama:
         self.group = group
         self.device = group.device if group is not None else dop.Device(0)
         self.cuda_stream = stream if stream is not None else self.device.new_stream()
-        self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group)
+        self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
+                                    allreduce=allreduce)
         self.cfg = cfg
         self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
         self._steps: dict = {}   # same key -> graph of one step

@@ -28,6 +28,7 @@ from deviceop import api
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
+from deviceop.kernels.llama_tp import PAIRS, tp_argmax_pair, tp_argmax_pick
 
 from .config import LlamaConfig
 from .tp import Shard, agree, shard_weights
@@ -120,7 +121,6 @@ def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) 
     """(kernel, generics) of every kernel a decode loop launches, greedy or sampling (the same on
     every rank of a tensor-parallel group): what ``dop.precompile`` takes, to compile them all
     at start-up in parallel instead of one by one at the first capture."""
-    from deviceop.kernels.llama_tp import tp_argmax_key, tp_argmax_pick
     shard = shard or Shard(cfg)
     p = launch_plans(cfg, capacity, shard)
     items = [(proj.embed_gather, p["embed"][1]), (proj.rms_qkv_rope, p["qkv"][1]), (attn_k.attn_decode, p["attn"][1]),
@@ -128,7 +128,7 @@ def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) 
              (proj.matvec_residual, p["down"][1]), (proj.rms_lm_head_argmax, p["head"][2]),
              (attn_k.sample, [SAMPLE_CANDIDATES]), (llama_step, ()), (llama_step_start, ())]
     if shard.size > 1:
-        items += [(tp_argmax_key, ()), (tp_argmax_pick, ())]
+        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ())]
     unique = {(k.name, tuple(g)): (k, list(g)) for k, g in items}
     return list(unique.values())
 
@@ -138,7 +138,11 @@ class LlamaDecoder:
     With a ``group`` (deviceop.distributed) of N ranks, this rank's share of a tensor-parallel
     decoder (examples/llama/tp.py): every rank builds the same ops, collectives included."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True, group=None):
+    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True, group=None,
+                 allreduce: str = "auto"):
+        if allreduce not in ("auto", "nccl"):
+            raise dop.ShapeError(f"allreduce={allreduce!r}: use 'auto' (the one-shot all-reduce over peer memory, "
+                                 "NCCL where it does not apply) or 'nccl'")
         if capacity < 2:
             raise dop.ShapeError(f"a KV capacity of {capacity} holds no generation; use at least 2")
         self.shard = sh = Shard(cfg, group.rank, group.world_size) if group is not None else Shard(cfg)
@@ -184,9 +188,11 @@ class LlamaDecoder:
             # the partial sums' residual: rank 0 adds the hidden vector, the others nothing
             self.zeros = dop.from_numpy(np.zeros(d, np.float32), stream=stream)
             self.local_token = ints([0])       # this rank's argmax over its vocabulary rows
-            self.key = dop.from_numpy(np.zeros(1, np.uint64), stream=stream)
-            self.keys = dop.from_numpy(np.zeros(sh.size, np.uint64), stream=stream)
+            self.picks = dop.from_numpy(np.zeros(PAIRS, np.float32), stream=stream)  # every rank's (logit, index)
             self.full_logits = buf([cfg.vocab_size])  # gathered for sampling and teacher forcing
+            self.allreduce = allreduce
+            if allreduce == "auto":
+                self._peer_buffers(4 * d)
 
     # -- views of the state --------------------------------------------------------
     @property
@@ -207,11 +213,21 @@ class LlamaDecoder:
         zeros, so that the all-reduce of the ranks' outputs adds it once."""
         return self.zeros if self.group is not None and self.shard.rank > 0 else hidden
 
+    def _peer_buffers(self, nbytes: int) -> None:
+        """The group's peer buffers for the one-shot all-reduce (made on every rank, once, unless
+        the group has ones that take ``nbytes``): dist.all_reduce's "auto" then uses them."""
+        import deviceop.distributed as dist
+        from deviceop.distributed.peer import peer_buffers
+        bufs = peer_buffers(self.group)
+        if bufs is None or bufs.max_bytes < nbytes:
+            dist.PeerBuffers(self.group, max_bytes=-(-nbytes // 512) * 512)
+
     def _all_reduce(self, x: dop.Tensor) -> list:
+        """The sum of the ranks' ``x``, in place (tensor parallel; nothing at TP=1)."""
         if self.group is None:
             return []
         import deviceop.distributed as dist
-        return [dist.all_reduce(self.group, x)]
+        return [dist.all_reduce(self.group, x, algorithm=self.allreduce)]
 
     def _layer(self, i: int) -> dop.DeviceOp:
         cfg, w, p = self.cfg, self.w.layers[i], self.pdl
@@ -248,14 +264,13 @@ class LlamaDecoder:
                                        cfg.rms_norm_eps, sh.vocab).generics(self.head_gen).pdl(p)]
         if tp:
             import deviceop.distributed as dist
-            from deviceop.kernels.llama_tp import tp_argmax_key, tp_argmax_pick
             if gather_logits or not sampling.greedy:
                 ops.append(dist.all_gather(self.group, self.logits[:sh.vocab], self.full_logits))
             if sampling.greedy:
-                ops += [tp_argmax_key(self.key.partition([1]), self.logits, self.local_token, sh.vocab_offset)
-                        .pdl(p),
-                        dist.all_gather(self.group, self.key, self.keys),
-                        tp_argmax_pick(self.token.partition([1]), self.keys, sh.size).pdl(p)]
+                ops += [tp_argmax_pair(self.picks.partition([PAIRS]), self.logits, self.local_token, PAIRS, sh.rank,
+                                       sh.vocab_offset).pdl(p),
+                        *self._all_reduce(self.picks),
+                        tp_argmax_pick(self.token.partition([1]), self.picks, sh.size).pdl(p)]
         if not sampling.greedy:
             ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
                                      self.vocab_logits, self.token, self.sample_state, self.pos,
