@@ -3,7 +3,8 @@ PyTorch user would write, and the latency of the all-reduce they both wait on; o
 
 * deviceop: ``Llama(cfg, weights, group=...)`` (examples/llama), one process per GPU; a whole
   generation (32-token prompt, 128 new tokens) is one graph launch per rank, the all-reduces and the
-  vocabulary-shard argmax inside its device loop; per token = (generation of 128 - generation of 1)
+  vocabulary-shard argmax inside its device loop; the all-reduces are the one-shot kernel over peer
+  memory (``allreduce="auto"``), and, as a second row, NCCL's (``allreduce="nccl"``); per token = (generation of 128 - generation of 1)
   / 127, GPU time between CUDA events on rank 0, median of 5 (``Llama.time_generation``).
 * PyTorch: examples/llama/hf.py's plain decode step cut Megatron-style (q/k/v heads, gate/up rows,
   o/down columns, vocabulary rows), an NCCL all-reduce (torch.distributed) after the O and down
@@ -207,8 +208,10 @@ def worker(args) -> int:
     import numpy as np
     import torch
 
+    import deviceop as dop
     from llama.generate import Llama
-    from llama.model import Sampling
+    from llama.model import Sampling, decode_kernels
+    from llama.tp import Shard
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     cfg = configs()[args.model]
@@ -230,12 +233,16 @@ def worker(args) -> int:
         prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len)
         log(f"weights made ({cfg.weight_bytes() / 1e9:.2f} GB)")
         try:
-            llama = Llama(cfg, weights, capacity=args.capacity, group=group)
-            t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
-            result["deviceop"] = {"us_per_token": round(t["us_per_token"], 1), "host_us": round(t["host_us"], 1),
-                                  "tokens": t["tokens"]}
-            log(f"deviceop: {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
-            del llama
+            t0 = time.perf_counter()  # every kernel compiled at once, in parallel (not one by one at the capture)
+            dop.precompile(decode_kernels(cfg, args.capacity, Shard(cfg, rank, size)))
+            log(f"kernels compiled or loaded from the cache in {time.perf_counter() - t0:.1f} s")
+            for name, allreduce in (("deviceop", "auto"), ("deviceop_nccl", "nccl"))[:2 if size > 1 else 1]:
+                llama = Llama(cfg, weights, capacity=args.capacity, group=group, allreduce=allreduce)
+                t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
+                result[name] = {"us_per_token": round(t["us_per_token"], 1), "host_us": round(t["host_us"], 1),
+                                "tokens": t["tokens"]}
+                log(f"{name} (all-reduce {allreduce}): {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
+                del llama
         except Exception as exc:  # e.g. a shape the kernels do not serve yet: reported, the rest still runs
             result["deviceop"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
             log(f"deviceop failed: {result['deviceop']['error']}")
@@ -322,6 +329,7 @@ def main(argv=None) -> int:
     rows, failures = [], []
     for (model, tp), r in results.items():
         row = {"variant": f"{model}, TP={tp}", "deviceop_us_per_token": us(model, tp),
+               "deviceop_nccl_allreduce_us_per_token": r.get("deviceop_nccl", {}).get("us_per_token"),
                "torch_graph_us_per_token": us(model, tp, "torch"),
                "deviceop_speedup_vs_tp1": ratio(us(model, 1), us(model, tp)) if tp > 1 else None,
                "torch_speedup_vs_tp1": ratio(us(model, 1, "torch"), us(model, tp, "torch")) if tp > 1 else None,
@@ -329,12 +337,13 @@ def main(argv=None) -> int:
         if "error" in r or "error" in r.get("deviceop", {}):
             row["error"] = r.get("error") or r["deviceop"]["error"]
         base = results.get((model, 1), {}).get("deviceop", {}).get("tokens")
-        mine = r.get("deviceop", {}).get("tokens")
-        if tp > 1 and base and mine:
-            mismatch = next((i for i, (a, b) in enumerate(zip(base, mine)) if a != b), None)
-            row["greedy_first_mismatch_vs_tp1"] = mismatch
-            if mismatch is not None or len(base) != len(mine):
-                failures.append(f"{model} TP={tp}: greedy tokens differ from TP=1's at {mismatch}")
+        for arm in ("deviceop", "deviceop_nccl"):
+            mine = r.get(arm, {}).get("tokens")
+            if tp > 1 and base and mine:
+                mismatch = next((i for i, (a, b) in enumerate(zip(base, mine)) if a != b), None)
+                row[f"{arm}_greedy_first_mismatch_vs_tp1"] = mismatch
+                if mismatch is not None or len(base) != len(mine):
+                    failures.append(f"{model} TP={tp} ({arm}): greedy tokens differ from TP=1's at {mismatch}")
         rows.append(row)
         rows += r.get("allreduce", [])
 
@@ -359,10 +368,12 @@ def main(argv=None) -> int:
                       "better": "lower", "met": False, "reason": "no 2-GPU run"})
     device = type("D", (), {"name": f"{gpus}x {torch.cuda.get_device_name(0)}"})()
     print_table(f"Tensor-parallel Llama decode, {args.prompt_len}-token prompt + {args.new} new, on {device.name}",
-                ["variant", "deviceop us/token", "torch graph us/token", "deviceop vs TP=1", "note"],
-                [[r["variant"], r.get("deviceop_us_per_token", r.get("us_per_op")), r.get("torch_graph_us_per_token", ""),
-                  r.get("deviceop_speedup_vs_tp1") or "", (r.get("error") or r.get("reason") or "")[:80]]
-                 for r in rows])
+                ["variant", "deviceop us/token (or us/op)", "deviceop, NCCL all-reduces", "torch graph us/token",
+                 "deviceop vs TP=1", "torch vs TP=1", "note"],
+                [[r["variant"], r.get("deviceop_us_per_token", r.get("us_per_op")),
+                  r.get("deviceop_nccl_allreduce_us_per_token") or "", r.get("torch_graph_us_per_token", ""),
+                  r.get("deviceop_speedup_vs_tp1") or "", r.get("torch_speedup_vs_tp1") or "",
+                  (r.get("error") or r.get("reason") or "")[:80]] for r in rows])
     for f in failures:
         print("FAILED:", f)
     path = write_result("tp_decode", device, rows, heads, {"gpus": gpus, "failures": failures,

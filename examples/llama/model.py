@@ -223,11 +223,17 @@ class LlamaDecoder:
             dist.PeerBuffers(self.group, max_bytes=-(-nbytes // 512) * 512)
 
     def _all_reduce(self, x: dop.Tensor) -> list:
-        """The sum of the ranks' ``x``, in place (tensor parallel; nothing at TP=1)."""
+        """The sum of the ranks' ``x``, in place (tensor parallel; nothing at TP=1): the one-shot
+        kernel where the group has peer buffers ("auto"), launched with PDL so that the next
+        kernel streams its weights while the ranks exchange; else NCCL's all-reduce."""
         if self.group is None:
             return []
         import deviceop.distributed as dist
-        return [dist.all_reduce(self.group, x, algorithm=self.allreduce)]
+        from deviceop.distributed.peer import peer_buffers
+        bufs = peer_buffers(self.group) if self.allreduce == "auto" else None
+        if bufs is not None and bufs.accepts(x):
+            return [bufs.all_reduce(x).pdl(self.pdl)]
+        return [dist.all_reduce(self.group, x, algorithm="nccl")]
 
     def _layer(self, i: int) -> dop.DeviceOp:
         cfg, w, p = self.cfg, self.w.layers[i], self.pdl
