@@ -12,8 +12,9 @@ PyTorch user would write, and the latency of the all-reduce they both wait on; o
   captured in one torch.cuda.CUDAGraph per rank (nothing in the step syncs with the host: no
   indexing with a 0-d tensor); 127 replays after the prompt, median of 5.
 * all-reduce: 8 KB (2048 float32, the 1B hidden vector) in a CUDA graph of 64 back to back,
-  per op: torch.distributed's NCCL, deviceop's ``dist.all_reduce`` and, where the allreduce branch
-  provides it, its fast one-shot op.
+  per op: torch.distributed's NCCL, deviceop's ``dist.all_reduce(algorithm="nccl")`` and its
+  one-shot kernel over peer memory (``PeerBuffers.all_reduce``), without and with PDL
+  (bench/allreduce.py is the all-reduce's own benchmark: sizes, bf16, NCCL symmetric windows).
 * Weights: random bf16 (normal(0, 0.02) matrices, norms 1 + 0.1 normal) made on each GPU from a
   seeded generator per tensor, so every rank and every TP holds the same model; each rank keeps
   its share.  Greedy tokens of every TP are compared with TP=1's.
@@ -169,6 +170,7 @@ def allreduce_rows(group, size: int, reps: int) -> list:
     import deviceop as dop
     import deviceop.distributed as dist
     from _common import replay_us
+    from deviceop.distributed.peer import peer_buffers
     rows = []
     x = torch.rand(ALLREDUCE_FLOATS, device="cuda") * 1e-3
     tdist.all_reduce(x)
@@ -187,20 +189,20 @@ def allreduce_rows(group, size: int, reps: int) -> list:
         runs.append(start.elapsed_time(end) * 1e3 / ALLREDUCE_OPS)
     rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: torch.distributed NCCL in a torch.cuda.CUDAGraph",
                  "us_per_op": round(statistics.median(runs[2:]), 2)})
-    stream = group.device.new_stream()
+    stream = group.stream
     y = dop.from_numpy(np.random.default_rng(0).random(ALLREDUCE_FLOATS, dtype=np.float32) * 1e-3, stream=stream)
-    ops = dop.zip_(*[dist.all_reduce(group, y) for _ in range(ALLREDUCE_OPS)])
-    graph = ops.graph_on(stream)
-    rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: deviceop dist.all_reduce (NCCL) in a graph",
-                 "us_per_op": round(replay_us(graph, stream, per=ALLREDUCE_OPS, reps=reps), 2)})
-    fast = getattr(dist, "bench_all_reduce", None)  # the allreduce branch's benchmark, where merged
-    if fast is None:
-        rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: deviceop fast one-shot",
-                     "us_per_op": None, "reason": "deviceop.distributed has no fast all-reduce (bench_all_reduce) "
-                                                  "in this checkout"})
-    else:
-        rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: deviceop fast one-shot",
-                     "us_per_op": round(float(fast(group, ALLREDUCE_FLOATS * 4)), 2)})
+    bufs = peer_buffers(group) or dist.PeerBuffers(group, max_bytes=4 * ALLREDUCE_FLOATS)
+    for name, build in (("deviceop dist.all_reduce, NCCL", lambda: dist.all_reduce(group, y, algorithm="nccl")),
+                        ("deviceop one-shot (peer memory)", lambda: bufs.all_reduce(y)),
+                        ("deviceop one-shot (peer memory), PDL", lambda: bufs.all_reduce(y).pdl())):
+        try:
+            graph = dop.zip_(*[build() for _ in range(ALLREDUCE_OPS)]).graph_on(stream)
+            us = round(replay_us(graph, stream, per=ALLREDUCE_OPS, reps=reps), 2)
+            rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: {name}, in a graph", "us_per_op": us})
+        except Exception as exc:  # a row that failed says why; the others still run
+            rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: {name}, in a graph", "us_per_op": None,
+                         "reason": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]})
+    bufs.check()
     return rows
 
 
