@@ -45,6 +45,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 os.environ.update(NO_MULTICAST)  # before NCCL loads, in the parent and in every worker
 
 ALLREDUCE_FLOATS, ALLREDUCE_OPS = 2048, 64
+SAMPLING_ARGS = dict(temperature=0.8, top_k=50, top_p=0.9, seed=7)
 TARGETS = {"tp2_speedup_vs_tp1": 1.6, "tp2_speedup_vs_tp1_8b": 1.85, "tp4_speedup_vs_tp1_8b": 3.2,
            "allreduce_us_8kb_2gpu": 3.0}
 
@@ -214,6 +215,7 @@ def worker(args) -> int:
     from llama.generate import Llama
     from llama.model import Sampling, decode_kernels
     from llama.tp import Shard
+    SAMPLING = Sampling(**SAMPLING_ARGS)
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     cfg = configs()[args.model]
@@ -238,13 +240,23 @@ def worker(args) -> int:
             t0 = time.perf_counter()  # every kernel compiled at once, in parallel (not one by one at the capture)
             dop.precompile(decode_kernels(cfg, args.capacity, Shard(cfg, rank, size)))
             log(f"kernels compiled or loaded from the cache in {time.perf_counter() - t0:.1f} s")
-            for name, allreduce in (("deviceop", "auto"), ("deviceop_nccl", "nccl"))[:2 if size > 1 else 1]:
-                llama = Llama(cfg, weights, capacity=args.capacity, group=group, allreduce=allreduce)
-                t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
-                result[name] = {"us_per_token": round(t["us_per_token"], 1), "host_us": round(t["host_us"], 1),
-                                "tokens": t["tokens"]}
-                log(f"{name} (all-reduce {allreduce}): {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
-                del llama
+            llama = Llama(cfg, weights, capacity=args.capacity, group=group)
+            t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
+            result["deviceop"] = {"us_per_token": round(t["us_per_token"], 1), "host_us": round(t["host_us"], 1),
+                                  "tokens": t["tokens"]}
+            log(f"deviceop: {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
+            result["sampled_tokens"] = llama.generate(prompt, 16, SAMPLING)
+            del llama
+            if size > 1:  # the same with NCCL's all-reduces (a failure is this row's: both ranks meet it alike)
+                try:
+                    llama = Llama(cfg, weights, capacity=args.capacity, group=group, allreduce="nccl")
+                    t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
+                    result["deviceop_nccl"] = {"us_per_token": round(t["us_per_token"], 1), "tokens": t["tokens"]}
+                    log(f"deviceop, NCCL all-reduces: {t['us_per_token']:.1f} us/token")
+                    del llama
+                except dop.DeviceOpError as exc:
+                    result["deviceop_nccl"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+                    log(f"deviceop, NCCL all-reduces failed: {result['deviceop_nccl']['error']}")
         except Exception as exc:  # e.g. a shape the kernels do not serve yet: reported, the rest still runs
             result["deviceop"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
             log(f"deviceop failed: {result['deviceop']['error']}")
@@ -336,6 +348,8 @@ def main(argv=None) -> int:
                "deviceop_speedup_vs_tp1": ratio(us(model, 1), us(model, tp)) if tp > 1 else None,
                "torch_speedup_vs_tp1": ratio(us(model, 1, "torch"), us(model, tp, "torch")) if tp > 1 else None,
                "deviceop_vs_torch_graph": ratio(us(model, tp, "torch"), us(model, tp))}
+        if "error" in r.get("deviceop_nccl", {}):
+            row["deviceop_nccl_error"] = r["deviceop_nccl"]["error"]
         if "error" in r or "error" in r.get("deviceop", {}):
             row["error"] = r.get("error") or r["deviceop"]["error"]
         base = results.get((model, 1), {}).get("deviceop", {}).get("tokens")
@@ -346,6 +360,11 @@ def main(argv=None) -> int:
                 row[f"{arm}_greedy_first_mismatch_vs_tp1"] = mismatch
                 if mismatch is not None or len(base) != len(mine):
                     failures.append(f"{model} TP={tp} ({arm}): greedy tokens differ from TP=1's at {mismatch}")
+        sampled, base_sampled = r.get("sampled_tokens"), results.get((model, 1), {}).get("sampled_tokens")
+        if tp > 1 and sampled and base_sampled:
+            row["sampled_tokens_equal_tp1"] = sampled == base_sampled
+            if sampled != base_sampled:
+                failures.append(f"{model} TP={tp}: sampled tokens ({SAMPLING_ARGS}) differ from TP=1's")
         rows.append(row)
         rows += r.get("allreduce", [])
 
