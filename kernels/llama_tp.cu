@@ -40,3 +40,19 @@ extern "C" __global__ void tp_argmax_pick(int* __restrict__ token, const float* 
     }
     *token = (int)(0xffffffffu - (unsigned)(best & 0xffffffffull));
 }
+
+// A rank's logits placed in a vector of the whole vocabulary, zero elsewhere: an all-reduce
+// sum of these is the ranks' logits gathered (exact: every sum adds zeros to one value).
+//   tp_place(out fp32 [Vp] tile [B], src fp32 [n], offset, n): out[i] = src[i - offset] on the
+//   rank's rows [offset, offset + n), 0 elsewhere.  B / 4 threads, 4 elements each.
+template <int B>
+__global__ void tp_place(float* __restrict__ out, const float* __restrict__ src, int offset, int n) {
+    llama::pdl_launch_dependents();
+    llama::pdl_wait();
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int i = blockIdx.x * B + k * (B / 4) + threadIdx.x;
+        const int j = i - offset;
+        out[i] = (j >= 0 && j < n) ? src[j] : 0.f;
+    }
+}

@@ -8,6 +8,9 @@
 * ``tp_argmax_pick(token int32 [1] tile [1], pairs fp32 [P], n)``: the global index of the largest
   of the ``n`` pairs, ordered by :func:`argmax_key` as rms_lm_head_argmax orders (the largest
   logit, NaN counting as largest, the lowest index on ties): the token TP=1 picks.
+* ``tp_place<B>(out fp32 [Vp] tile [B], src fp32 [n], offset, n)``: a rank's logits at their global
+  rows of a zero vector; an all-reduce sum of those is the whole vocabulary's logits (for sampling
+  and teacher forcing), again exact.
 """
 from pathlib import Path
 
@@ -75,4 +78,35 @@ tp_argmax_pick = Kernel(
     [Out("token", "int32", rank=1), In("pairs", "float32", rank=1), Scalar("n", "int32")],
     block=1, reference=_pick_ref, validate=_pick_check)
 
-__all__ = ["tp_argmax_pair", "tp_argmax_pick", "argmax_key", "PAIRS"]
+def _place_ref(g, out, src, offset, n):
+    out[...] = 0
+    lo, hi = max(0, offset), min(out.shape[0], offset + n)
+    if hi > lo:
+        out[lo:hi] = src[lo - offset:hi - offset]
+
+
+def _place_check(g, out, src, offset, n):
+    B = g["B"]
+    _need(B % 128 == 0 and 128 <= B <= 4096, f"tp_place: B={B} must be a multiple of 128 in [128, 4096] "
+                                             "(4 elements a thread)")
+    _need(out.tile_shape == (B,), f"tp_place<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
+    _need(n == src.shape[0] and 0 <= offset and offset + n <= out.tensor.shape[0],
+          f"tp_place: rows [{offset}, {offset + n}) of src {src.shape} must lie in out {out.tensor.shape}; "
+          "pass n = src.shape[0]")
+
+
+tp_place = Kernel(
+    "tp_place", SOURCE,
+    [Out("out", "float32", rank=1), In("src", "float32", rank=1), Scalar("offset", "int32"), Scalar("n", "int32")],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check)
+
+PLACE_TILE = 1024  # tp_place's tile: a gathered vocabulary vector is padded to a multiple of it
+
+
+def placed_rows(vocab: int) -> int:
+    """The length of the gathered-logits vector for ``vocab`` (a multiple of PLACE_TILE floats,
+    hence of the one-shot all-reduce's 512 bytes)."""
+    return -(-vocab // PLACE_TILE) * PLACE_TILE
+
+
+__all__ = ["tp_argmax_pair", "tp_argmax_pick", "tp_place", "argmax_key", "placed_rows", "PAIRS", "PLACE_TILE"]

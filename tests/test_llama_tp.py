@@ -51,9 +51,11 @@ def test_tensor_parallel_greedy_tokens_are_tp1s_in_one_launch_and_eagerly(model,
         assert in_graph == model["greedy"] and eager == model["greedy"]
 
 
-def test_tensor_parallel_sampling_and_teacher_forced_logits_are_tp1s(model):
+@pytest.mark.parametrize("allreduce", ["auto", "nccl"])
+def test_tensor_parallel_sampling_and_teacher_forced_logits_are_tp1s(model, allreduce):
+    """The logits gathered whole: a sum of zero-padded shards by the one-shot ("auto") or an all-gather."""
     def rank(group):
-        llama = Llama(CFG, model["weights"], capacity=CAP, group=group)
+        llama = Llama(CFG, model["weights"], capacity=CAP, group=group, allreduce=allreduce)
         return llama.generate(model["prompt"], NEW, model["sampling"]), llama.logits_along(model["prompt"])
     for sampled, logits in dist.run_reference(2, rank):
         assert sampled == model["sampled"]

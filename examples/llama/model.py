@@ -28,7 +28,7 @@ from deviceop import api
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
-from deviceop.kernels.llama_tp import PAIRS, tp_argmax_pair, tp_argmax_pick
+from deviceop.kernels.llama_tp import PAIRS, PLACE_TILE, placed_rows, tp_argmax_pair, tp_argmax_pick, tp_place
 
 from .config import LlamaConfig
 from .tp import Shard, agree, shard_weights
@@ -128,7 +128,7 @@ def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) 
              (proj.matvec_residual, p["down"][1]), (proj.rms_lm_head_argmax, p["head"][2]),
              (attn_k.sample, [SAMPLE_CANDIDATES]), (llama_step, ()), (llama_step_start, ())]
     if shard.size > 1:
-        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ())]
+        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ()), (tp_place, [PLACE_TILE])]
     unique = {(k.name, tuple(g)): (k, list(g)) for k, g in items}
     return list(unique.values())
 
@@ -189,10 +189,11 @@ class LlamaDecoder:
             self.zeros = dop.from_numpy(np.zeros(d, np.float32), stream=stream)
             self.local_token = ints([0])       # this rank's argmax over its vocabulary rows
             self.picks = dop.from_numpy(np.zeros(PAIRS, np.float32), stream=stream)  # every rank's (logit, index)
-            self.full_logits = buf([cfg.vocab_size])  # gathered for sampling and teacher forcing
+            # the whole vocabulary's logits, gathered for sampling and teacher forcing (padded: tp_place)
+            self.full_logits = buf([placed_rows(cfg.vocab_size)])
             self.allreduce = allreduce
             if allreduce == "auto":
-                self._peer_buffers(4 * d)
+                self._peer_buffers(max(4 * d, 4 * self.full_logits.shape[0]))
 
     # -- views of the state --------------------------------------------------------
     @property
@@ -229,11 +230,18 @@ class LlamaDecoder:
         if self.group is None:
             return []
         import deviceop.distributed as dist
-        from deviceop.distributed.peer import peer_buffers
-        bufs = peer_buffers(self.group) if self.allreduce == "auto" else None
-        if bufs is not None and bufs.accepts(x):
+        bufs = self._one_shot(x)
+        if bufs is not None:
             return [bufs.all_reduce(x).pdl(self.pdl)]
         return [dist.all_reduce(self.group, x, algorithm="nccl")]
+
+    def _one_shot(self, x: dop.Tensor):
+        """The group's peer buffers if the one-shot all-reduce is to sum ``x``, else None."""
+        if self.group is None or self.allreduce != "auto":
+            return None
+        from deviceop.distributed.peer import peer_buffers
+        bufs = peer_buffers(self.group)
+        return bufs if bufs is not None and bufs.accepts(x) else None
 
     def _layer(self, i: int) -> dop.DeviceOp:
         cfg, w, p = self.cfg, self.w.layers[i], self.pdl
@@ -257,7 +265,7 @@ class LlamaDecoder:
     def vocab_logits(self) -> dop.Tensor:
         """The last step's logits over the whole vocabulary (tensor parallel: gathered, so only
         after a step built with ``gather_logits``, or a sampling one)."""
-        return self.full_logits if self.group is not None else self.logits[:self.cfg.vocab_size]
+        return (self.full_logits if self.group is not None else self.logits)[:self.cfg.vocab_size]
 
     def head(self, hidden: dop.Tensor, sampling: Sampling, gather_logits: bool = False) -> list:
         """The ops from the last hidden vector to ``self.token``: the LM head and its argmax, then
@@ -270,8 +278,12 @@ class LlamaDecoder:
                                        cfg.rms_norm_eps, sh.vocab).generics(self.head_gen).pdl(p)]
         if tp:
             import deviceop.distributed as dist
-            if gather_logits or not sampling.greedy:
-                ops.append(dist.all_gather(self.group, self.logits[:sh.vocab], self.full_logits))
+            if gather_logits or not sampling.greedy:  # as a sum of zero-padded vectors where the one-shot serves
+                if self._one_shot(self.full_logits) is not None:
+                    ops += [tp_place(self.full_logits.partition([PLACE_TILE]), self.logits[:sh.vocab], sh.vocab_offset,
+                                     sh.vocab).generics([PLACE_TILE]).pdl(p), *self._all_reduce(self.full_logits)]
+                else:
+                    ops.append(dist.all_gather(self.group, self.logits[:sh.vocab], self.vocab_logits))
             if sampling.greedy:
                 ops += [tp_argmax_pair(self.picks.partition([PAIRS]), self.logits, self.local_token, PAIRS, sh.rank,
                                        sh.vocab_offset).pdl(p),
