@@ -3,6 +3,7 @@
     python -m examples.llama                       # tiny config without a GPU, Llama-3.2-1B's shape with one
     python -m examples.llama --config DIR/config.json --weights DIR   # a Hugging Face checkpoint
     python -m examples.llama --prompt-len 32 --max-new 128 --temperature 0.8 --top-k 50 --top-p 0.9
+    torchrun --nproc-per-node 2 -m examples.llama --tp 2      # tensor parallel, one process per GPU
 
 Without ``--weights`` the weights are random (seeded).  Prints the tokens, the
 time per generated token against the memory floor (every weight read once per
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="ingest the prompt this many tokens a pass over the weights (8 or 16 at the 1B shape; "
                          "default 0: token by token), still in the one launch")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (launch that many processes with "
+                                                      "torchrun or mpirun; default 1)")
     args = ap.parse_args(argv)
     for name in ("prompt_len", "max_new", "capacity"):
         if getattr(args, name) < 1:
@@ -71,15 +74,23 @@ def main(argv=None) -> int:
         ap.error(f"--prompt-len {args.prompt_len} + --max-new {args.max_new} exceed --capacity {args.capacity}")
 
     device = dop.Device(0)
+    say = print
+    if args.tp > 1:  # one process per GPU: rank 0 speaks for the group
+        import os
+        rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+        say = print if rank == 0 else (lambda *a, **k: None)
     cfg = LlamaConfig.from_json(args.config) if args.config else TINY if device.is_reference else LLAMA_3_2_1B
-    print(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
+    say(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
           f"({cfg.weight_bytes() / 1e9:.3f} GB of bf16 weights); device: "
           f"{'reference (NumPy; no timing)' if device.is_reference else device.name}")
     t0 = time.perf_counter()
     weights = load_checkpoint(args.weights) if args.weights else random_weights(cfg, args.seed)
-    llama = Llama(cfg, weights, capacity=args.capacity, pdl=not args.no_pdl,
-                  prefill_chunk=args.prefill_chunk or None)
-    print(f"weights on the device in {time.perf_counter() - t0:.1f} s")
+    try:
+        llama = Llama(cfg, weights, capacity=args.capacity, pdl=not args.no_pdl,
+                      prefill_chunk=args.prefill_chunk or None, tp=args.tp)
+    except dop.DeviceOpError as exc:  # a split or a chunk the model cannot serve: the flag's constraint
+        ap.error(str(exc))
+    say(f"weights on the device in {time.perf_counter() - t0:.1f} s")
     prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len)
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
 
@@ -87,13 +98,15 @@ def main(argv=None) -> int:
         tokens = llama.generate(prompt, args.max_new, sampling)
     except dop.DeviceOpError as exc:  # a request the model cannot serve: the flag's constraint, no traceback
         ap.error(str(exc))
-    print(f"generated {len(tokens)} tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
+    say(f"generated {len(tokens)} tokens: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     if device.is_reference:
         return 0
     timing = llama.time_generation(prompt, args.max_new, sampling)
     per_token, host_us = timing["us_per_token"] * 1e-6, timing["host_us"]
-    floor = (cfg.weight_bytes() + cfg.kv_bytes(args.prompt_len + args.max_new // 2)) / copy_rate(llama.cuda_stream)
-    print(f"{per_token * 1e6:.1f} us/token ({1 / per_token:.0f} tokens/s), floor {floor * 1e6:.1f} us: "
+    # the floor: the bytes a token reads (one rank's share, at TP > 1) at the copy rate
+    floor = (cfg.weight_bytes() + cfg.kv_bytes(args.prompt_len + args.max_new // 2)) / args.tp / copy_rate(
+        llama.cuda_stream)
+    say(f"{per_token * 1e6:.1f} us/token ({1 / per_token:.0f} tokens/s), floor {floor * 1e6:.1f} us: "
           f"{per_token / floor:.3f}x; host time of the one launch: {host_us:.1f} us")
     return 0
 
