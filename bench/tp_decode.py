@@ -42,7 +42,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NCCL's default graph-mixing support puts event nodes in a captured collective, which a conditional
+# (dop.while_) body refuses: the "NCCL all-reduces" row's cuGraphInstantiate failed with INVALID_VALUE
+# on 2x H200 (2026-11-27) and ran with this set to 0 (this benchmark never mixes graphs and eager NCCL)
+NCCL_IN_LOOPS = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
 os.environ.update(NO_MULTICAST)  # before NCCL loads, in the parent and in every worker
+os.environ.update(NCCL_IN_LOOPS)
 
 ALLREDUCE_FLOATS, ALLREDUCE_OPS = 2048, 64
 SAMPLING_ARGS = dict(temperature=0.8, top_k=50, top_p=0.9, seed=7)
@@ -288,7 +293,7 @@ def launch(args, model: str, tp: int) -> dict:
     for flag in ("seed", "prompt_len", "new", "reps", "capacity"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1"},
+    proc = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST, **NCCL_IN_LOOPS, "PYTHONUNBUFFERED": "1"},
                           timeout=args.worker_timeout)
     if proc.returncode or not out.exists():
         return {"model": model, "tp": tp, "error": f"the worker group exited with status {proc.returncode}"}
