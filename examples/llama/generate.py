@@ -6,6 +6,8 @@
     for token in llama.stream(prompt, max_new_tokens=128):        # one graph launch a token
         print(token)
 
+    llama = Llama(cfg, weights, tp=2)    # one process per GPU (torchrun / mpirun): this rank's share
+
 Both capture their graph on first use and keep it for requests of the same
 prompt length, token budget and sampling (the only values the graph bakes in;
 the prompt itself, the position and the KV cache live in device memory).
@@ -25,16 +27,51 @@ from .model import NONFINITE, LlamaDecoder, Sampling
 
 
 class Llama:
+    """``tp=N`` (or a ``group``): tensor parallel over the N ranks of a ``deviceop.distributed``
+    group, one process per GPU; ``dist.init()`` makes the group from torchrun's or mpirun's
+    environment when none is given.  Every rank passes the whole checkpoint (host arrays are
+    memory-mapped; only the rank's blocks reach its GPU) and makes the same calls.
+    ``allreduce``: "auto" (the one-shot all-reduce over peer memory, deviceop.distributed's
+    PeerBuffers; NCCL where it does not apply) or "nccl"."""
+
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
-                 prefill_chunk: int | None = None):
-        self.device = dop.Device(0)
+                 prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):
+        group = self._group(cfg, tp, group)
+        if group is not None and prefill_chunk:
+            raise dop.ShapeError("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 "
+                                 "(the prompt is then ingested token by token)")
+        self.group = group
+        self.device = group.device if group is not None else dop.Device(0)
         self.cuda_stream = stream if stream is not None else self.device.new_stream()
-        self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl)
+        self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
+                                    allreduce=allreduce)
         self.cfg = cfg
         self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
         self._steps: dict = {}   # same key -> graph of one step
         self.prefill_chunk = prefill_chunk  # generate's default: None ingests the prompt token by token
         self._prefills: dict = {}  # chunk -> ChunkedPrefill (examples/llama/prefill.py)
+
+    @staticmethod
+    def _group(cfg: LlamaConfig, tp: int | None, group):
+        """The tensor-parallel group (None at TP=1), checked against ``tp`` and the config."""
+        from .tp import check_tp
+        if group is None and tp in (None, 1):
+            return None
+        if group is None:
+            check_tp(cfg, tp)  # before any process group is made
+            import deviceop.distributed as dist
+            group = dist.init()
+        if tp is not None and tp != group.world_size:
+            raise dop.ShapeError(f"tp={tp} but the group has {group.world_size} ranks: launch {tp} processes "
+                                 f"(torchrun --nproc-per-node {tp}) or pass tp={group.world_size}")
+        check_tp(cfg, group.world_size)
+        return group
+
+    def _agree(self, *request) -> None:
+        """Tensor parallel: every rank asks for the same thing, else all raise (see tp.agree)."""
+        if self.group is not None:
+            from .tp import agree
+            agree(self.group, "the request (prompt, token budget, sampling)", request)
 
     def _key(self, prompt_len: int, max_new: int, sampling: Sampling) -> tuple:
         return prompt_len, max_new, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed
@@ -50,6 +87,7 @@ class Llama:
         chunk = prefill_chunk if prefill_chunk is not None else self.prefill_chunk
         prefill = self._prefill(chunk) if chunk else None  # an unsupported chunk is refused here
         prompt = dec.check_request(prompt, max_new_tokens)
+        self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), chunk, graph)
 
         def generation():
             return (prefill or dec).generation(sampling, prompt.size, max_new_tokens)
@@ -87,15 +125,16 @@ class Llama:
             raise dop.ShapeError(f"positions must name tokens of the sequence [0, {tokens.size}); got "
                                  f"{bad[0] if bad else 'none'} (each an integer)")
         positions = [int(p) for p in positions]
+        self._agree(tokens.tobytes(), positions)
         wanted = {p: i for i, p in enumerate(positions)}
         out = np.empty((len(positions), self.cfg.vocab_size), np.float32)
-        logits = dec.logits[:self.cfg.vocab_size]
+        logits = dec.vocab_logits
         greedy = Sampling()
         dec.load_prompt(tokens)
-        key = self._key(tokens.size, 1, greedy)
+        key = self._key(tokens.size, 1, greedy) + ("logits",)
         g = self._steps.get(key)
         if g is None:
-            g = self._steps[key] = dec.step(greedy, tokens.size, 1).graph_on(self.cuda_stream)
+            g = self._steps[key] = dec.step(greedy, tokens.size, 1, gather_logits=True).graph_on(self.cuda_stream)
         dec.start().sync_on(self.cuda_stream)
         for pos in range(max(positions) + 1):
             g.replay()
@@ -141,6 +180,7 @@ class Llama:
         sampling = sampling or Sampling()
         dec = self.decoder
         prompt = dec.check_request(prompt, max_new_tokens)
+        self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), "stream")
         dec.load_prompt(prompt)
         key = self._key(prompt.size, max_new_tokens, sampling)
         g = self._steps.get(key)

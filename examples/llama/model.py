@@ -29,8 +29,10 @@ from deviceop import api
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
+from deviceop.kernels.llama_tp import PAIRS, PLACE_TILE, placed_rows, tp_argmax_pair, tp_argmax_pick, tp_place
 
 from .config import INT32_MAX, LlamaConfig, kernel_limits
+from .tp import Shard, agree, shard_weights
 from .weights import BF16, check_weights, host_memory_bytes, layer_names
 
 
@@ -82,28 +84,31 @@ class Sampling:
 
 class DeviceWeights:
     """A model's weights on the device, laid out as the kernels read them: q, k and v
-    rows in one matrix, gate and up rows in one matrix (the rest as given)."""
+    rows in one matrix, gate and up rows in one matrix (the rest as given).  With a
+    ``shard`` of a tensor-parallel group, only that rank's blocks (examples/llama/tp.py)."""
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, stream, *, check: bool = True):
+    def __init__(self, cfg: LlamaConfig, weights: dict, stream, shard: Shard | None = None, *,
+                 check: bool = True):
         if check:  # LlamaDecoder checks first, before it sizes anything
             check_weights(cfg, weights)
         self.cfg = cfg
+        shard = shard or Shard(cfg)
+        part = shard_weights(cfg, weights, shard, layer_names)
 
-        def put(name):
-            return _to_device(weights[name], stream)
+        def put(w):
+            return _to_device(w, stream)
 
-        def cat(*names):
-            return _concat([weights[n] for n in names], stream)
+        def cat(*ws):
+            return _concat(list(ws), stream)
 
-        self.embed = put("model.embed_tokens.weight")
-        self.final_norm = put("model.norm.weight")
-        self.head = self.embed if cfg.tie_word_embeddings else put("lm_head.weight")
+        self.embed = put(part["embed"])
+        self.final_norm = put(part["final_norm"])
+        self.head = self.embed if part["head"] is part["embed"] else put(part["head"])
         self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            n = layer_names(i)
-            self.layers.append({"input_norm": put(n["input_norm"]), "post_norm": put(n["post_norm"]),
-                                "qkv": cat(n["q"], n["k"], n["v"]), "o": put(n["o"]),
-                                "gate_up": cat(n["gate"], n["up"]), "down": put(n["down"])})
+        for w in part["layers"]:
+            self.layers.append({"input_norm": put(w["input_norm"]), "post_norm": put(w["post_norm"]),
+                                "qkv": cat(w["q"], w["k"], w["v"]), "o": put(w["o"]),
+                                "gate_up": cat(w["gate"], w["up"]), "down": put(w["down"])})
 
 
 def _to_device(w, stream) -> dop.Tensor:
@@ -139,25 +144,60 @@ def check_memory(cfg: LlamaConfig, weights: dict, capacity: int, device) -> None
             f"{free / 2**30:.2f} GiB are free", "Use a smaller capacity or model, or free device memory")
 
 
-class LlamaDecoder:
-    """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``."""
+def launch_plans(cfg: LlamaConfig, capacity: int, shard: Shard) -> dict:
+    """Launch name -> (tile, generics) of a decode step (the head's: (tile, logits rows, generics))."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    return {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, shard.heads, shard.kv_heads, hd),
+            "o": proj.matvec_residual_plan(d, shard.q_size), "gate_up": proj.gate_up_plan(d, shard.inter),
+            "down": proj.matvec_residual_plan(d, shard.inter), "head": proj.lm_head_plan(d, shard.vocab),
+            # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
+            "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
+                                     prefetch=ATTN_PREFETCH)}
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True):
+
+def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> list:
+    """(kernel, generics) of every kernel a decode loop launches, greedy or sampling (the same on
+    every rank of a tensor-parallel group): what ``dop.precompile`` takes, to compile them all
+    at start-up in parallel instead of one by one at the first capture."""
+    shard = shard or Shard(cfg)
+    p = launch_plans(cfg, capacity, shard)
+    items = [(proj.embed_gather, p["embed"][1]), (proj.rms_qkv_rope, p["qkv"][1]), (attn_k.attn_decode, p["attn"][1]),
+             (proj.matvec_residual, p["o"][1]), (proj.rms_gate_up_silu, p["gate_up"][1]),
+             (proj.matvec_residual, p["down"][1]), (proj.rms_lm_head_argmax, p["head"][2]),
+             (attn_k.sample, [attn_k.sample_candidates(cfg.vocab_size, SAMPLE_CANDIDATES)]),
+             (llama_step, ()), (llama_step_start, ())]
+    if shard.size > 1:
+        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ()), (tp_place, [PLACE_TILE])]
+    unique = {(k.name, tuple(g)): (k, list(g)) for k, g in items}
+    return list(unique.values())
+
+
+class LlamaDecoder:
+    """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``.
+    With a ``group`` (deviceop.distributed) of N ranks, this rank's share of a tensor-parallel
+    decoder (examples/llama/tp.py): every rank builds the same ops, collectives included."""
+
+    def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True, group=None,
+                 allreduce: str = "auto"):
+        if allreduce not in ("auto", "nccl"):
+            raise dop.ShapeError(f"allreduce={allreduce!r}: use 'auto' (the one-shot all-reduce over peer memory, "
+                                 "NCCL where it does not apply) or 'nccl'")
         # every refusal before a byte is allocated: the request, the kernels' limits, the weights, the memory
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or not 2 <= capacity <= INT32_MAX:
             raise dop.ShapeError(f"a KV capacity of {capacity!r} holds no generation; give an integer of at least 2")
         capacity = int(capacity)
         kernel_limits(cfg)
-        plans = self.plans(cfg, capacity)
+        self.shard = sh = Shard(cfg, group.rank, group.world_size) if group is not None else Shard(cfg)
+        plans = launch_plans(cfg, capacity, sh)
         check_weights(cfg, weights)
         check_memory(cfg, weights, capacity, dop.Device(0))
         attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK)
+        if group is not None:  # before any allocation: ranks building different decoders would hang later
+            agree(group, "the model (config, KV capacity, PDL)", (repr(cfg.to_dict()), capacity, pdl))
+        self.group = group if sh.size > 1 else None
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
-        for name, (tile, generics) in plans.items():
-            setattr(self, f"{name}_tile", tile)
-            setattr(self, f"{name}_gen", generics)
-        self.w = DeviceWeights(cfg, weights, stream, check=False)
-        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.w = DeviceWeights(cfg, weights, stream, sh, check=False)
+        d, hq, hkv, hd = cfg.hidden_size, sh.heads, sh.kv_heads, cfg.head_dim
 
         def buf(shape, dtype="float32"):
             return dop.empty(shape, dtype, stream=stream)
@@ -166,7 +206,7 @@ class LlamaDecoder:
             return dop.from_numpy(np.asarray(values, np.int32), stream=stream)
 
         self.h0, self.h1 = buf([d]), buf([d])
-        self.q, self.attn, self.act = buf([cfg.q_size]), buf([cfg.q_size]), buf([cfg.intermediate_size])
+        self.q, self.attn, self.act = buf([sh.q_size]), buf([sh.q_size]), buf([sh.inter])
         shape = [cfg.num_hidden_layers, hkv, capacity, hd]
         self.k_cache = dop.from_numpy(np.zeros(shape, BF16), stream=stream)
         self.v_cache = dop.from_numpy(np.zeros(shape, BF16), stream=stream)
@@ -177,25 +217,35 @@ class LlamaDecoder:
         self.token = ints([0])                  # the step's chosen token
         self.eos = ints(list(cfg.eos_token_id) or [0])
 
-        self.logits = buf([proj.lm_head_rows(cfg.vocab_size, self.head_tile)])
+        self.embed_tile, self.embed_gen = plans["embed"]
+        self.qkv_tile, self.qkv_gen = plans["qkv"]
+        self.o_tile, self.o_gen = plans["o"]
+        self.gu_tile, self.gu_gen = plans["gate_up"]
+        self.down_tile, self.down_gen = plans["down"]
+        self.head_tile, rows, self.head_gen = plans["head"]
+        self.logits = buf([rows])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
+        self.attn_tile, self.attn_gen = plans["attn"]
         self.attn_ws, self.attn_counters = attn_k.attn_buffers(hkv, hd, cfg.group, self.attn_gen[2], stream=stream)
         self.sample_candidates = attn_k.sample_candidates(cfg.vocab_size, SAMPLE_CANDIDATES)
         self.sample_part, _, self.sample_state = attn_k.sample_buffers(cfg.vocab_size, self.sample_candidates,
                                                                        stream=stream)
+        if self.group is not None:
+            # the partial sums' residual: rank 0 adds the hidden vector, the others nothing
+            self.zeros = dop.from_numpy(np.zeros(d, np.float32), stream=stream)
+            self.local_token = ints([0])       # this rank's argmax over its vocabulary rows
+            self.picks = dop.from_numpy(np.zeros(PAIRS, np.float32), stream=stream)  # every rank's (logit, index)
+            # the whole vocabulary's logits, gathered for sampling and teacher forcing (padded: tp_place)
+            self.full_logits = buf([placed_rows(cfg.vocab_size)])
+            self.allreduce = allreduce
+            if allreduce == "auto":
+                self._peer_buffers(max(4 * d, 4 * self.full_logits.shape[0]))
 
     @staticmethod
-    def plans(cfg: LlamaConfig, capacity: int) -> dict:
-        """Each kernel's (tile, generics) for this model: pure arithmetic, so a shape the kernels'
-        plans refuse is refused before anything is allocated."""
-        d, hq, hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        head_tile, _, head_gen = proj.lm_head_plan(d, cfg.vocab_size)
-        return {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, hq, hkv, hd),
-                "o": proj.matvec_residual_plan(d, cfg.q_size), "gu": proj.gate_up_plan(d, cfg.intermediate_size),
-                "down": proj.matvec_residual_plan(d, cfg.intermediate_size), "head": (head_tile, head_gen),
-                # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-                "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
-                                         prefetch=ATTN_PREFETCH)}
+    def plans(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> dict:
+        """Each kernel's plan for this model (``launch_plans``): pure arithmetic, so a shape the
+        kernels' plans refuse is refused before anything is allocated."""
+        return launch_plans(cfg, capacity, shard or Shard(cfg))
 
     # -- views of the state --------------------------------------------------------
     @property
@@ -211,6 +261,40 @@ class LlamaDecoder:
         return self.state[2:3]
 
     # -- the ops of one step ----------------------------------------------------------
+    def _residual(self, hidden: dop.Tensor) -> dop.Tensor:
+        """What a projection adds its product to: the hidden vector, or (tensor parallel, rank > 0)
+        zeros, so that the all-reduce of the ranks' outputs adds it once."""
+        return self.zeros if self.group is not None and self.shard.rank > 0 else hidden
+
+    def _peer_buffers(self, nbytes: int) -> None:
+        """The group's peer buffers for the one-shot all-reduce (made on every rank, once, unless
+        the group has ones that take ``nbytes``): dist.all_reduce's "auto" then uses them."""
+        import deviceop.distributed as dist
+        from deviceop.distributed.peer import peer_buffers
+        bufs = peer_buffers(self.group)
+        if bufs is None or bufs.max_bytes < nbytes:
+            dist.PeerBuffers(self.group, max_bytes=-(-nbytes // 512) * 512)
+
+    def _all_reduce(self, x: dop.Tensor) -> list:
+        """The sum of the ranks' ``x``, in place (tensor parallel; nothing at TP=1): the one-shot
+        kernel where the group has peer buffers ("auto"), launched with PDL so that the next
+        kernel streams its weights while the ranks exchange; else NCCL's all-reduce."""
+        if self.group is None:
+            return []
+        import deviceop.distributed as dist
+        bufs = self._one_shot(x)
+        if bufs is not None:
+            return [bufs.all_reduce(x).pdl(self.pdl)]
+        return [dist.all_reduce(self.group, x, algorithm="nccl")]
+
+    def _one_shot(self, x: dop.Tensor):
+        """The group's peer buffers if the one-shot all-reduce is to sum ``x``, else None."""
+        if self.group is None or self.allreduce != "auto":
+            return None
+        from deviceop.distributed.peer import peer_buffers
+        bufs = peer_buffers(self.group)
+        return bufs if bufs is not None and bufs.accepts(x) else None
+
     def _layer(self, i: int) -> dop.DeviceOp:
         cfg, w, p = self.cfg, self.w.layers[i], self.pdl
         eps, cap = cfg.rms_norm_eps, self.capacity
@@ -220,32 +304,62 @@ class LlamaDecoder:
                               self.pos, k, v, self.error, eps, cap).generics(self.qkv_gen).pdl(p),
             attn_k.attn_decode(self.attn.partition([self.attn_tile]), self.q, k, v, self.pos, self.attn_ws,
                                self.attn_counters, cap).generics(self.attn_gen).pdl(p),
-            proj.matvec_residual(self.h1.partition([self.o_tile]), self.attn, w["o"], self.h0)
+            proj.matvec_residual(self.h1.partition([self.o_tile]), self.attn, w["o"], self._residual(self.h0))
             .generics(self.o_gen).pdl(p),
+            *self._all_reduce(self.h1),
             proj.rms_gate_up_silu(self.act.partition([self.gu_tile]), self.h1, w["post_norm"], w["gate_up"], eps)
             .generics(self.gu_gen).pdl(p),
-            proj.matvec_residual(self.h0.partition([self.down_tile]), self.act, w["down"], self.h1)
-            .generics(self.down_gen).pdl(p))
+            proj.matvec_residual(self.h0.partition([self.down_tile]), self.act, w["down"], self._residual(self.h1))
+            .generics(self.down_gen).pdl(p),
+            *self._all_reduce(self.h0))
 
-    def forward(self, sampling: Sampling) -> dop.DeviceOp:
+    @property
+    def vocab_logits(self) -> dop.Tensor:
+        """The last step's logits over the whole vocabulary (tensor parallel: gathered, so only
+        after a step built with ``gather_logits``, or a sampling one)."""
+        return (self.full_logits if self.group is not None else self.logits)[:self.cfg.vocab_size]
+
+    def head(self, hidden: dop.Tensor, sampling: Sampling, gather_logits: bool = False) -> list:
+        """The ops from the last hidden vector to ``self.token``: the LM head and its argmax, then
+        the sampler; tensor parallel, each rank's pick or logits exchanged first (every rank ends
+        with the same token, so the ranks' loops stay in step)."""
+        cfg, p, sh = self.cfg, self.pdl, self.shard
+        tp = self.group is not None
+        ops = [proj.rms_lm_head_argmax(self.logits.partition([self.head_tile]), hidden, self.w.final_norm,
+                                       self.w.head, self.local_token if tp else self.token, self.head_work,
+                                       self.error, cfg.rms_norm_eps, sh.vocab).generics(self.head_gen).pdl(p)]
+        if tp:
+            import deviceop.distributed as dist
+            if gather_logits or not sampling.greedy:  # as a sum of zero-padded vectors where the one-shot serves
+                if self._one_shot(self.full_logits) is not None:
+                    ops += [tp_place(self.full_logits.partition([PLACE_TILE]), self.logits[:sh.vocab], sh.vocab_offset,
+                                     sh.vocab).generics([PLACE_TILE]).pdl(p), *self._all_reduce(self.full_logits)]
+                else:
+                    ops.append(dist.all_gather(self.group, self.logits[:sh.vocab], self.vocab_logits))
+            if sampling.greedy:
+                ops += [tp_argmax_pair(self.picks.partition([PAIRS]), self.logits, self.local_token, PAIRS, sh.rank,
+                                       sh.vocab_offset).pdl(p),
+                        *self._all_reduce(self.picks),
+                        tp_argmax_pick(self.token.partition([1]), self.picks, sh.size).pdl(p)]
+        if not sampling.greedy:
+            ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
+                                     self.vocab_logits, self.token, self.sample_state, self.pos,
+                                     cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
+                                     sampling.seed).generics([self.sample_candidates]).pdl(p))
+        return ops
+
+    def forward(self, sampling: Sampling, gather_logits: bool = False) -> dop.DeviceOp:
         """The token at ``state.pos`` (``state.cur``) in, the next token in ``self.token`` out."""
         cfg, p = self.cfg, self.pdl
         ops = [proj.embed_gather(self.h0.partition([self.embed_tile]), self.w.embed, self.cur, self.error,
                                  cfg.vocab_size).generics(self.embed_gen).pdl(p)]
         ops += [self._layer(i) for i in range(cfg.num_hidden_layers)]
-        ops.append(proj.rms_lm_head_argmax(self.logits.partition([self.head_tile]), self.h0, self.w.final_norm,
-                                           self.w.head, self.token, self.head_work, self.error, cfg.rms_norm_eps,
-                                           cfg.vocab_size).generics(self.head_gen).pdl(p))
-        if not sampling.greedy:
-            ops.append(attn_k.sample(self.sample_part.partition([1, self.sample_part.shape[1]]),
-                                     self.logits[:cfg.vocab_size], self.token, self.sample_state, self.pos,
-                                     cfg.vocab_size, sampling.temperature, sampling.top_k, sampling.top_p,
-                                     sampling.seed).generics([self.sample_candidates]).pdl(p))
+        ops += self.head(self.h0, sampling, gather_logits)
         return dop.zip_(*ops)
 
-    def step(self, sampling: Sampling, prompt_len: int, max_new: int) -> dop.DeviceOp:
+    def step(self, sampling: Sampling, prompt_len: int, max_new: int, gather_logits: bool = False) -> dop.DeviceOp:
         """One loop iteration: the forward, then the control step."""
-        return dop.zip_(self.forward(sampling),
+        return dop.zip_(self.forward(sampling, gather_logits),
                         llama_step(self.tokens.partition([self.capacity]), self.state, self.token, self.eos,
                                    len(self.cfg.eos_token_id), prompt_len, max_new, self.capacity).pdl(self.pdl))
 

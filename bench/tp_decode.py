@@ -1,0 +1,413 @@
+"""Tensor-parallel Llama decode (issue 35): deviceop at TP=1, 2 and 4 against the step a
+PyTorch user would write, and the latency of the all-reduce they both wait on; one run, one machine.
+
+* deviceop: ``Llama(cfg, weights, group=...)`` (examples/llama), one process per GPU; a whole
+  generation (32-token prompt, 128 new tokens) is one graph launch per rank, the all-reduces and the
+  vocabulary-shard argmax inside its device loop; the all-reduces are the one-shot kernel over peer
+  memory (``allreduce="auto"``), and, as a second row, NCCL's (``allreduce="nccl"``); per token = (generation of 128 - generation of 1)
+  / 127, GPU time between CUDA events on rank 0, median of 5 (``Llama.time_generation``).
+* PyTorch: examples/llama/hf.py's plain decode step cut Megatron-style (q/k/v heads, gate/up rows,
+  o/down columns, vocabulary rows), an NCCL all-reduce (torch.distributed) after the O and down
+  projections, the argmax across vocabulary shards as an all-gather of each rank's (max, index);
+  captured in one torch.cuda.CUDAGraph per rank (nothing in the step syncs with the host: no
+  indexing with a 0-d tensor); 127 replays after the prompt, median of 5.
+* all-reduce: 8 KB (2048 float32, the 1B hidden vector) in a CUDA graph of 64 back to back,
+  per op: torch.distributed's NCCL, deviceop's ``dist.all_reduce(algorithm="nccl")`` and its
+  one-shot kernel over peer memory (``PeerBuffers.all_reduce``), without and with PDL
+  (bench/allreduce.py is the all-reduce's own benchmark: sizes, bf16, NCCL symmetric windows).
+* Weights: random bf16 (normal(0, 0.02) matrices, norms 1 + 0.1 normal) made on each GPU from a
+  seeded generator per tensor, so every rank and every TP holds the same model; each rank keeps
+  its share.  Greedy tokens of every TP are compared with TP=1's.
+
+    python bench/tp_decode.py                                   # 1B and 8B at every TP the GPUs allow
+    python bench/tp_decode.py --models 1b --tp 1 2 --new 32 --reps 3   # a short run
+The parent starts one ``python -m torch.distributed.run --standalone --nproc-per-node N`` worker group
+per (model, TP); rank 0 of each writes its results to a file the parent gathers into
+bench/results/tp_decode.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# NCCL's default graph-mixing support puts event nodes in a captured collective, which a conditional
+# (dop.while_) body refuses: the "NCCL all-reduces" row's cuGraphInstantiate failed with INVALID_VALUE
+# on 2x H200 (2026-11-27) and ran with this set to 0 (this benchmark never mixes graphs and eager NCCL)
+NCCL_IN_LOOPS = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+os.environ.update(NO_MULTICAST)  # before NCCL loads, in the parent and in every worker
+os.environ.update(NCCL_IN_LOOPS)
+
+ALLREDUCE_FLOATS, ALLREDUCE_OPS = 2048, 64
+SAMPLING_ARGS = dict(temperature=0.8, top_k=50, top_p=0.9, seed=7)
+TARGETS = {"tp2_speedup_vs_tp1": 1.6, "tp2_speedup_vs_tp1_8b": 1.85, "tp4_speedup_vs_tp1_8b": 3.2,
+           "allreduce_us_8kb_2gpu": 3.0}
+
+
+def configs():
+    from llama.config import LLAMA_3_2_1B, LlamaConfig
+    llama_3_1_8b = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=(128001, 128008, 128009))
+    return {"1b": LLAMA_3_2_1B, "8b": llama_3_1_8b}
+
+
+# -- the worker: one rank of one (model, TP) --------------------------------------------------------
+
+def gpu_weights(cfg, seed: int) -> dict:
+    """Random bf16 weights made on this process's GPU, the same on every rank (a generator per tensor)."""
+    import torch
+    from llama.weights import expected_shapes
+    out = {}
+    gen = torch.Generator(device="cuda")
+    for i, (name, shape) in enumerate(sorted(expected_shapes(cfg).items())):
+        gen.manual_seed(seed * 1_000_003 + i)
+        w = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32)
+        out[name] = (1.0 + 0.1 * w if len(shape) == 1 else 0.02 * w).to(torch.bfloat16)
+    torch.cuda.synchronize()
+    return out
+
+
+def torch_tp_step(cfg, weights: dict, capacity: int, rank: int, size: int):
+    """examples/llama/hf.py's TorchDecodeStep on this rank's Megatron share, with NCCL all-reduces."""
+    import torch
+    import torch.distributed as tdist
+    import torch.nn.functional as F
+    from llama import hf
+    from llama.tp import Shard, shard_weights
+    from llama.weights import layer_names
+
+    class TorchTPStep(hf.TorchDecodeStep):
+        def __init__(self):
+            sh = self.shard = Shard(cfg, rank, size)
+            part = shard_weights(cfg, weights, sh, layer_names)
+            self.cfg, self.capacity = cfg, capacity
+            self.embed, self.head, self.final_norm = part["embed"], part["head"], part["final_norm"]
+            self.layers = [(w["input_norm"], torch.cat([w["q"], w["k"], w["v"]]), w["o"], w["post_norm"],
+                            torch.cat([w["gate"], w["up"]]), w["down"]) for w in part["layers"]]
+            dev, bf16 = self.embed.device, self.embed.dtype
+            shape = (cfg.num_hidden_layers, 1, sh.kv_heads, capacity, cfg.head_dim)
+            self.k_cache = torch.zeros(shape, dtype=bf16, device=dev)
+            self.v_cache = torch.zeros(shape, dtype=bf16, device=dev)
+            self.inv_freq = torch.as_tensor(cfg.inv_freq(), device=dev)
+            self.slots = torch.arange(capacity, device=dev)
+            self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+            self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+            self.logits = torch.zeros(sh.vocab, dtype=torch.float32, device=dev)
+            self.pairs = torch.zeros(2 * size, dtype=torch.float32, device=dev)
+            self.graph = None
+
+        def _reduce(self, x):
+            if size > 1:
+                tdist.all_reduce(x)
+            return x
+
+        def step(self):
+            sh, hd = self.shard, cfg.head_dim
+            hq, hkv = sh.heads, sh.kv_heads
+            h = F.embedding(self.tok, self.embed)
+            freqs = self.pos.float()[:, None] * self.inv_freq[None]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+            mask = (self.slots <= self.pos)[None, None, None]
+            for layer, (n_in, w_qkv, w_o, n_post, w_gu, w_down) in enumerate(self.layers):
+                q, k, v = F.linear(self._rms(h, n_in), w_qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+                q = self._rope(q.view(1, hq, 1, hd), cos, sin)
+                k = self._rope(k.view(1, hkv, 1, hd), cos, sin)
+                self.k_cache[layer].index_copy_(2, self.pos, k)
+                self.v_cache[layer].index_copy_(2, self.pos, v.view(1, hkv, 1, hd))
+                a = F.scaled_dot_product_attention(q, self.k_cache[layer], self.v_cache[layer], attn_mask=mask,
+                                                   enable_gqa=True)
+                h = h + self._reduce(F.linear(a.reshape(1, hq * hd), w_o))
+                gate, up = F.linear(self._rms(h, n_post), w_gu).chunk(2, dim=-1)
+                h = h + self._reduce(F.linear(F.silu(gate) * up, w_down))
+            logits = F.linear(self._rms(h, self.final_norm), self.head).float()[0]
+            self.logits.copy_(logits)
+            if size == 1:
+                self.tok.copy_(logits.argmax().view(1))
+            else:  # each rank's (max, global index); the first rank of the largest wins (its index is lower)
+                best, idx = logits.max(dim=0)
+                tdist.all_gather_into_tensor(self.pairs, torch.stack([best, (idx + sh.vocab_offset).float()]))
+                pairs = self.pairs.view(size, 2)
+                self.tok.copy_(pairs[:, 1].gather(0, pairs[:, 0].argmax().view(1)).long())
+            self.pos.add_(1)
+
+    return TorchTPStep()
+
+
+def time_torch(step, prompt, n: int, reps: int) -> float:
+    """GPU us per token of n - 1 replays of the captured step after the prompt (this rank's events)."""
+    import torch
+    runs = []
+    for _ in range(reps):
+        for pos, t in enumerate(prompt):
+            step.feed(t, pos)
+        torch.cuda.synchronize()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(n - 1):
+            step.run()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / (n - 1))
+    return statistics.median(runs)
+
+
+def allreduce_rows(group, size: int, reps: int) -> list:
+    """8 KB all-reduces in a graph of ALLREDUCE_OPS back to back: us per op, this rank's GPU time."""
+    import numpy as np
+    import torch
+    import torch.distributed as tdist
+
+    import deviceop as dop
+    import deviceop.distributed as dist
+    from _common import replay_us
+    from deviceop.distributed.peer import peer_buffers
+    rows = []
+    x = torch.rand(ALLREDUCE_FLOATS, device="cuda") * 1e-3
+    tdist.all_reduce(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(ALLREDUCE_OPS):
+            tdist.all_reduce(x)
+    runs = []
+    for _ in range(reps + 2):
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / ALLREDUCE_OPS)
+    rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: torch.distributed NCCL in a torch.cuda.CUDAGraph",
+                 "us_per_op": round(statistics.median(runs[2:]), 2)})
+    stream = group.stream
+    y = dop.from_numpy(np.random.default_rng(0).random(ALLREDUCE_FLOATS, dtype=np.float32) * 1e-3, stream=stream)
+    bufs = peer_buffers(group) or dist.PeerBuffers(group, max_bytes=4 * ALLREDUCE_FLOATS)
+    for name, build in (("deviceop dist.all_reduce, NCCL", lambda: dist.all_reduce(group, y, algorithm="nccl")),
+                        ("deviceop one-shot (peer memory)", lambda: bufs.all_reduce(y)),
+                        ("deviceop one-shot (peer memory), PDL", lambda: bufs.all_reduce(y).pdl())):
+        try:
+            graph = dop.zip_(*[build() for _ in range(ALLREDUCE_OPS)]).graph_on(stream)
+            us = round(replay_us(graph, stream, per=ALLREDUCE_OPS, reps=reps), 2)
+            rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: {name}, in a graph", "us_per_op": us})
+        except Exception as exc:  # a row that failed says why; the others still run
+            rows.append({"variant": f"all-reduce 8 KB fp32, {size} GPUs: {name}, in a graph", "us_per_op": None,
+                         "reason": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]})
+    bufs.check()
+    return rows
+
+
+def worker(args) -> int:
+    import numpy as np
+    import torch
+
+    import deviceop as dop
+    from llama.generate import Llama
+    from llama.model import Sampling, decode_kernels
+    from llama.tp import Shard
+    SAMPLING = Sampling(**SAMPLING_ARGS)
+    rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    cfg = configs()[args.model]
+    result = {"model": args.model, "tp": size, "device": torch.cuda.get_device_name()}
+    began = time.perf_counter()
+
+    def log(*a):
+        if rank == 0:
+            print(f"[{args.model} tp={size} {time.perf_counter() - began:5.0f} s]", *a, flush=True)
+    try:
+        group = None
+        if size > 1:
+            import torch.distributed as tdist
+
+            import deviceop.distributed as dist
+            tdist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+            group = dist.init()
+        weights = gpu_weights(cfg, args.seed)
+        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len)
+        log(f"weights made ({cfg.weight_bytes() / 1e9:.2f} GB)")
+        try:
+            t0 = time.perf_counter()  # every kernel compiled at once, in parallel (not one by one at the capture)
+            dop.precompile(decode_kernels(cfg, args.capacity, Shard(cfg, rank, size)))
+            log(f"kernels compiled or loaded from the cache in {time.perf_counter() - t0:.1f} s")
+            llama = Llama(cfg, weights, capacity=args.capacity, group=group)
+            t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
+            result["deviceop"] = {"us_per_token": round(t["us_per_token"], 1), "host_us": round(t["host_us"], 1),
+                                  "tokens": t["tokens"]}
+            log(f"deviceop: {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
+            result["sampled_tokens"] = llama.generate(prompt, 16, SAMPLING)
+            del llama
+            if size > 1:  # the same with NCCL's all-reduces (a failure is this row's: both ranks meet it alike)
+                try:
+                    llama = Llama(cfg, weights, capacity=args.capacity, group=group, allreduce="nccl")
+                    t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
+                    result["deviceop_nccl"] = {"us_per_token": round(t["us_per_token"], 1), "tokens": t["tokens"]}
+                    log(f"deviceop, NCCL all-reduces: {t['us_per_token']:.1f} us/token")
+                    del llama
+                except dop.DeviceOpError as exc:
+                    result["deviceop_nccl"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+                    log(f"deviceop, NCCL all-reduces failed: {result['deviceop_nccl']['error']}")
+        except Exception as exc:  # e.g. a shape the kernels do not serve yet: reported, the rest still runs
+            result["deviceop"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+            log(f"deviceop failed: {result['deviceop']['error']}")
+            if size > 1:
+                raise  # a TP rank that failed alone would leave the others in a collective
+        step = torch_tp_step(cfg, weights, args.capacity, rank, size)
+        step.capture()
+        result["torch_graph_us_per_token"] = round(time_torch(step, prompt, args.new, args.reps), 1)
+        log(f"torch.cuda.CUDAGraph TP step: {result['torch_graph_us_per_token']:.1f} us/token")
+        del step
+        if group is not None and args.model == args.models[0]:
+            result["allreduce"] = allreduce_rows(group, size, args.reps)
+            for r in result["allreduce"]:
+                log(f"{r['variant']}: {r['us_per_op']} us")
+    except Exception:
+        traceback.print_exc()
+        return 1
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+# -- the parent: every (model, TP), then the results file -----------------------------------------------
+
+def launch(args, model: str, tp: int) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
+           "--worker", "--model", model, "--out", str(out), "--models", *args.models]
+    for flag in ("seed", "prompt_len", "new", "reps", "capacity"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST, **NCCL_IN_LOOPS, "PYTHONUNBUFFERED": "1"},
+                          timeout=args.worker_timeout)
+    if proc.returncode or not out.exists():
+        return {"model": model, "tp": tp, "error": f"the worker group exited with status {proc.returncode}"}
+    result = json.loads(out.read_text())
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=["1b", "8b"])
+    ap.add_argument("--tp", nargs="+", type=int, default=[1, 2, 4], help="TP sizes (those above the GPU count "
+                                                                         "are reported as not run)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128, help="tokens generated (default 128)")
+    ap.add_argument("--capacity", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=5, help="timed runs per variant (medians)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds a worker group may take")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    import torch
+
+    import deviceop as dop
+    from _common import headline, print_headlines, print_table, write_result
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        print("tp_decode measures GPUs; this machine has none. Nothing to measure.")
+        return 0
+    results = {}
+    for model in args.models:
+        for tp in sorted(set(args.tp)):
+            if tp > gpus:
+                results[(model, tp)] = {"model": model, "tp": tp, "error": f"not run: {gpus} GPU(s) here"}
+                continue
+            print(f"== {model}, TP={tp}", flush=True)
+            results[(model, tp)] = launch(args, model, tp)
+
+    def us(model, tp, who="deviceop"):
+        r = results.get((model, tp), {})
+        return r.get(who, {}).get("us_per_token") if who == "deviceop" else r.get("torch_graph_us_per_token")
+
+    rows, failures = [], []
+    for (model, tp), r in results.items():
+        row = {"variant": f"{model}, TP={tp}", "deviceop_us_per_token": us(model, tp),
+               "deviceop_nccl_allreduce_us_per_token": r.get("deviceop_nccl", {}).get("us_per_token"),
+               "torch_graph_us_per_token": us(model, tp, "torch"),
+               "deviceop_speedup_vs_tp1": ratio(us(model, 1), us(model, tp)) if tp > 1 else None,
+               "torch_speedup_vs_tp1": ratio(us(model, 1, "torch"), us(model, tp, "torch")) if tp > 1 else None,
+               "deviceop_vs_torch_graph": ratio(us(model, tp, "torch"), us(model, tp))}
+        if "error" in r.get("deviceop_nccl", {}):
+            row["deviceop_nccl_error"] = r["deviceop_nccl"]["error"]
+        if "error" in r or "error" in r.get("deviceop", {}):
+            row["error"] = r.get("error") or r["deviceop"]["error"]
+        base = results.get((model, 1), {}).get("deviceop", {}).get("tokens")
+        for arm in ("deviceop", "deviceop_nccl"):
+            mine = r.get(arm, {}).get("tokens")
+            if tp > 1 and base and mine:
+                mismatch = next((i for i, (a, b) in enumerate(zip(base, mine)) if a != b), None)
+                row[f"{arm}_greedy_first_mismatch_vs_tp1"] = mismatch
+                if mismatch is not None or len(base) != len(mine):
+                    failures.append(f"{model} TP={tp} ({arm}): greedy tokens differ from TP=1's at {mismatch}")
+        sampled, base_sampled = r.get("sampled_tokens"), results.get((model, 1), {}).get("sampled_tokens")
+        if tp > 1 and sampled and base_sampled:
+            row["sampled_tokens_equal_tp1"] = sampled == base_sampled
+            if sampled != base_sampled:
+                failures.append(f"{model} TP={tp}: sampled tokens ({SAMPLING_ARGS}) differ from TP=1's")
+        rows.append(row)
+        rows += r.get("allreduce", [])
+
+    def head(metric, model, tp):
+        value = ratio(us(model, 1), us(model, tp))
+        if value is not None:
+            return headline(metric, value, TARGETS[metric], "higher")
+        why = (results.get((model, tp), {}).get("error") or results.get((model, tp), {}).get("deviceop", {})
+               .get("error") or results.get((model, 1), {}).get("error")
+               or results.get((model, 1), {}).get("deviceop", {}).get("error") or "not run")
+        return {"metric": metric, "value": None, "target": TARGETS[metric], "better": "higher", "met": False,
+                "reason": why if (model in args.models) else "not run (--models)"}
+    heads = [head("tp2_speedup_vs_tp1", "1b", 2), head("tp2_speedup_vs_tp1_8b", "8b", 2),
+             head("tp4_speedup_vs_tp1_8b", "8b", 4)]
+    ar = [r for r in rows if r["variant"].startswith("all-reduce 8 KB fp32, 2 GPUs: deviceop") and r["us_per_op"]]
+    if ar:
+        best = min(ar, key=lambda r: r["us_per_op"])
+        heads.append({**headline("allreduce_us_8kb_2gpu", best["us_per_op"], TARGETS["allreduce_us_8kb_2gpu"],
+                                 "lower"), "variant": best["variant"]})
+    else:
+        heads.append({"metric": "allreduce_us_8kb_2gpu", "value": None, "target": TARGETS["allreduce_us_8kb_2gpu"],
+                      "better": "lower", "met": False, "reason": "no 2-GPU run"})
+    device = type("D", (), {"name": f"{gpus}x {torch.cuda.get_device_name(0)}"})()
+    print_table(f"Tensor-parallel Llama decode, {args.prompt_len}-token prompt + {args.new} new, on {device.name}",
+                ["variant", "deviceop us/token (or us/op)", "deviceop, NCCL all-reduces", "torch graph us/token",
+                 "deviceop vs TP=1", "torch vs TP=1", "note"],
+                [[r["variant"], r.get("deviceop_us_per_token", r.get("us_per_op")),
+                  r.get("deviceop_nccl_allreduce_us_per_token") or "", r.get("torch_graph_us_per_token", ""),
+                  r.get("deviceop_speedup_vs_tp1") or "", r.get("torch_speedup_vs_tp1") or "",
+                  (r.get("error") or r.get("reason") or "")[:80]] for r in rows])
+    for f in failures:
+        print("FAILED:", f)
+    path = write_result("tp_decode", device, rows, heads, {"gpus": gpus, "failures": failures,
+                                                           "workers": [r for r in results.values()],
+                                                           "deviceop_version": dop.__version__})
+    print_headlines(heads, path)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

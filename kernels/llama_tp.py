@@ -1,0 +1,112 @@
+"""The greedy choice across vocabulary shards of tensor-parallel Llama decode (kernels/llama_tp.cu).
+
+* ``tp_argmax_pair(pairs fp32 [P] tile [P], logits fp32 [Vp], token int32 [1], n_pairs, rank, offset)``:
+  ``pairs`` zero but for this rank's pick: ``pairs[2 rank] = logits[token]`` (``token``: its local
+  argmax, from rms_lm_head_argmax) and ``pairs[2 rank + 1] = offset + token``, its global index;
+* an all-reduce *sum* of ``pairs`` over the ranks (adding zeros is exact in any order: the sum is
+  every rank's pair, and a small-message all-reduce carries it);
+* ``tp_argmax_pick(token int32 [1] tile [1], pairs fp32 [P], n)``: the global index of the largest
+  of the ``n`` pairs, ordered by :func:`argmax_key` as rms_lm_head_argmax orders (the largest
+  logit, NaN counting as largest, the lowest index on ties): the token TP=1 picks.
+* ``tp_place<B>(out fp32 [Vp] tile [B], src fp32 [n], offset, n)``: a rank's logits at their global
+  rows of a zero vector; an all-reduce sum of those is the whole vocabulary's logits (for sampling
+  and teacher forcing), again exact.
+"""
+from pathlib import Path
+
+import numpy as np
+
+from deviceop.kernel import In, Kernel, Out, Scalar
+
+from ._checks import _need
+
+HERE = Path(__file__).resolve().parent
+SOURCE = HERE / "llama_tp.cu"
+PAIRS = 128          # floats of the pairs vector: 512 bytes (the one-shot all-reduce's unit), 64 ranks
+MAX_INDEX = 1 << 24  # a global index travels as a float32: exact below 2^24
+
+
+def argmax_key(value: float, index: int) -> int:
+    """llama::argmax_key: the float's order-preserving bits (NaN largest, -0 as +0) above the
+    complement of the index (a lower index wins a tie)."""
+    v = np.float32(value)
+    if np.isnan(v):
+        u = 0xFFFFFFFF
+    else:
+        u = 0 if v == 0 else int(np.array(v, np.float32).view(np.uint32))
+        u = (~u & 0xFFFFFFFF) if u & 0x80000000 else (u | 0x80000000)
+    return (u << 32) | (0xFFFFFFFF - int(index))
+
+
+def _pair_ref(g, pairs, logits, token, n_pairs, rank, offset):
+    t = int(token[0])
+    pairs[...] = 0
+    pairs[2 * rank], pairs[2 * rank + 1] = logits[t], np.float32(offset + t)
+
+
+def _pair_check(g, pairs, logits, token, n_pairs, rank, offset):
+    t = pairs.tensor
+    _need(pairs.tile_shape == t.shape and t.shape == (n_pairs,),
+          f"tp_argmax_pair is one CTA: pairs {t.shape} must be [n_pairs={n_pairs}] partitioned whole")
+    _need(0 <= rank and 2 * rank + 1 < n_pairs, f"tp_argmax_pair: rank {rank} has no pair in {n_pairs} floats")
+    _need(token.shape == (1,), f"tp_argmax_pair: token {token.shape} must be this rank's int32 [1] argmax")
+    _need(0 <= offset and offset + logits.shape[0] <= MAX_INDEX,
+          f"tp_argmax_pair: global indices up to {offset + logits.shape[0]} do not all fit a float32 exactly "
+          f"(vocabularies below {MAX_INDEX} do)")
+
+
+def _pick_ref(g, token, pairs, n):
+    keys = [argmax_key(pairs[2 * r], int(pairs[2 * r + 1])) for r in range(n)]
+    token[0] = 0xFFFFFFFF - (max(keys) & 0xFFFFFFFF)
+
+
+def _pick_check(g, token, pairs, n):
+    _need(token.tile_shape == (1,) and token.tensor.shape == (1,), "tp_argmax_pick runs one thread: token must be "
+                                                                   "an int32 [1] partitioned with [1]")
+    _need(1 <= n and 2 * n <= pairs.shape[0], f"tp_argmax_pick: n={n} ranks but pairs holds {pairs.shape[0]} "
+                                              "floats (two a rank); pass the world size")
+
+
+tp_argmax_pair = Kernel(
+    "tp_argmax_pair", SOURCE,
+    [Out("pairs", "float32", rank=1), In("logits", "float32", rank=1), In("token", "int32", rank=1),
+     Scalar("n_pairs", "int32"), Scalar("rank", "int32"), Scalar("offset", "int32")],
+    block=128, reference=_pair_ref, validate=_pair_check)
+
+tp_argmax_pick = Kernel(
+    "tp_argmax_pick", SOURCE,
+    [Out("token", "int32", rank=1), In("pairs", "float32", rank=1), Scalar("n", "int32")],
+    block=1, reference=_pick_ref, validate=_pick_check)
+
+def _place_ref(g, out, src, offset, n):
+    out[...] = 0
+    lo, hi = max(0, offset), min(out.shape[0], offset + n)
+    if hi > lo:
+        out[lo:hi] = src[lo - offset:hi - offset]
+
+
+def _place_check(g, out, src, offset, n):
+    B = g["B"]
+    _need(B % 128 == 0 and 128 <= B <= 4096, f"tp_place: B={B} must be a multiple of 128 in [128, 4096] "
+                                             "(4 elements a thread)")
+    _need(out.tile_shape == (B,), f"tp_place<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
+    _need(n == src.shape[0] and 0 <= offset and offset + n <= out.tensor.shape[0],
+          f"tp_place: rows [{offset}, {offset + n}) of src {src.shape} must lie in out {out.tensor.shape}; "
+          "pass n = src.shape[0]")
+
+
+tp_place = Kernel(
+    "tp_place", SOURCE,
+    [Out("out", "float32", rank=1), In("src", "float32", rank=1), Scalar("offset", "int32"), Scalar("n", "int32")],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check)
+
+PLACE_TILE = 1024  # tp_place's tile: a gathered vocabulary vector is padded to a multiple of it
+
+
+def placed_rows(vocab: int) -> int:
+    """The length of the gathered-logits vector for ``vocab`` (a multiple of PLACE_TILE floats,
+    hence of the one-shot all-reduce's 512 bytes)."""
+    return -(-vocab // PLACE_TILE) * PLACE_TILE
+
+
+__all__ = ["tp_argmax_pair", "tp_argmax_pick", "tp_place", "argmax_key", "placed_rows", "PAIRS", "PLACE_TILE"]
