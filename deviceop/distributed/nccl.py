@@ -220,6 +220,11 @@ class NcclGroup(Group):
 
 def nccl_group(rank: int, world_size: int, device, store, timeout: float, launcher: str) -> NcclGroup:
     """Bootstrap a communicator on ``device`` (see the module docstring)."""
+    # NCCL's graph-mixing support (on by default) adds event nodes to a captured collective, which a
+    # conditional node's body refuses: a collective inside dop.loop / dop.while_ failed at instantiation
+    # (CUDA_ERROR_INVALID_VALUE, 2x H200).  Off, a communicator must not have an eager collective and a
+    # graph's in flight at once on different streams (docs/distributed.md); set before NCCL reads it.
+    os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
     core, low = _nccl()
     exchanger = StoreExchanger(store, world_size, timeout)
     device.bind()  # NCCL builds the communicator on the calling thread's current device
