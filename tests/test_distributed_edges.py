@@ -120,3 +120,135 @@ def test_a_root_only_reads_its_broadcast_buffer(rng):
         return got.numpy(stream=group.stream)
 
     assert all(np.array_equal(r, data[0]) for r in dist.run_reference(2, rank))
+
+
+# -- a group after close or abort ------------------------------------------------------------
+
+def test_a_closed_or_aborted_group_refuses_everything_with_a_state_error():
+    def rank(group):
+        s, x = group.stream, dop.zeros(4, stream=group.stream)
+        built = dist.all_reduce(group, x)
+        if group.rank == 0:
+            group.close()
+            group.close()  # idempotent
+        else:
+            with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[0\] closed their group"):
+                dist.all_gather(group, x, dop.empty(8, stream=s)).sync_on(s)  # the first error: the cause
+        with pytest.raises(dop.StateError, match="on a group that was (closed|aborted).*make a new group") as info:
+            built.sync_on(s)  # then the group is unusable, and says so at once
+        assert isinstance(info.value, dop.DistributedError)
+        for use in (group.barrier, lambda: group.exchange(1), lambda: group.check_same("c", 1),
+                    lambda: dist.broadcast(group, x), lambda: group.synchronize()):
+            with pytest.raises(dop.StateError, match="make a new group"):
+                use()
+        return True
+    assert dist.run_reference(2, rank, timeout=5) == [True, True]
+
+
+def test_a_graph_holding_a_collective_refuses_to_replay_once_its_group_is_closed(rng):
+    data = rng.standard_normal((2, 4))
+
+    def rank(group):
+        s, x = group.stream, _up(group, data[group.rank])
+        graph = dist.all_reduce(group, x).graph_on(s)
+        graph.replay()
+        group.synchronize()
+        group.close()  # on a GPU the communicator is destroyed: a replay would run NCCL's kernels on freed state
+        with pytest.raises(dop.StateError, match="graph holds collectives of rank .'s group, which was closed"):
+            graph.replay()
+        return x.numpy(stream=s)
+
+    for r in dist.run_reference(2, rank):
+        np.testing.assert_allclose(r, data.sum(0), rtol=1e-12)  # one replay's sum, not two
+
+
+def test_a_group_used_from_two_threads_at_once_is_refused_not_mixed_up():
+    def rank(group):
+        s, errors = group.stream, []
+        if group.rank == 0:  # rank 0's main thread waits in an exchange while another of its threads tries one
+            inside, done = threading.Event(), threading.Event()
+            original = group._exchanger.exchange
+
+            def slow(*a):
+                inside.set()
+                done.wait(5)
+                return original(*a)
+            group._exchanger.exchange = slow
+
+            def other_thread():
+                inside.wait(5)
+                try:
+                    group.exchange("from another thread")
+                except dop.DistributedError as exc:
+                    errors.append(str(exc))
+                done.set()
+            t = threading.Thread(target=other_thread)
+            t.start()
+        got = group.exchange(group.rank)
+        # one thread after another is fine (a worker thread that owns the model)
+        worker = threading.Thread(target=lambda: dist.all_reduce(group, dop.zeros(2, stream=s)).sync_on(s))
+        worker.start()
+        worker.join(5)
+        return got, errors, group.exchange("after")
+
+    (got0, errors0, after0), (got1, errors1, after1) = dist.run_reference(2, rank, timeout=5)
+    assert got0 == got1 == [0, 1] and after0 == after1 == ["after", "after"]
+    assert len(errors0) == 1 and "used from two threads at once" in errors0[0] and errors1 == []
+
+
+# -- host exchanges and check_same -------------------------------------------------------------
+
+def test_exchange_gives_each_rank_its_own_copy_and_refuses_what_pickle_cannot_send():
+    def rank(group):
+        got = group.exchange({"rank": group.rank, "seen": []})
+        got[0]["seen"].append(group.rank)  # a process gets its own copy; so does a thread-rank
+        group.barrier()
+        mine = got[0]["seen"]
+        with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] passed .*pickle"):
+            group.exchange((lambda: 0) if group.rank == 1 else 0)  # every rank fails, none waits
+        return mine, group.exchange("still usable")
+
+    for r, (seen, after) in enumerate(dist.run_reference(2, rank, timeout=5)):
+        assert seen == [r] and after == ["still usable"] * 2
+
+
+def test_check_same_compares_values_not_their_spelling(rng):
+    weights = rng.standard_normal(16).astype(np.float32)
+
+    def rank(group):
+        order = ["a", "b", "c"] if group.rank == 0 else ["c", "a", "b"]
+        config = {k: ord(k) for k in order}  # equal dicts, made in another order
+        group.check_same("config", {"keys": config, "tags": set(order), "eps": 1e-5})
+        state = {"w": _up(group, weights), "b": np.arange(3, dtype=np.int32), "names": ("q", "k")}
+        digest = group.check_same("state dict", state)  # tensors inside containers are hashed by value
+        objects = np.array([{"x": 1}, "y"], dtype=object)
+        group.check_same("objects", objects)
+        return digest
+
+    d0, d1 = dist.run_reference(2, rank)
+    assert d0 == d1 and len(d0) == 32
+    assert dist.fingerprint({"a": 1, "b": 2}) == dist.fingerprint({"b": 2, "a": 1})
+    assert dist.fingerprint(np.zeros(2, np.float32)) != dist.fingerprint(np.zeros(2, np.int32))
+    assert dist.fingerprint([np.ones(2)]) != dist.fingerprint([np.ones(2), 0])
+
+
+def test_check_same_fails_on_every_rank_when_one_cannot_hash_its_object():
+    def rank(group):
+        with pytest.raises(dop.DistributedError, match=r"check_same\('config'\): rank\(s\) \[1\] cannot hash"):
+            group.check_same("config", (lambda: 1) if group.rank == 1 else {"layers": 2})
+        return True
+    start = time.monotonic()
+    assert dist.run_reference(2, rank, timeout=5) == [True, True]
+    assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange, not from a timeout
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "10", True])
+def test_timeouts_are_finite_positive_seconds(timeout):
+    with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):
+        dist.run_reference(2, lambda g: None, timeout=timeout)
+    with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):
+        dist.init(rank=0, world_size=1, timeout=timeout)
+    if timeout != 0:  # (0: poll once)
+        with dist.init(rank=0, world_size=1) as group:
+            with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):
+                group.synchronize(timeout=timeout)

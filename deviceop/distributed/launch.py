@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import os
 
-from ..errors import DistributedError
+from ..errors import ConfigError, DistributedError
 from ..runtime.device import CudaDevice, Device
+from .group import check_timeout
 
 DEFAULT_TIMEOUT = 120.0  # seconds; DEVICEOP_DIST_TIMEOUT overrides (NCCL's init over a network can take tens)
 # Multicast (NVLS) stays off in every process deviceop starts or joins: it can take a shared host's GPUs out
@@ -49,10 +50,15 @@ def from_environment(env=None) -> tuple[str, int, int, int] | None:
 
 def _timeout(timeout) -> float:
     if timeout is None:
-        timeout = float(os.environ.get("DEVICEOP_DIST_TIMEOUT", DEFAULT_TIMEOUT))
-    if not timeout > 0:
-        raise DistributedError(f"a group's timeout is a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+        text = os.environ.get("DEVICEOP_DIST_TIMEOUT")
+        if text is None:
+            return DEFAULT_TIMEOUT
+        try:
+            return check_timeout(float(text), "DEVICEOP_DIST_TIMEOUT")
+        except (ValueError, DistributedError):
+            raise ConfigError(f"DEVICEOP_DIST_TIMEOUT={text!r}: give the seconds every wait for another rank may "
+                              f"take, a finite positive number (unset: {DEFAULT_TIMEOUT:g})") from None
+    return check_timeout(timeout, "dist.init")
 
 
 def init(*, rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,

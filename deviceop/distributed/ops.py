@@ -118,7 +118,8 @@ class Collective(DeviceOp):
                                    "(group.stream) or another stream of group.device")
         self.group.issue(ctx.stream, call)
         if ctx.capture is not None:
-            ctx.capture.keep.append((call.send, call.recv, self.group))  # the graph reads and writes these
+            # the graph reads and writes these; each replay checks that the group is still open
+            ctx.capture.keep.extend(((call.send, call.recv, self.group), self.group.replay_check))
         return call.recv if call.recv is not None else call.send  # the tensor written (send: the one read)
 
     # -- checks ------------------------------------------------------------------------
