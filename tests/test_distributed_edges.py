@@ -252,3 +252,57 @@ def test_timeouts_are_finite_positive_seconds(timeout):
         with dist.init(rank=0, world_size=1) as group:
             with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):
                 group.synchronize(timeout=timeout)
+
+
+# -- dist.init and the launcher's environment ---------------------------------------------------
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID",
+                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "DEVICEOP_DIST_TIMEOUT")
+
+
+@pytest.fixture
+def launcher_env(monkeypatch):
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"RANK": "1"}, r"RANK=.1. is set but WORLD_SIZE is not"),
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, r"OMPI_COMM_WORLD_SIZE=.2. is set but OMPI_COMM_WORLD_RANK is not"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "gpu0"}, r"torchrun's LOCAL_RANK='gpu0' is not an int"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, r"torchrun's RANK=2 is not a rank of WORLD_SIZE=2"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, r"srun's SLURM_PROCID=0 is not a rank of SLURM_NTASKS=0"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"}, r"torchrun's LOCAL_RANK=-1 names no GPU"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "3"}, r"LOCAL_RANK=3 names GPU 3, but this process sees"),
+])
+def test_init_refuses_a_launcher_environment_naming_the_variable(launcher_env, env, error):
+    for name, value in env.items():
+        launcher_env.setenv(name, value)
+    with pytest.raises(dop.DistributedError, match=error):
+        dist.init()
+
+
+def test_init_takes_numpy_integers_and_refuses_other_ranks(launcher_env):
+    with dist.init(rank=np.int64(0), world_size=np.int32(1)) as group:
+        assert (group.rank, group.world_size) == (0, 1) and type(group.rank) is int
+    for rank, size in ((True, 1), ("0", 1), (0, 1.0), (None, 1)):
+        with pytest.raises(dop.DistributedError, match="is not a rank of a group|pass both rank= and world_size="):
+            dist.init(rank=rank, world_size=size)
+    launcher_env.setenv("DEVICEOP_DIST_TIMEOUT", "soon")
+    with pytest.raises(dop.ConfigError, match="DEVICEOP_DIST_TIMEOUT='soon'.*finite positive number"):
+        dist.init()
+
+
+@pytest.mark.parametrize("port", ["http", "", "99999", "0", "-5"])
+def test_a_master_port_that_is_no_port_is_refused_naming_it(launcher_env, port):
+    from deviceop.distributed.store import open_store
+    launcher_env.setenv("MASTER_ADDR", "127.0.0.1")
+    launcher_env.setenv("MASTER_PORT", port)
+    for serve_rank in (0, 1):  # rank 0 would serve on it, the others connect to it
+        with pytest.raises(dop.DistributedError, match=f"MASTER_PORT={port!r} is not a TCP port"):
+            open_store(None, "srun", serve_rank, 2, 0.5)
+    for url in ("tcp://localhost", f"tcp://localhost:{port}", "tcp://:29500"):
+        with pytest.raises(dop.DistributedError, match="is not tcp://host:port"):
+            open_store(url, "explicit", 1, 2, 0.5)

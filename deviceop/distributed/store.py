@@ -173,8 +173,11 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
     if store is not None and not isinstance(store, (str, os.PathLike)):
         return store
     if isinstance(store, str) and store.startswith("tcp://"):
-        host, _, port = store[len("tcp://"):].rpartition(":")
-        return TcpStore(host, int(port), serve=rank == 0, timeout=timeout)
+        host, sep, port = store[len("tcp://"):].rpartition(":")
+        if not (sep and host and _port(port) is not None):
+            raise DistributedError(f"store={store!r} is not tcp://host:port (a host name or address, and a port "
+                                   "1..65535 that rank 0 serves the store on)")
+        return TcpStore(host, _port(port), serve=rank == 0, timeout=timeout)
     if store is not None:
         return FileStore(store)
     if world_size == 1:
@@ -187,6 +190,9 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
             raise DistributedError(f"dist.init under {launcher}: no store to meet in. Set MASTER_ADDR and "
                                    "MASTER_PORT (torchrun does; a SLURM script exports them), or pass "
                                    "store='tcp://host:port' or a directory every rank can reach")
+    if _port(port) is None:
+        raise DistributedError(f"MASTER_PORT={port!r} is not a TCP port: give a free port 1..65535 on MASTER_ADDR "
+                               f"({addr}) that rank 0 serves the store on, the same in every rank's environment")
     if launcher == "torchrun":
         try:
             from torch.distributed import TCPStore
@@ -198,6 +204,15 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
             serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             return TorchStore(TCPStore(addr, int(port), world_size, serve, timedelta(seconds=timeout)))
     return TcpStore(addr, int(port), serve=rank == 0, timeout=timeout)
+
+
+def _port(text):
+    """``text`` as a TCP port (1..65535), or None."""
+    try:
+        port = int(text)
+    except (TypeError, ValueError):
+        return None
+    return port if 1 <= port <= 65535 else None
 
 
 def _address_through_mpi(rank: int) -> tuple[str, str]:
