@@ -53,9 +53,7 @@ class NcclBackend:
         self.comm, self.low, self.rank, self.timeout = comm, low, rank, timeout
         self.handle = low.Comm(comm.ptr)  # what the low-level calls take
         self.error = None          # why the watchdog aborted the communicator, once it has
-        # per stream: [event re-recorded after each eager collective, when the oldest unfinished one was issued
-        # (None: all seen finished), its description]; one event per stream, not one per call
-        self._watch: dict = {}
+        self._watch: dict = {}     # stream handle -> _Watch of its eager collectives
         self._lock = threading.Lock()
 
     def issue(self, group, stream, call) -> None:
@@ -88,10 +86,8 @@ class NcclBackend:
             with self._lock:
                 watch = self._watch.get(s)
                 if watch is None:
-                    watch = self._watch[s] = [stream.device.new_event(timing=False), None, None, stream]
-                if watch[1] is None:
-                    watch[1], watch[2] = time.monotonic(), call.describe()
-                stream.record_event(watch[0])
+                    watch = self._watch[s] = _Watch(stream)
+                watch.issued(call)
 
     def _last_error(self) -> str:
         try:
@@ -105,16 +101,9 @@ class NcclBackend:
         now = time.monotonic()
         with self._lock:
             for watch in self._watch.values():
-                if watch[1] is None:
-                    continue
-                try:
-                    done = watch[0].query()
-                except Exception:  # noqa: BLE001 - a faulted context: the user's next sync says so
-                    done = True
-                if done:
-                    watch[1] = None
-                elif now - watch[1] > self.timeout:
-                    return f"{watch[2]} (or a collective after it) did not complete within {self.timeout:g} s " \
+                stuck = watch.stuck(now, self.timeout)
+                if stuck is not None:
+                    return f"{stuck} (or a collective after it) did not complete within {self.timeout:g} s " \
                            "(a peer hung or died)"
         return None
 
@@ -148,6 +137,43 @@ class NcclBackend:
         comm, self.comm = self.comm, None
         if comm is not None:
             comm.destroy()
+
+
+class _Watch:
+    """How far one stream's eager collectives got, in two events: the *marker*, recorded
+    after a collective and left in place until it completes (a stream that keeps making
+    progress passes its marker in time however busy it stays), and the *latest*,
+    re-recorded after each collective issued meanwhile, which becomes the next marker.
+    One stream is stuck when its marker has not completed within the timeout."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.marker = self.latest = None        # (event, since when it is waited for, its collective)
+        self._spare = [stream.device.new_event(timing=False), stream.device.new_event(timing=False)]
+
+    def issued(self, call) -> None:
+        if self.marker is None:
+            event = self._spare.pop()
+            self.stream.record_event(event)
+            self.marker = (event, time.monotonic(), call.describe())
+        else:
+            event = self.latest[0] if self.latest is not None else self._spare.pop()
+            self.stream.record_event(event)
+            self.latest = (event, None, call.describe())
+
+    def stuck(self, now: float, timeout: float) -> str | None:
+        """The collective the marker follows, if it has not completed within ``timeout``."""
+        if self.marker is None:
+            return None
+        try:
+            done = self.marker[0].query()
+        except Exception:  # noqa: BLE001 - a faulted context: the user's next sync says so
+            done = True
+        if done:  # progress: the latest collective (if any) is now what is waited for, from now
+            self._spare.append(self.marker[0])
+            self.marker, self.latest = (None if self.latest is None else (self.latest[0], now, self.latest[2])), None
+            return None
+        return self.marker[2] if now - self.marker[1] > timeout else None
 
 
 class Watchdog:
@@ -223,7 +249,12 @@ def nccl_group(rank: int, world_size: int, device, store, timeout: float, launch
     core, low = _nccl()
     exchanger = StoreExchanger(store, world_size, timeout)
     device.bind()  # NCCL builds the communicator on the calling thread's current device
-    uid = bytes(core.get_unique_id()) if rank == 0 else None
+    try:
+        uid = bytes(core.get_unique_id()) if rank == 0 else None
+    except Exception as exc:  # noqa: BLE001 - libnccl missing or broken: the others must not wait for the id
+        exchanger.abort(rank, f"rank 0 could not make NCCL's unique id ({exc})")
+        raise DistributedError(f"dist.init: NCCL could not make its unique id on rank 0 ({exc}); install NCCL "
+                               "(nvidia-nccl-cu13) where nccl4py finds it") from None
     me = (world_size, os.environ.get("NCCL_NVLS_ENABLE"), socket.gethostname(), device.ordinal)
     try:
         seen = exchanger.exchange(rank, "init", (me, uid), f"dist.init (rank {rank} of {world_size})", timeout)
