@@ -49,6 +49,18 @@ def test_roots_and_peers_are_any_integer_and_never_none_or_a_bool(rng):
     assert all(np.array_equal(r, data[1]) for r in dist.run_reference(2, rank))
 
 
+def test_the_group_comes_first_and_a_torch_order_is_refused_by_name():
+    def rank(group):
+        x = dop.zeros(4, stream=group.stream)
+        for call in (lambda: dist.all_reduce(x, group), lambda: dist.broadcast(None, x),
+                     lambda: dist.all_gather(x, group, dop.empty(8, stream=group.stream)),
+                     lambda: dist.all_reduce([group], x)):  # (raw AttributeError / TypeError before)
+            with pytest.raises(dop.DistributedError, match=r"takes the group first: dist\.\w+\(group, ...\)"):
+                call()
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
 def test_a_missing_output_says_to_allocate_one():
     def rank(group):
         with pytest.raises(dop.DTypeError, match="needs an output tensor.*allocate it"):

@@ -92,8 +92,8 @@ class Group:
         bad = {r: p.why for r, p in enumerate(found) if isinstance(p, _Unsendable)}
         if bad:
             raise DistributedError(f"group.exchange() #{seq}: rank(s) {sorted(bad)} passed an object pickle cannot "
-                                   f"send ({'; '.join(bad.values())}); exchange plain data (numbers, strings, "
-                                   "lists, dicts, arrays)")
+                                   f"send ({'; '.join(dict.fromkeys(bad.values()))}); exchange plain data (numbers, "
+                                   "strings, lists, dicts, NumPy arrays: a tensor's .numpy())")
         return [pickle.loads(p) for p in found]
 
     def using(self, what: str):

@@ -30,6 +30,7 @@ from ..memory import Partition
 from ..op import DeviceOp, resolve, warn_if_unexecuted
 from ..runtime.reference import ReferenceDevice
 from ..tensor import SharedTensor, Tensor
+from .group import Group
 from .peer import peer_buffers
 
 REDUCTIONS = ("sum", "prod", "max", "min", "avg")
@@ -76,7 +77,7 @@ class Collective(DeviceOp):
 
     def __init__(self, group, kind: str, x, out, reduce=None, root=None, peer=None):
         super().__init__()
-        group._check_open(f"dist.{kind}")
+        _check_group(group, kind)
         if kind in ("all_reduce", "reduce_scatter") and not (isinstance(reduce, str) and reduce in REDUCTIONS):
             raise DistributedError(f"dist.{kind}: unknown reduction {reduce!r}; use one of {', '.join(REDUCTIONS)}")
         root = _rank(group, kind, "root", root) if kind == "broadcast" else None
@@ -169,6 +170,14 @@ class Collective(DeviceOp):
         return Call(kind, read, written, self.reduce, self.root, self.peer, count)
 
 
+def _check_group(group, kind: str) -> None:
+    if not isinstance(group, Group):
+        raise DistributedError(f"dist.{kind} takes the group first: dist.{kind}(group, ...) with the group of "
+                               f"dist.init() or dist.run_reference, got a {type(group).__name__} (torch.distributed "
+                               "passes the group last)")
+    group._check_open(f"dist.{kind}")
+
+
 def _rank(group, kind: str, what: str, r) -> int:
     """``r`` as a rank of ``group`` (any integer, NumPy's too; never None or a bool)."""
     try:
@@ -220,6 +229,7 @@ def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> 
     sum of float32 or bfloat16, a multiple of 512 bytes up to its ``max_bytes``; see
     peer.py); ``"auto"`` (the default), the one-shot kernel where the group has peer
     buffers and it applies, NCCL otherwise."""
+    _check_group(group, "all_reduce")
     if algorithm not in ALGORITHMS:
         raise DistributedError(f"dist.all_reduce: unknown algorithm {algorithm!r}; use one of "
                                f"{', '.join(map(repr, ALGORITHMS))}")

@@ -90,12 +90,12 @@ class ReferenceBackend:
             self._pairs[(src, dst)] = n + 1
             entry = (call.kind, call.dtype.name, call.count,
                      _host(call.send) if call.send is not None else _host(call.recv))
-            self.hub.meet(self.rank, ("p2p", src, dst, n), entry, f"{what} on rank {self.rank}",
+            self.hub.meet(self.rank, ("p2p", src, dst, n), entry, what,
                           lambda entries: _pair(entries, src, dst), parties=tuple(sorted((src, dst))))
             return
         seq, self._collectives = self._collectives, self._collectives + 1
         entry = (call.signature, None if call.send is None else _host(call.send), _host(call.recv))
-        self.hub.meet(self.rank, ("collective", seq), entry, f"{what} (collective #{seq}) on rank {self.rank}",
+        self.hub.meet(self.rank, ("collective", seq), entry, f"{what} (collective #{seq})",
                       lambda entries: _compute(entries, f"collective #{seq}"))
 
     def abort(self) -> None:
