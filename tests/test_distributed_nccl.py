@@ -257,3 +257,20 @@ def test_the_watchdog_aborts_a_stuck_stream_not_one_that_keeps_progressing(monke
     assert nccl.overdue() is None
     clock[0] += 2.0
     assert "dist.send(4 x float32, peer=1) (or a collective after it) did not complete within 10 s" in nccl.overdue()
+
+
+def test_a_rank_whose_process_exits_without_closing_its_group_fails_the_others_at_once(tmp_path):
+    import weakref
+    fakes = [FakeNccl(), FakeNccl()]
+
+    def rank(group, fake):
+        if group.rank == 0:  # what the interpreter's exit does for a group left open (atexit)
+            backend.abort_at_exit(weakref.ref(group))
+            return fake.comms[0].aborted
+        with pytest.raises(dop.DistributedError, match="rank 0's process exited without closing its group"):
+            group.barrier()  # (it waited for rank 0's heartbeat to stop for the whole timeout)
+        return True
+
+    start = time.monotonic()
+    assert _groups(2, tmp_path, fakes, rank, timeout=5.0) == [True, True]
+    assert time.monotonic() - start < 2

@@ -20,10 +20,12 @@ then gets a DistributedError at its next use of the group, and
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
 import time
+import weakref
 
 from ..errors import DistributedError
 from .group import Group
@@ -278,4 +280,13 @@ def nccl_group(rank: int, world_size: int, device, store, timeout: float, launch
     backend = NcclBackend(comm, low, rank, timeout)
     group = NcclGroup(rank, world_size, device, device.new_stream(), exchanger, backend, timeout, launcher)
     group._watchdog = Watchdog(group, exchanger, backend, timeout)
+    atexit.register(abort_at_exit, weakref.ref(group))
     return group
+
+
+def abort_at_exit(ref) -> None:
+    """At the interpreter's exit, abort a group left open: the other ranks fail at once,
+    naming this rank, instead of waiting for its heartbeat to stop for the whole timeout."""
+    group = ref()
+    if group is not None and group._state == "open":
+        group.abort(f"rank {group.rank}'s process exited without closing its group")
