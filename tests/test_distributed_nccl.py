@@ -123,6 +123,12 @@ def _groups(world, tmp_path, fakes, fn, timeout=1.0):
     return out
 
 
+def _wait_until(done, seconds=2.0):
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 @pytest.fixture(autouse=True)
 def _one_group_name(monkeypatch):
     """Processes name their n-th group alike; thread-ranks share one counter, so name it here."""
@@ -179,9 +185,7 @@ def test_an_nccl_error_aborts_the_group_and_every_later_use_says_so(tmp_path):
             with pytest.raises(dop.DistributedError, match=r"all_reduce.*failed in NCCL.*NET/IB: peer went away"):
                 dist.all_reduce(group, dop.zeros(4, stream=s)).sync_on(s)
         else:
-            deadline = time.monotonic() + 2
-            while group._state == "open" and time.monotonic() < deadline:  # rank 0's abort reaches the watchdog
-                time.sleep(0.01)
+            _wait_until(lambda: fake.comms[0].aborted)  # rank 0's abort reaches this rank's watchdog
         with pytest.raises(dop.StateError, match="group that was aborted"):
             dist.all_reduce(group, dop.zeros(4, stream=s)).sync_on(s)
         return [c.aborted for c in fake.comms]
@@ -194,9 +198,7 @@ def test_an_asynchronous_nccl_error_aborts_the_group_within_the_watchdog_s_beat(
 
     def rank(group, fake):
         fake.async_code = 6  # ncclRemoteError, as NCCL reports a peer that went away
-        deadline = time.monotonic() + 2
-        while group._state == "open" and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: fake.comms[0].aborted)
         with pytest.raises(dop.StateError, match="NCCL reported remote process exited.*NET/IB: peer went away"):
             group.barrier()
         return fake.comms[0].aborted
@@ -229,6 +231,11 @@ class _Gpu:
         event.at = self.issued
 
 
+class _AgreedGroup:
+    def agree(self, signature, what):  # (every rank issued it alike)
+        pass
+
+
 class _Tensor:
     def __init__(self):
         self.data_ptr, self.dtype = 0xC000, type("D", (), {"name": "float32"})()
@@ -243,7 +250,7 @@ def test_the_watchdog_aborts_a_stuck_stream_not_one_that_keeps_progressing(monke
 
     def issue():
         gpu.issued += 1
-        nccl.issue(None, gpu, Call("send", t, None, None, None, 1, 4))
+        nccl.issue(_AgreedGroup(), gpu, Call("all_reduce", t, t, "sum", None, None, 4))
 
     for _ in range(40):  # a long eager loop: the GPU always one collective behind, but moving
         issue()
@@ -256,7 +263,7 @@ def test_the_watchdog_aborts_a_stuck_stream_not_one_that_keeps_progressing(monke
     clock[0] += 9.0
     assert nccl.overdue() is None
     clock[0] += 2.0
-    assert "dist.send(4 x float32, peer=1) (or a collective after it) did not complete within 10 s" in nccl.overdue()
+    assert "dist.all_reduce(4 x float32, sum) (or a collective after it) did not complete within 10 s" in nccl.overdue()
 
 
 def test_a_rank_whose_process_exits_without_closing_its_group_fails_the_others_at_once(tmp_path):
@@ -274,3 +281,27 @@ def test_a_rank_whose_process_exits_without_closing_its_group_fails_the_others_a
     start = time.monotonic()
     assert _groups(2, tmp_path, fakes, rank, timeout=5.0) == [True, True]
     assert time.monotonic() - start < 2
+
+
+def test_a_send_and_its_recv_must_agree_on_dtype_and_count_as_on_the_reference_backend(tmp_path):
+    fakes = [FakeNccl(), FakeNccl()]
+
+    def rank(group, fake):
+        s = group.stream
+        for _ in range(2):  # a pair seen alike once is trusted after (one host exchange per new signature)
+            if group.rank == 0:
+                dist.send(group, dop.zeros(4, stream=s), peer=1).sync_on(s)
+            else:
+                dist.recv(group, dop.empty(4, stream=s), peer=0).sync_on(s)
+        # a pair new to both sides is checked by both (one side new: that side fails within the timeout,
+        # naming the peer that did not check, and the group's abort ends the other's wait)
+        with pytest.raises(dop.DistributedError, match=r"rank 0 sent 6 x float32 to rank 1, which expected 6 x "
+                                                       r"float64: a send and its recv must match"):
+            if group.rank == 0:  # (NCCL was handed both: a hang or a corrupted buffer)
+                dist.send(group, dop.zeros(6, stream=s), peer=1).sync_on(s)
+            else:
+                dist.recv(group, dop.empty(6, "float64", stream=s), peer=0).sync_on(s)
+        return fake.calls
+
+    calls0, calls1 = _groups(2, tmp_path, fakes, rank)
+    assert calls0 == [("send", 4, 7, 1)] * 2 and calls1 == [("recv", 4, 7, 0)] * 2

@@ -56,6 +56,8 @@ class NcclBackend:
         self.handle = low.Comm(comm.ptr)  # what the low-level calls take
         self.error = None          # why the watchdog aborted the communicator, once it has
         self._watch: dict = {}     # stream handle -> _Watch of its eager collectives
+        self._pairs_agreed = set()  # (kind, peer, dtype, count) of sends/recvs checked with the peer
+        self._pair_seq: dict = {}   # (src, dst) -> how many pair checks they made
         self._lock = threading.Lock()
 
     def issue(self, group, stream, call) -> None:
@@ -63,6 +65,8 @@ class NcclBackend:
             raise DistributedError(f"{call.describe()}: the communicator was aborted ({self.error}); make a new group")
         if call.kind not in ("send", "recv"):
             group.agree(call.signature, call.describe())
+        elif (call.kind, call.peer, call.dtype.name, call.count) not in self._pairs_agreed:
+            self._agree_pair(group, call)
         dt, s, h = _DTYPES[call.dtype.name], stream.ptr, self.handle
         send = call.send.data_ptr if call.send is not None else 0
         recv = call.recv.data_ptr if call.recv is not None else 0
@@ -90,6 +94,26 @@ class NcclBackend:
                 if watch is None:
                     watch = self._watch[s] = _Watch(stream)
                 watch.issued(call)
+
+    def _agree_pair(self, group, call) -> None:
+        """Check with the peer, once per new (peer, dtype, count), that a send and its recv
+        match (NCCL would hang or write past the receive buffer); what the reference backend
+        checks at every call."""
+        src, dst = (self.rank, call.peer) if call.kind == "send" else (call.peer, self.rank)
+        n = self._pair_seq.get((src, dst), 0)
+        self._pair_seq[(src, dst)] = n + 1
+        try:
+            sent, received = group._exchanger.exchange(self.rank, f"p{src}-{dst}.{n}", (call.dtype.name, call.count),
+                                                       call.describe(), group.timeout, parties=(src, dst))
+        except DistributedError as exc:
+            group.abort(str(exc))
+            raise
+        if sent != received:
+            group.abort(f"{call.describe()} did not match its peer's")
+            raise DistributedError(f"rank {src} sent {sent[1]} x {sent[0]} to rank {dst}, which expected {received[1]} x "
+                                   f"{received[0]}: a send and its recv must match in dtype and count; the group is "
+                                   "aborted")
+        self._pairs_agreed.add((call.kind, call.peer, call.dtype.name, call.count))
 
     def _last_error(self) -> str:
         try:

@@ -15,7 +15,8 @@ mutable borrow its caller vouches for; an output overlapping an input is an
 AliasingError (except an in-place all_reduce/broadcast, which NCCL allows);
 dtypes, sizes and contiguity are checked here, and that every rank issues the
 same collective by the backend (the reference hub at every call; NCCL once per
-distinct signature, through one host exchange).
+distinct signature, through one host exchange, and a send with its recv once
+per new peer, dtype and count).
 
 The op is one class, ``Collective``: what it asks of deviceop (inputs,
 outputs, graph safety, the capture keeping its buffers alive) is what a

@@ -244,20 +244,22 @@ class StoreExchanger:
         why = self.store.get(self.prefix + "abort")
         return None if why is None else why.decode(errors="replace")
 
-    def exchange(self, rank, seq, obj, what, timeout):
+    def exchange(self, rank, seq, obj, what, timeout, parties=None):
+        """Every party's ``obj`` (all ranks by default), in ``parties``' order."""
+        parties = range(self.world_size) if parties is None else parties
         p = f"{self.prefix}x{seq}/"
         self.store.set(p + str(rank), pickle.dumps(obj, protocol=4))
         found, deadline, pause, checked = {}, time.monotonic() + timeout, 0.0005, 0.0
         while True:
-            for r in range(self.world_size):
+            for r in parties:
                 if r not in found:
                     value = self.store.get(p + str(r))
                     if value is not None:
                         found[r] = pickle.loads(value)
-            if len(found) == self.world_size:
-                return [found[r] for r in range(self.world_size)]
+            if len(found) == len(parties):
+                return [found[r] for r in parties]
             now = time.monotonic()
-            missing = [r for r in range(self.world_size) if r not in found]
+            missing = [r for r in parties if r not in found]
             if now - checked > 0.01:  # the others' news: an abort, a rank that left
                 checked = now
                 why = self.problem()
