@@ -293,15 +293,31 @@ def test_a_send_and_its_recv_must_agree_on_dtype_and_count_as_on_the_reference_b
                 dist.send(group, dop.zeros(4, stream=s), peer=1).sync_on(s)
             else:
                 dist.recv(group, dop.empty(4, stream=s), peer=0).sync_on(s)
-        # a pair new to both sides is checked by both (one side new: that side fails within the timeout,
-        # naming the peer that did not check, and the group's abort ends the other's wait)
-        with pytest.raises(dop.DistributedError, match=r"rank 0 sent 6 x float32 to rank 1, which expected 6 x "
-                                                       r"float64: a send and its recv must match"):
-            if group.rank == 0:  # (NCCL was handed both: a hang or a corrupted buffer)
-                dist.send(group, dop.zeros(6, stream=s), peer=1).sync_on(s)
-            else:
+        if group.rank == 1:  # the receiver compares (NCCL was handed both: a hang or a corrupted buffer)
+            with pytest.raises(dop.DistributedError, match=r"rank 0 sent 6 x float32 to rank 1, which expected 6 x "
+                                                           r"float64: a send and its recv must match"):
                 dist.recv(group, dop.empty(6, "float64", stream=s), peer=0).sync_on(s)
+        else:  # the sender posts what it sends and goes on; the receiver's abort reaches it
+            dist.send(group, dop.zeros(6, stream=s), peer=1).sync_on(s)
+            _wait_until(lambda: fake.comms[0].aborted)
+            with pytest.raises(dop.StateError, match="which expected 6 x float64"):
+                group.barrier()
         return fake.calls
 
     calls0, calls1 = _groups(2, tmp_path, fakes, rank)
-    assert calls0 == [("send", 4, 7, 1)] * 2 and calls1 == [("recv", 4, 7, 0)] * 2
+    assert calls0 == [("send", 4, 7, 1)] * 2 + [("send", 6, 7, 1)] and calls1 == [("recv", 4, 7, 0)] * 2
+
+
+def test_the_pair_check_lets_a_ring_send_before_it_receives(tmp_path):
+    fakes = [FakeNccl() for _ in range(3)]
+
+    def rank(group, fake):  # every rank sends to the next, then receives from the previous: NCCL completes it
+        s, r, n = group.stream, group.rank, group.world_size
+        dist.send(group, dop.zeros(4, stream=s), peer=(r + 1) % n).sync_on(s)
+        dist.recv(group, dop.empty(4, stream=s), peer=(r - 1) % n).sync_on(s)
+        return fake.calls
+
+    start = time.monotonic()
+    out = _groups(3, tmp_path, fakes, rank, timeout=3.0)
+    assert time.monotonic() - start < 2  # (the check made every sender wait for its receiver: a deadlock)
+    assert out == [[("send", 4, 7, (r + 1) % 3), ("recv", 4, 7, (r - 1) % 3)] for r in range(3)]

@@ -96,23 +96,28 @@ class NcclBackend:
                 watch.issued(call)
 
     def _agree_pair(self, group, call) -> None:
-        """Check with the peer, once per new (peer, dtype, count), that a send and its recv
-        match (NCCL would hang or write past the receive buffer); what the reference backend
-        checks at every call."""
+        """Check, once per new (peer, dtype, count), that a send and its recv match (NCCL
+        would hang or write past the receive buffer), as the reference backend checks every
+        pair: the sender posts what it sends and goes on (a ring that sends before it
+        receives must not wait), the receiver waits for it and compares; a mismatch aborts
+        the group, which ends the sender's wait too."""
         src, dst = (self.rank, call.peer) if call.kind == "send" else (call.peer, self.rank)
         n = self._pair_seq.get((src, dst), 0)
         self._pair_seq[(src, dst)] = n + 1
+        mine, seq = (call.dtype.name, call.count), f"p{src}-{dst}.{n}"
         try:
-            sent, received = group._exchanger.exchange(self.rank, f"p{src}-{dst}.{n}", (call.dtype.name, call.count),
-                                                       call.describe(), group.timeout, parties=(src, dst))
+            if call.kind == "send":
+                group._exchanger.post(self.rank, seq, mine)
+            else:
+                sent, _ = group._exchanger.exchange(self.rank, seq, mine, call.describe(), group.timeout,
+                                                    parties=(src, dst))
+                if sent != mine:
+                    raise DistributedError(f"rank {src} sent {sent[1]} x {sent[0]} to rank {dst}, which expected "
+                                           f"{mine[1]} x {mine[0]}: a send and its recv must match in dtype and "
+                                           "count; the group is aborted")
         except DistributedError as exc:
             group.abort(str(exc))
             raise
-        if sent != received:
-            group.abort(f"{call.describe()} did not match its peer's")
-            raise DistributedError(f"rank {src} sent {sent[1]} x {sent[0]} to rank {dst}, which expected {received[1]} x "
-                                   f"{received[0]}: a send and its recv must match in dtype and count; the group is "
-                                   "aborted")
         self._pairs_agreed.add((call.kind, call.peer, call.dtype.name, call.count))
 
     def _last_error(self) -> str:

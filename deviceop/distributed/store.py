@@ -244,11 +244,15 @@ class StoreExchanger:
         why = self.store.get(self.prefix + "abort")
         return None if why is None else why.decode(errors="replace")
 
+    def post(self, rank, seq, obj) -> None:
+        """This rank's ``obj`` for exchange ``seq``, without waiting for the others'."""
+        self.store.set(f"{self.prefix}x{seq}/{rank}", pickle.dumps(obj, protocol=4))
+
     def exchange(self, rank, seq, obj, what, timeout, parties=None):
         """Every party's ``obj`` (all ranks by default), in ``parties``' order."""
         parties = range(self.world_size) if parties is None else parties
         p = f"{self.prefix}x{seq}/"
-        self.store.set(p + str(rank), pickle.dumps(obj, protocol=4))
+        self.post(rank, seq, obj)
         found, deadline, pause, checked = {}, time.monotonic() + timeout, 0.0005, 0.0
         while True:
             for r in parties:
