@@ -16,5 +16,5 @@ from .ops import Collective, all_gather, all_reduce, broadcast, recv, reduce_sca
 from .peer import PeerBuffers
 from .reference import run_reference
 
-__all__ = ["DistributedError", "Group", "GroupClosedError", "fingerprint", "init", "Collective", "all_gather", "all_reduce",
-           "broadcast", "recv", "reduce_scatter", "send", "run_reference", "PeerBuffers"]
+__all__ = ["DistributedError", "Group", "GroupClosedError", "fingerprint", "init", "Collective", "all_gather",
+           "all_reduce", "broadcast", "recv", "reduce_scatter", "send", "run_reference", "PeerBuffers"]

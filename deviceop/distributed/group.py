@@ -96,13 +96,15 @@ class Group:
                                    "strings, lists, dicts, NumPy arrays: a tensor's .numpy())")
         return [pickle.loads(p) for p in found]
 
-    def using(self, what: str):
+    def using(self, what):
         """Hold the group for this thread while it exchanges or issues (re-entrant); another
         thread that tries meanwhile gets DistributedError instead of mixing its calls in."""
         if not self._user.acquire(blocking=False):
+            what = what if isinstance(what, str) else what.describe()
             raise DistributedError(f"{what} on rank {self.rank}: the group is being used from two threads at once "
-                                   "(an NCCL communicator is not thread-safe, and the ranks would pair the two threads' "
-                                   "calls in no fixed order); issue one rank's collectives from one thread at a time")
+                                   "(an NCCL communicator is not thread-safe, and the ranks would pair the two "
+                                   "threads' calls in no fixed order); issue one rank's collectives from one thread "
+                                   "at a time")
         return _Release(self._user)
 
     def barrier(self) -> None:
@@ -137,12 +139,13 @@ class Group:
         return digest
 
     # -- the collectives' side ----------------------------------------------------------
-    def agree(self, signature: tuple, what: str) -> None:
+    def agree(self, signature: tuple, what) -> None:
         """Check once per distinct collective signature that every rank issues it alike
         (dtype, count, reduction, root): the first call with a new signature costs one
         host exchange; later ones a set lookup."""
         if signature in self._agreed:
             return
+        what = what if isinstance(what, str) else what.describe()  # (a Call: described when it is needed)
         seen = self.exchange(("collective", signature))
         differ = [r for r, s in enumerate(seen) if s != ("collective", signature)]
         if differ:
@@ -155,8 +158,9 @@ class Group:
 
     def issue(self, stream, call) -> None:
         """Enqueue ``call`` (ops.Call) on ``stream`` through the backend."""
-        self._check_open(call.describe())
-        with self.using(call.describe()):
+        if self._state != "open":
+            self._check_open(call.describe())
+        with self.using(call):  # (described only in an error: an eager collective's host cost counts)
             self._backend.issue(self, stream, call)
 
     def synchronize(self, stream=None, timeout: float | None = None) -> None:

@@ -64,7 +64,7 @@ class NcclBackend:
         if self.error is not None:
             raise DistributedError(f"{call.describe()}: the communicator was aborted ({self.error}); make a new group")
         if call.kind not in ("send", "recv"):
-            group.agree(call.signature, call.describe())
+            group.agree(call.signature, call)
         elif (call.kind, call.peer, call.dtype.name, call.count) not in self._pairs_agreed:
             self._agree_pair(group, call)
         dt, s, h = _DTYPES[call.dtype.name], stream.ptr, self.handle

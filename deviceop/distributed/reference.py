@@ -57,7 +57,7 @@ class _Step:
         return f"dist.{self.call.kind}"
 
     def run(self) -> None:
-        with self.group.using(self.call.describe()):  # (a replay from another thread is a use too)
+        with self.group.using(self.call):  # (a replay from another thread is a use too)
             self.backend.run(self.group, self.call)
 
     def take(self, other: "_Step") -> None:
