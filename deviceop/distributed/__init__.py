@@ -10,11 +10,11 @@ for machines without a GPU.  docs/distributed.md is the guide.
     dist.run_reference(2, fn)                  # fn(group) on 2 thread-ranks, NumPy (CPU CI)
 """
 from ..errors import DistributedError
-from .group import Group, fingerprint
+from .group import Group, GroupClosedError, fingerprint
 from .launch import init
 from .ops import Collective, all_gather, all_reduce, broadcast, recv, reduce_scatter, send
 from .peer import PeerBuffers
 from .reference import run_reference
 
-__all__ = ["DistributedError", "Group", "fingerprint", "init", "Collective", "all_gather", "all_reduce",
-           "broadcast", "recv", "reduce_scatter", "send", "run_reference", "PeerBuffers"]
+__all__ = ["DistributedError", "Group", "GroupClosedError", "fingerprint", "init", "Collective", "all_gather",
+           "all_reduce", "broadcast", "recv", "reduce_scatter", "send", "run_reference", "PeerBuffers"]

@@ -16,13 +16,31 @@ peer that will not come), and every later use raises DistributedError.
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
+import threading
 import time
 
 import numpy as np
 
-from ..errors import DistributedError
+from ..errors import DistributedError, StateError
+from ..graph.capture import ReplayCheck
+from ..memory import Partition
 from ..tensor import SharedTensor, Tensor
+
+
+class GroupClosedError(DistributedError, StateError):
+    """A group used after ``close()`` or after it was aborted (a rank failed, hung or
+    disagreed): a StateError (the group is done for good) and a DistributedError."""
+
+
+def check_timeout(timeout, what: str = "a group's timeout") -> float:
+    """``timeout`` as seconds: a finite positive number (every wait for another rank is bounded)."""
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) \
+        and timeout > 0
+    if not ok:
+        raise DistributedError(f"{what}: timeout is a finite positive number of seconds, got {timeout!r}")
+    return float(timeout)
 
 
 class Group:
@@ -39,6 +57,10 @@ class Group:
         self._exchanges = 0        # how many host exchanges this rank made (their sequence numbers)
         self._agreed = set()       # collective signatures every rank has been seen to issue alike
         self._state = "open"       # open, closed, or aborted: <why>
+        # one thread at a time issues host exchanges and collectives (an NCCL communicator is not
+        # thread-safe, and two threads' calls would pair up across ranks in no particular order)
+        self._user = threading.RLock()
+        self.replay_check = _GroupReplayCheck(self)  # what graphs holding its collectives check at each replay
 
     @property
     def backend(self) -> str:
@@ -52,14 +74,38 @@ class Group:
     # -- host-side exchanges ----------------------------------------------------------
     def exchange(self, obj) -> list:
         """Every rank's ``obj`` (picklable), in rank order: a host-side all-gather through
-        the launcher's store (or the reference hub), bounded by the group's timeout."""
+        the launcher's store (or the reference hub), bounded by the group's timeout.
+        Each rank gets its own copies (unpickled), thread-ranks too; an object pickle
+        cannot send fails the exchange on every rank."""
         self._check_open("group.exchange()")
-        seq, self._exchanges = self._exchanges, self._exchanges + 1
         try:
-            return self._exchanger.exchange(self.rank, seq, obj, f"group.exchange() #{seq}", self.timeout)
-        except DistributedError as exc:
-            self.abort(str(exc))
-            raise
+            payload = pickle.dumps(obj, protocol=4)
+        except Exception as exc:  # noqa: BLE001 - pickle raises many kinds; the others must learn of it too
+            payload = _Unsendable(f"{type(obj).__name__}: {exc}")
+        with self.using("group.exchange()"):
+            seq, self._exchanges = self._exchanges, self._exchanges + 1
+            try:
+                found = self._exchanger.exchange(self.rank, seq, payload, f"group.exchange() #{seq}", self.timeout)
+            except DistributedError as exc:
+                self.abort(str(exc))
+                raise
+        bad = {r: p.why for r, p in enumerate(found) if isinstance(p, _Unsendable)}
+        if bad:
+            raise DistributedError(f"group.exchange() #{seq}: rank(s) {sorted(bad)} passed an object pickle cannot "
+                                   f"send ({'; '.join(dict.fromkeys(bad.values()))}); exchange plain data (numbers, "
+                                   "strings, lists, dicts, NumPy arrays: a tensor's .numpy())")
+        return [pickle.loads(p) for p in found]
+
+    def using(self, what):
+        """Hold the group for this thread while it exchanges or issues (re-entrant); another
+        thread that tries meanwhile gets DistributedError instead of mixing its calls in."""
+        if not self._user.acquire(blocking=False):
+            what = what if isinstance(what, str) else what.describe()
+            raise DistributedError(f"{what} on rank {self.rank}: the group is being used from two threads at once "
+                                   "(an NCCL communicator is not thread-safe, and the ranks would pair the two "
+                                   "threads' calls in no fixed order); issue one rank's collectives from one thread "
+                                   "at a time")
+        return _Release(self._user)
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (host side; the GPU's work is not waited for)."""
@@ -71,8 +117,16 @@ class Group:
         object.  Returns the digest.  Arrays and tensors are hashed by dtype, shape and bytes
         (a tensor is copied to the host for it: pass a checkpoint's file digest instead of
         gigabytes of weights when that is cheaper)."""
-        digest = fingerprint(obj)
-        digests = self.exchange((name, digest))
+        try:
+            digest, unhashable = fingerprint(obj), None
+        except DistributedError as exc:  # said on every rank: the others must not wait or pass
+            digest, unhashable = None, str(exc)
+        digests = self.exchange((name, digest, unhashable))
+        failed = {r: why for r, (_, _, why) in enumerate(digests) if why is not None}
+        if failed:
+            raise DistributedError(f"check_same({name!r}): rank(s) {sorted(failed)} cannot hash its value: "
+                                   f"{next(iter(failed.values()))}")
+        digests = [(n, d) for n, d, _ in digests]
         differ = [r for r, nd in enumerate(digests) if nd != digests[0]]  # named alike on every rank
         if differ:
             names = sorted({n for n, _ in digests})
@@ -85,12 +139,13 @@ class Group:
         return digest
 
     # -- the collectives' side ----------------------------------------------------------
-    def agree(self, signature: tuple, what: str) -> None:
+    def agree(self, signature: tuple, what) -> None:
         """Check once per distinct collective signature that every rank issues it alike
         (dtype, count, reduction, root): the first call with a new signature costs one
         host exchange; later ones a set lookup."""
         if signature in self._agreed:
             return
+        what = what if isinstance(what, str) else what.describe()  # (a Call: described when it is needed)
         seen = self.exchange(("collective", signature))
         differ = [r for r, s in enumerate(seen) if s != ("collective", signature)]
         if differ:
@@ -103,8 +158,10 @@ class Group:
 
     def issue(self, stream, call) -> None:
         """Enqueue ``call`` (ops.Call) on ``stream`` through the backend."""
-        self._check_open(call.describe())
-        self._backend.issue(self, stream, call)
+        if self._state != "open":
+            self._check_open(call.describe())
+        with self.using(call):  # (described only in an error: an eager collective's host cost counts)
+            self._backend.issue(self, stream, call)
 
     def synchronize(self, stream=None, timeout: float | None = None) -> None:
         """Wait for ``stream``'s work (default: the group's stream), at most ``timeout`` seconds
@@ -113,7 +170,7 @@ class Group:
         would)."""
         self._check_open("group.synchronize()")
         stream = stream if stream is not None else self.stream
-        timeout = self.timeout if timeout is None else timeout
+        timeout = self.timeout if timeout is None else check_timeout(timeout, "group.synchronize()")
         event, deadline, pause = stream.record_event(timing=False), time.monotonic() + timeout, 0.00005
         while not event.query():
             if self._state != "open":
@@ -128,7 +185,7 @@ class Group:
     # -- life ---------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:
         if self._state != "open":
-            raise DistributedError(f"{what} on a group that was {self._state}: make a new group "
+            raise GroupClosedError(f"{what} on a group that was {self._state}: make a new group "
                                    "(dist.init / dist.run_reference)")
 
     def abort(self, why: str = "aborted by the user") -> None:
@@ -165,25 +222,76 @@ class Group:
 
 
 def fingerprint(obj) -> str:
-    """A 16-byte digest (hex) of ``obj``: arrays and tensors by dtype, shape and bytes,
-    other objects by their pickle."""
+    """A 16-byte digest (hex) of ``obj``'s value, the same in every process for equal
+    values: arrays and tensors (also inside dicts, lists and tuples) by dtype, shape and
+    bytes; dicts and sets whatever their order; other objects by their pickle."""
     h = hashlib.blake2b(digest_size=16)
-    for item in obj if isinstance(obj, (list, tuple)) and obj and _is_array(obj[0]) else [obj]:
-        if _is_array(item):
-            host = item.numpy() if isinstance(item, (Tensor, SharedTensor)) else item
-            h.update(f"{host.dtype.str}{host.shape}".encode())
-            h.update(np.ascontiguousarray(host).view(np.uint8).data)
-        else:
-            try:
-                h.update(pickle.dumps(item, protocol=4))
-            except Exception as exc:
-                raise DistributedError(f"check_same cannot hash a {type(item).__name__} ({exc}); pass something "
-                                       "picklable (a dict of the config, a file digest) or an array") from None
+    _feed(h, obj)
     return h.hexdigest()
 
 
-def _is_array(x) -> bool:
-    return isinstance(x, (np.ndarray, Tensor, SharedTensor))
+def _feed(h, obj) -> None:
+    if isinstance(obj, Partition):
+        obj = obj.tensor
+    if isinstance(obj, (Tensor, SharedTensor, np.ndarray)):
+        host = obj if isinstance(obj, np.ndarray) else obj.numpy()
+        h.update(f"array {host.dtype.name} {host.dtype.str} {host.shape}|".encode())
+        if host.dtype.hasobject:  # references, not bytes: their values
+            for item in host.reshape(-1):
+                _feed(h, item)
+        else:
+            h.update(np.ascontiguousarray(host).view(np.uint8).data)
+    elif type(obj) in (list, tuple):
+        h.update(f"{type(obj).__name__} {len(obj)}|".encode())
+        for item in obj:
+            _feed(h, item)
+    elif type(obj) in (dict, set, frozenset):  # equal whatever the order (a set's differs between processes)
+        items = obj.items() if type(obj) is dict else ((k, None) for k in obj)
+        parts = sorted(fingerprint(k) + fingerprint(v) for k, v in items)
+        h.update(f"{type(obj).__name__} {len(parts)}|{''.join(parts)}".encode())
+    else:
+        try:
+            h.update(pickle.dumps(obj, protocol=4))
+        except Exception as exc:  # noqa: BLE001 - pickle raises many kinds
+            raise DistributedError(f"check_same cannot hash a {type(obj).__name__} ({exc}); pass plain data (a dict "
+                                   "of the config, a file digest), arrays or tensors") from None
+
+
+class _Unsendable:
+    """What a rank contributes to an exchange when pickle cannot send its object."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+class _Release:
+    __slots__ = ("lock",)
+
+    def __init__(self, lock):
+        self.lock = lock
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+class _GroupReplayCheck(ReplayCheck):
+    """Kept by every graph that captured one of the group's collectives: a replay after
+    the group closed (its communicator destroyed) or aborted is refused."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group):
+        self.group = group
+
+    def check_replay(self) -> None:
+        group = self.group
+        if group._state != "open":
+            raise GroupClosedError(f"this graph holds collectives of rank {group.rank}'s group, which was "
+                                   f"{group._state}: its communicator is gone, so the graph cannot replay; make a new "
+                                   "group and capture the graph again")
 
 
 def describe_ranks(values: list) -> str:

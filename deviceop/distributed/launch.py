@@ -14,10 +14,12 @@ here (the reference backend); several thread-ranks are ``run_reference``.
 """
 from __future__ import annotations
 
+import operator
 import os
 
-from ..errors import DistributedError
+from ..errors import ConfigError, DistributedError, NoDeviceError
 from ..runtime.device import CudaDevice, Device
+from .group import check_timeout
 
 DEFAULT_TIMEOUT = 120.0  # seconds; DEVICEOP_DIST_TIMEOUT overrides (NCCL's init over a network can take tens)
 # Multicast (NVLS) stays off in every process deviceop starts or joins: it can take a shared host's GPUs out
@@ -36,23 +38,64 @@ def from_environment(env=None) -> tuple[str, int, int, int] | None:
     """``(launcher, rank, world_size, local_rank)`` from the launcher's variables, or None."""
     env = os.environ if env is None else env
     for launcher, rank, size, local in _LAUNCHERS:
-        if rank in env and size in env:
-            try:
-                r, n = int(env[rank]), int(env[size])
-                lr = int(env.get(local, r))
-            except ValueError:
-                raise DistributedError(f"{launcher}'s {rank}={env[rank]!r} / {size}={env[size]!r} are not ints; "
-                                       "launch with the launcher's own command (torchrun, mpirun, srun)") from None
-            return launcher, r, n, lr
+        if (rank in env) != (size in env) and launcher != "srun":  # (a batch script's one process has no NTASKS)
+            there, missing = (rank, size) if rank in env else (size, rank)
+            if rank.startswith(("RANK", "OMPI")):  # torchrun and Open MPI always set both
+                raise DistributedError(f"{there}={env[there]!r} is set but {missing} is not: {launcher} sets both; "
+                                       f"launch with {launcher}, or set both, or unset {there} for a single process")
+        if rank not in env or size not in env:
+            continue
+        try:
+            r, n = int(env[rank]), int(env[size])
+        except ValueError:
+            raise DistributedError(f"{launcher}'s {rank}={env[rank]!r} / {size}={env[size]!r} are not ints; "
+                                   "launch with the launcher's own command (torchrun, mpirun, srun)") from None
+        if not 0 <= r < n:
+            raise DistributedError(f"{launcher}'s {rank}={r} is not a rank of {size}={n}: need 0 <= {rank} < {size}; "
+                                   "launch with the launcher's own command, or fix the variables")
+        try:
+            lr = int(env.get(local, r))
+        except ValueError:
+            raise DistributedError(f"{launcher}'s {local}={env[local]!r} is not an int: it names this process's GPU "
+                                   f"on its node (0, 1, ...); launch with {launcher}, or fix {local}") from None
+        if lr < 0:
+            raise DistributedError(f"{launcher}'s {local}={lr} names no GPU: the local rank is 0, 1, ... on each "
+                                   f"node; fix {local}")
+        return launcher, r, n, lr
     return None
+
+
+def _int(value):
+    """``value`` as an int (NumPy's integers too), or None for anything else (bools, floats, strings)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _local_device(local_rank: int, what: str):
+    """GPU ``local_rank``: the one this process drives (one process per GPU)."""
+    try:
+        return Device(local_rank)
+    except NoDeviceError as exc:
+        raise DistributedError(f"dist.init: {what}={local_rank} names GPU {local_rank}, but this process sees no GPU "
+                               f"by that number ({exc}). One process per GPU: start at most as many processes per node "
+                               "as it has GPUs, and check CUDA_VISIBLE_DEVICES") from None
 
 
 def _timeout(timeout) -> float:
     if timeout is None:
-        timeout = float(os.environ.get("DEVICEOP_DIST_TIMEOUT", DEFAULT_TIMEOUT))
-    if not timeout > 0:
-        raise DistributedError(f"a group's timeout is a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+        text = os.environ.get("DEVICEOP_DIST_TIMEOUT")
+        if text is None:
+            return DEFAULT_TIMEOUT
+        try:
+            return check_timeout(float(text), "DEVICEOP_DIST_TIMEOUT")
+        except (ValueError, DistributedError):
+            raise ConfigError(f"DEVICEOP_DIST_TIMEOUT={text!r}: give the seconds every wait for another rank may "
+                              f"take, a finite positive number (unset: {DEFAULT_TIMEOUT:g})") from None
+    return check_timeout(timeout, "dist.init")
 
 
 def init(*, rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
@@ -67,22 +110,33 @@ def init(*, rank: int | None = None, world_size: int | None = None, local_rank: 
         os.environ.setdefault(key, value)
     timeout = _timeout(timeout)
     found = from_environment()
+    local_var = "local_rank"
     if rank is None and world_size is None:
         if found is None:
             launcher, rank, world_size, env_local = "single process", 0, 1, 0
         else:
             launcher, rank, world_size, env_local = found
+            local_var = next(f"{name}'s {loc}" for name, rv, sv, loc in _LAUNCHERS
+                             if rv in os.environ and sv in os.environ)
     elif rank is None or world_size is None:
         raise DistributedError("dist.init: pass both rank= and world_size= (or neither, to read the launcher's "
                                "environment: torchrun, mpirun, srun)")
     else:
         launcher, env_local = "explicit", rank if found is None else found[3]
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+    r, n = _int(rank), _int(world_size)
+    if r is None or n is None or not 0 <= r < n:
         raise DistributedError(f"dist.init: rank {rank!r} of world size {world_size!r} is not a rank of a group; "
-                               "need 0 <= rank < world_size")
-    local_rank = env_local if local_rank is None else local_rank
-    if device is None:
-        device = Device(local_rank) if isinstance(Device(0), CudaDevice) else Device(0)
+                               "need ints with 0 <= rank < world_size")
+    rank, world_size = r, n
+    if local_rank is None:
+        local_rank = env_local
+    else:
+        local_var, local_rank = "local_rank", _int(local_rank)
+        if local_rank is None or local_rank < 0:
+            raise DistributedError("dist.init: local_rank= names this process's GPU on its node: an int >= 0")
+    if device is None:  # (without a GPU, several ranks are refused below, naming run_reference)
+        on_gpu = isinstance(Device(0), CudaDevice)
+        device = _local_device(local_rank, local_var) if on_gpu or world_size == 1 else Device(0)
     backend = backend or ("nccl" if isinstance(device, CudaDevice) else "reference")
     if backend == "reference":
         if world_size != 1:

@@ -20,10 +20,12 @@ then gets a DistributedError at its next use of the group, and
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
 import time
+import weakref
 
 from ..errors import DistributedError
 from .group import Group
@@ -53,16 +55,18 @@ class NcclBackend:
         self.comm, self.low, self.rank, self.timeout = comm, low, rank, timeout
         self.handle = low.Comm(comm.ptr)  # what the low-level calls take
         self.error = None          # why the watchdog aborted the communicator, once it has
-        # per stream: [event re-recorded after each eager collective, when the oldest unfinished one was issued
-        # (None: all seen finished), its description]; one event per stream, not one per call
-        self._watch: dict = {}
+        self._watch: dict = {}     # stream handle -> _Watch of its eager collectives
+        self._pairs_agreed = set()  # (kind, peer, dtype, count) of sends/recvs checked with the peer
+        self._pair_seq: dict = {}   # (src, dst) -> how many pair checks they made
         self._lock = threading.Lock()
 
     def issue(self, group, stream, call) -> None:
         if self.error is not None:
             raise DistributedError(f"{call.describe()}: the communicator was aborted ({self.error}); make a new group")
         if call.kind not in ("send", "recv"):
-            group.agree(call.signature, call.describe())
+            group.agree(call.signature, call)
+        elif (call.kind, call.peer, call.dtype.name, call.count) not in self._pairs_agreed:
+            self._agree_pair(group, call)
         dt, s, h = _DTYPES[call.dtype.name], stream.ptr, self.handle
         send = call.send.data_ptr if call.send is not None else 0
         recv = call.recv.data_ptr if call.recv is not None else 0
@@ -88,10 +92,33 @@ class NcclBackend:
             with self._lock:
                 watch = self._watch.get(s)
                 if watch is None:
-                    watch = self._watch[s] = [stream.device.new_event(timing=False), None, None, stream]
-                if watch[1] is None:
-                    watch[1], watch[2] = time.monotonic(), call.describe()
-                stream.record_event(watch[0])
+                    watch = self._watch[s] = _Watch(stream)
+                watch.issued(call)
+
+    def _agree_pair(self, group, call) -> None:
+        """Check, once per new (peer, dtype, count), that a send and its recv match (NCCL
+        would hang or write past the receive buffer), as the reference backend checks every
+        pair: the sender posts what it sends and goes on (a ring that sends before it
+        receives must not wait), the receiver waits for it and compares; a mismatch aborts
+        the group, which ends the sender's wait too."""
+        src, dst = (self.rank, call.peer) if call.kind == "send" else (call.peer, self.rank)
+        n = self._pair_seq.get((src, dst), 0)
+        self._pair_seq[(src, dst)] = n + 1
+        mine, seq = (call.dtype.name, call.count), f"p{src}-{dst}.{n}"
+        try:
+            if call.kind == "send":
+                group._exchanger.post(self.rank, seq, mine)
+            else:
+                sent, _ = group._exchanger.exchange(self.rank, seq, mine, call.describe(), group.timeout,
+                                                    parties=(src, dst))
+                if sent != mine:
+                    raise DistributedError(f"rank {src} sent {sent[1]} x {sent[0]} to rank {dst}, which expected "
+                                           f"{mine[1]} x {mine[0]}: a send and its recv must match in dtype and "
+                                           "count; the group is aborted")
+        except DistributedError as exc:
+            group.abort(str(exc))
+            raise
+        self._pairs_agreed.add((call.kind, call.peer, call.dtype.name, call.count))
 
     def _last_error(self) -> str:
         try:
@@ -105,16 +132,9 @@ class NcclBackend:
         now = time.monotonic()
         with self._lock:
             for watch in self._watch.values():
-                if watch[1] is None:
-                    continue
-                try:
-                    done = watch[0].query()
-                except Exception:  # noqa: BLE001 - a faulted context: the user's next sync says so
-                    done = True
-                if done:
-                    watch[1] = None
-                elif now - watch[1] > self.timeout:
-                    return f"{watch[2]} (or a collective after it) did not complete within {self.timeout:g} s " \
+                stuck = watch.stuck(now, self.timeout)
+                if stuck is not None:
+                    return f"{stuck} (or a collective after it) did not complete within {self.timeout:g} s " \
                            "(a peer hung or died)"
         return None
 
@@ -148,6 +168,43 @@ class NcclBackend:
         comm, self.comm = self.comm, None
         if comm is not None:
             comm.destroy()
+
+
+class _Watch:
+    """How far one stream's eager collectives got, in two events: the *marker*, recorded
+    after a collective and left in place until it completes (a stream that keeps making
+    progress passes its marker in time however busy it stays), and the *latest*,
+    re-recorded after each collective issued meanwhile, which becomes the next marker.
+    One stream is stuck when its marker has not completed within the timeout."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.marker = self.latest = None        # (event, since when it is waited for, its collective)
+        self._spare = [stream.device.new_event(timing=False), stream.device.new_event(timing=False)]
+
+    def issued(self, call) -> None:
+        if self.marker is None:
+            event = self._spare.pop()
+            self.stream.record_event(event)
+            self.marker = (event, time.monotonic(), call.describe())
+        else:
+            event = self.latest[0] if self.latest is not None else self._spare.pop()
+            self.stream.record_event(event)
+            self.latest = (event, None, call.describe())
+
+    def stuck(self, now: float, timeout: float) -> str | None:
+        """The collective the marker follows, if it has not completed within ``timeout``."""
+        if self.marker is None:
+            return None
+        try:
+            done = self.marker[0].query()
+        except Exception:  # noqa: BLE001 - a faulted context: the user's next sync says so
+            done = True
+        if done:  # progress: the latest collective (if any) is now what is waited for, from now
+            self._spare.append(self.marker[0])
+            self.marker, self.latest = (None if self.latest is None else (self.latest[0], now, self.latest[2])), None
+            return None
+        return self.marker[2] if now - self.marker[1] > timeout else None
 
 
 class Watchdog:
@@ -228,7 +285,12 @@ def nccl_group(rank: int, world_size: int, device, store, timeout: float, launch
     core, low = _nccl()
     exchanger = StoreExchanger(store, world_size, timeout)
     device.bind()  # NCCL builds the communicator on the calling thread's current device
-    uid = bytes(core.get_unique_id()) if rank == 0 else None
+    try:
+        uid = bytes(core.get_unique_id()) if rank == 0 else None
+    except Exception as exc:  # noqa: BLE001 - libnccl missing or broken: the others must not wait for the id
+        exchanger.abort(rank, f"rank 0 could not make NCCL's unique id ({exc})")
+        raise DistributedError(f"dist.init: NCCL could not make its unique id on rank 0 ({exc}); install NCCL "
+                               "(nvidia-nccl-cu13) where nccl4py finds it") from None
     me = (world_size, os.environ.get("NCCL_NVLS_ENABLE"), socket.gethostname(), device.ordinal)
     try:
         seen = exchanger.exchange(rank, "init", (me, uid), f"dist.init (rank {rank} of {world_size})", timeout)
@@ -252,4 +314,13 @@ def nccl_group(rank: int, world_size: int, device, store, timeout: float, launch
     backend = NcclBackend(comm, low, rank, timeout)
     group = NcclGroup(rank, world_size, device, device.new_stream(), exchanger, backend, timeout, launcher)
     group._watchdog = Watchdog(group, exchanger, backend, timeout)
+    atexit.register(abort_at_exit, weakref.ref(group))
     return group
+
+
+def abort_at_exit(ref) -> None:
+    """At the interpreter's exit, abort a group left open: the other ranks fail at once,
+    naming this rank, instead of waiting for its heartbeat to stop for the whole timeout."""
+    group = ref()
+    if group is not None and group._state == "open":
+        group.abort(f"rank {group.rank}'s process exited without closing its group")

@@ -15,7 +15,8 @@ mutable borrow its caller vouches for; an output overlapping an input is an
 AliasingError (except an in-place all_reduce/broadcast, which NCCL allows);
 dtypes, sizes and contiguity are checked here, and that every rank issues the
 same collective by the backend (the reference hub at every call; NCCL once per
-distinct signature, through one host exchange).
+distinct signature, through one host exchange, and a send with its recv once
+per new peer, dtype and count).
 
 The op is one class, ``Collective``: what it asks of deviceop (inputs,
 outputs, graph safety, the capture keeping its buffers alive) is what a
@@ -23,9 +24,14 @@ generic foreign-work op would ask, so it can later sit on top of one.
 """
 from __future__ import annotations
 
-from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
+import operator
+
+from ..errors import AliasingError, DistributedError, DTypeError, OwnershipError, ShapeError
+from ..memory import Partition
 from ..op import DeviceOp, resolve, warn_if_unexecuted
+from ..runtime.reference import ReferenceDevice
 from ..tensor import SharedTensor, Tensor
+from .group import Group
 from .peer import peer_buffers
 
 REDUCTIONS = ("sum", "prod", "max", "min", "avg")
@@ -72,14 +78,13 @@ class Collective(DeviceOp):
 
     def __init__(self, group, kind: str, x, out, reduce=None, root=None, peer=None):
         super().__init__()
+        _check_group(group, kind)
+        if kind in ("all_reduce", "reduce_scatter") and not (isinstance(reduce, str) and reduce in REDUCTIONS):
+            raise DistributedError(f"dist.{kind}: unknown reduction {reduce!r}; use one of {', '.join(REDUCTIONS)}")
+        root = _rank(group, kind, "root", root) if kind == "broadcast" else None
+        peer = _rank(group, kind, "peer", peer) if kind in ("send", "recv") else None
         self.group, self.kind, self.x, self.out = group, kind, x, out
         self.reduce, self.root, self.peer = reduce, root, peer
-        if reduce is not None and reduce not in REDUCTIONS:
-            raise DistributedError(f"dist.{kind}: unknown reduction {reduce!r}; use one of {', '.join(REDUCTIONS)}")
-        for r, what in ((root, "root"), (peer, "peer")):
-            if r is not None and not (isinstance(r, int) and 0 <= r < group.world_size):
-                raise DistributedError(f"dist.{kind}: {what}={r!r} is not a rank of this group "
-                                       f"(0..{group.world_size - 1})")
         if peer is not None and peer == group.rank:
             raise DistributedError(f"dist.{kind}: peer={peer} is this rank itself; send to and receive "
                                    "from another rank (a copy within a rank is api.memcpy)")
@@ -115,14 +120,17 @@ class Collective(DeviceOp):
                                    "(group.stream) or another stream of group.device")
         self.group.issue(ctx.stream, call)
         if ctx.capture is not None:
-            ctx.capture.keep.append((call.send, call.recv, self.group))  # the graph reads and writes these
+            # the graph reads and writes these; each replay checks that the group is still open
+            ctx.capture.keep.extend(((call.send, call.recv, self.group), self.group.replay_check))
         return call.recv if call.recv is not None else call.send  # the tensor written (send: the one read)
 
     # -- checks ------------------------------------------------------------------------
     def _check(self, x, out) -> Call:
         kind, ws = self.kind, self.group.world_size
         read = None if kind == "recv" else _tensor(x, f"dist.{kind}'s input")
-        written = None if kind == "send" else _written(out, f"dist.{kind}'s output")
+        # a broadcast's root only reads its buffer (NCCL's in-place broadcast copies nothing there)
+        reads_only = kind == "send" or (kind == "broadcast" and self.root == self.group.rank)
+        written = None if reads_only else _written(out, f"dist.{kind}'s output")
         for t in (read, written):
             if t is None:
                 continue
@@ -146,12 +154,14 @@ class Collective(DeviceOp):
                 raise ShapeError(f"dist.{kind}: the output holds {written.size} elements ({list(written.shape)}) "
                                  f"but must hold {rule}: {want} (input {list(read.shape)})")
             if written.overlaps(read) and not (kind in ("all_reduce", "broadcast") and written.data_ptr ==
-                                               read.data_ptr and written.shape == read.shape):
+                                               read.data_ptr):  # (same pointer, same size: NCCL's in place)
                 raise AliasingError(f"dist.{kind}: the output overlaps the input; "
                                     + ("pass out=None to reduce in place, or " if kind == "all_reduce" else "")
                                     + "write into a separate buffer")
         if kind == "reduce_scatter" or kind == "recv":
             count = written.size
+        elif kind == "broadcast" and written is None:  # the root: its buffer is read and written in place
+            count, written = read.size, read
         else:
             count = read.size
         dt = (read if read is not None else written).dtype
@@ -161,21 +171,51 @@ class Collective(DeviceOp):
         return Call(kind, read, written, self.reduce, self.root, self.peer, count)
 
 
+def _check_group(group, kind: str) -> None:
+    if not isinstance(group, Group):
+        raise DistributedError(f"dist.{kind} takes the group first: dist.{kind}(group, ...) with the group of "
+                               f"dist.init() or dist.run_reference, got a {type(group).__name__} (torch.distributed "
+                               "passes the group last)")
+    group._check_open(f"dist.{kind}")
+
+
+def _rank(group, kind: str, what: str, r) -> int:
+    """``r`` as a rank of ``group`` (any integer, NumPy's too; never None or a bool)."""
+    try:
+        value = None if isinstance(r, (bool, type(None))) else operator.index(r)
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < group.world_size:
+        raise DistributedError(f"dist.{kind}: {what}={r!r} is not a rank of this group: pass an int in "
+                               f"0..{group.world_size - 1}")
+    return value
+
+
 def _tensor(x, what: str) -> Tensor:
     if isinstance(x, SharedTensor):
         return x.tensor
     if isinstance(x, Tensor):
         return x
+    if isinstance(x, Partition):  # a claim to write (handle.try_partition, a launch's .first()): its tensor
+        return x.tensor
     raise DTypeError(f"{what} must be a deviceop Tensor or SharedTensor, got {type(x).__name__}"
                      + ("; copy a host array to the device with dop.from_numpy(array)"
                         if hasattr(x, "__array_interface__") else ""))
 
 
 def _written(x, what: str) -> Tensor:
-    """The tensor a collective writes: a SharedTensor only when nothing else reaches it."""
-    if isinstance(x, SharedTensor):
-        return x.check_writable(what)
-    return _tensor(x, what)
+    """The tensor a collective writes: a SharedTensor only when nothing else reaches it,
+    never memory imported read-only."""
+    if x is None:
+        raise DTypeError(f"{what}: the collective needs an output tensor; allocate it before (dop.empty(shape, "
+                         "dtype, stream=group.stream)): a collective allocates nothing, so that graphs can replay it")
+    t = x.check_writable(what) if isinstance(x, SharedTensor) else _tensor(x, what)
+    # the reference device's memory is NumPy's, which knows an import is read-only (CUDA memory does not say)
+    if isinstance(t.device, ReferenceDevice) and not t._array.flags.writeable:
+        raise OwnershipError(f"{what}: the buffer {list(t.shape)} is read-only memory (imported from a read-only "
+                             "array); a collective writes its output: copy it into a buffer you own (api.dup) or "
+                             "pass out=")
+    return t
 
 
 # -- the public functions ---------------------------------------------------------------
@@ -190,6 +230,7 @@ def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> 
     sum of float32 or bfloat16, a multiple of 512 bytes up to its ``max_bytes``; see
     peer.py); ``"auto"`` (the default), the one-shot kernel where the group has peer
     buffers and it applies, NCCL otherwise."""
+    _check_group(group, "all_reduce")
     if algorithm not in ALGORITHMS:
         raise DistributedError(f"dist.all_reduce: unknown algorithm {algorithm!r}; use one of "
                                f"{', '.join(map(repr, ALGORITHMS))}")

@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import DistributedError, DTypeError, ShapeError
 from ..interop import from_numpy, zeros
 from ..tensor import SharedTensor, Tensor
+from .group import check_timeout
 from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD
 
 DEFAULT_MAX_BYTES = 64 << 10
@@ -61,9 +62,7 @@ class PeerBuffers:
                                    "machine's NVLink domain); use algorithm='nccl'")
         if not (isinstance(max_bytes, int) and max_bytes > 0 and max_bytes % BLOCK_BYTES == 0):
             raise ShapeError(f"PeerBuffers(max_bytes={max_bytes!r}): give a positive multiple of {BLOCK_BYTES}")
-        timeout = group.timeout if timeout is None else timeout
-        if not timeout > 0:
-            raise DistributedError(f"PeerBuffers(timeout={timeout!r}): give a positive number of seconds")
+        timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers")
         self.group, self.max_bytes = group, max_bytes
         self.slot_lines = max_bytes // 8
         self.timeout_ns = int(timeout * 1e9)

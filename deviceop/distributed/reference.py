@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import DistributedError
 from ..runtime.reference import ReferenceDevice
-from .group import Group, describe_ranks
+from .group import Group, check_timeout, describe_ranks
 from .hub import Hub
 
 DEFAULT_TIMEOUT = 10.0  # seconds a thread-rank waits for the others at any meeting
@@ -57,7 +57,8 @@ class _Step:
         return f"dist.{self.call.kind}"
 
     def run(self) -> None:
-        self.backend.run(self.group, self.call)
+        with self.group.using(self.call):  # (a replay from another thread is a use too)
+            self.backend.run(self.group, self.call)
 
     def take(self, other: "_Step") -> None:
         self.group, self.call = other.group, other.call
@@ -75,6 +76,13 @@ class ReferenceBackend:
         stream._run(_Step(self, group, call))  # runs now, or is recorded while the stream captures
 
     def run(self, group, call) -> None:
+        try:
+            self._meet(group, call)
+        except DistributedError as exc:  # this rank's group is done too: later uses say so at once
+            group.abort(str(exc))
+            raise
+
+    def _meet(self, group, call) -> None:
         what = call.describe()
         if call.kind in ("send", "recv"):
             src, dst = (self.rank, call.peer) if call.kind == "send" else (call.peer, self.rank)
@@ -82,12 +90,12 @@ class ReferenceBackend:
             self._pairs[(src, dst)] = n + 1
             entry = (call.kind, call.dtype.name, call.count,
                      _host(call.send) if call.send is not None else _host(call.recv))
-            self.hub.meet(self.rank, ("p2p", src, dst, n), entry, f"{what} on rank {self.rank}",
+            self.hub.meet(self.rank, ("p2p", src, dst, n), entry, what,
                           lambda entries: _pair(entries, src, dst), parties=tuple(sorted((src, dst))))
             return
         seq, self._collectives = self._collectives, self._collectives + 1
         entry = (call.signature, None if call.send is None else _host(call.send), _host(call.recv))
-        self.hub.meet(self.rank, ("collective", seq), entry, f"{what} (collective #{seq}) on rank {self.rank}",
+        self.hub.meet(self.rank, ("collective", seq), entry, f"{what} (collective #{seq})",
                       lambda entries: _compute(entries, f"collective #{seq}"))
 
     def abort(self) -> None:
@@ -180,8 +188,9 @@ def run_reference(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) 
     next meeting instead of waiting, and ``run_reference`` raises the first rank's
     exception.  Every meeting is bounded by ``timeout`` seconds, so a rank that hangs
     or skips a collective makes the others fail, naming the collective."""
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise DistributedError(f"run_reference needs a world size >= 1, got {world_size!r}")
+    timeout = check_timeout(timeout, "run_reference")
     hub = Hub(world_size, timeout)
     results, errors = [None] * world_size, {}
 

@@ -173,8 +173,11 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
     if store is not None and not isinstance(store, (str, os.PathLike)):
         return store
     if isinstance(store, str) and store.startswith("tcp://"):
-        host, _, port = store[len("tcp://"):].rpartition(":")
-        return TcpStore(host, int(port), serve=rank == 0, timeout=timeout)
+        host, sep, port = store[len("tcp://"):].rpartition(":")
+        if not (sep and host and _port(port) is not None):
+            raise DistributedError(f"store={store!r} is not tcp://host:port (a host name or address, and a port "
+                                   "1..65535 that rank 0 serves the store on)")
+        return TcpStore(host, _port(port), serve=rank == 0, timeout=timeout)
     if store is not None:
         return FileStore(store)
     if world_size == 1:
@@ -187,6 +190,9 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
             raise DistributedError(f"dist.init under {launcher}: no store to meet in. Set MASTER_ADDR and "
                                    "MASTER_PORT (torchrun does; a SLURM script exports them), or pass "
                                    "store='tcp://host:port' or a directory every rank can reach")
+    if _port(port) is None:
+        raise DistributedError(f"MASTER_PORT={port!r} is not a TCP port: give a free port 1..65535 on MASTER_ADDR "
+                               f"({addr}) that rank 0 serves the store on, the same in every rank's environment")
     if launcher == "torchrun":
         try:
             from torch.distributed import TCPStore
@@ -198,6 +204,15 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
             serve = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             return TorchStore(TCPStore(addr, int(port), world_size, serve, timedelta(seconds=timeout)))
     return TcpStore(addr, int(port), serve=rank == 0, timeout=timeout)
+
+
+def _port(text):
+    """``text`` as a TCP port (1..65535), or None."""
+    try:
+        port = int(text)
+    except (TypeError, ValueError):
+        return None
+    return port if 1 <= port <= 65535 else None
 
 
 def _address_through_mpi(rank: int) -> tuple[str, str]:
@@ -229,20 +244,26 @@ class StoreExchanger:
         why = self.store.get(self.prefix + "abort")
         return None if why is None else why.decode(errors="replace")
 
-    def exchange(self, rank, seq, obj, what, timeout):
+    def post(self, rank, seq, obj) -> None:
+        """This rank's ``obj`` for exchange ``seq``, without waiting for the others'."""
+        self.store.set(f"{self.prefix}x{seq}/{rank}", pickle.dumps(obj, protocol=4))
+
+    def exchange(self, rank, seq, obj, what, timeout, parties=None):
+        """Every party's ``obj`` (all ranks by default), in ``parties``' order."""
+        parties = range(self.world_size) if parties is None else parties
         p = f"{self.prefix}x{seq}/"
-        self.store.set(p + str(rank), pickle.dumps(obj, protocol=4))
+        self.post(rank, seq, obj)
         found, deadline, pause, checked = {}, time.monotonic() + timeout, 0.0005, 0.0
         while True:
-            for r in range(self.world_size):
+            for r in parties:
                 if r not in found:
                     value = self.store.get(p + str(r))
                     if value is not None:
                         found[r] = pickle.loads(value)
-            if len(found) == self.world_size:
-                return [found[r] for r in range(self.world_size)]
+            if len(found) == len(parties):
+                return [found[r] for r in parties]
             now = time.monotonic()
-            missing = [r for r in range(self.world_size) if r not in found]
+            missing = [r for r in parties if r not in found]
             if now - checked > 0.01:  # the others' news: an abort, a rank that left
                 checked = now
                 why = self.problem()

@@ -7,6 +7,17 @@ from ..op import DeviceOp, SharedOp
 from .nodes import KernelNode
 
 
+class ReplayCheck:
+    """Something a graph keeps (in ``capture.keep``) that must still hold before each
+    replay: ``check_replay()`` raises if the graph must not replay (a collective whose
+    communicator was destroyed).  Equal checks are made once per replay."""
+
+    __slots__ = ()
+
+    def check_replay(self) -> None:  # pragma: no cover - subclasses say what they check
+        pass
+
+
 class Capture:
     """State of one capture in progress: what the graph must keep alive and
     the kernel nodes recorded so far.

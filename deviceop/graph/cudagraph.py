@@ -19,7 +19,7 @@ import threading
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, warn_if_unexecuted
-from .capture import Capture, preload
+from .capture import Capture, ReplayCheck, preload
 from .nodes import KernelNode
 from .render import render_dot
 
@@ -40,6 +40,7 @@ class CudaGraph:
     def _adopt(self, capture: Capture, output) -> None:
         self._output, self._has_output = output, True
         self._keep = capture.keep          # tensors, kernels and modules the graph uses
+        self._checks = tuple(dict.fromkeys(k for k in self._keep if isinstance(k, ReplayCheck)))
         self._nodes, self._by_launch = capture.nodes, capture.by_launch
         for i, node in enumerate(self._nodes):
             node._attach(self, i)
@@ -160,6 +161,8 @@ class CudaGraph:
 
     def _replay(self, stream) -> None:
         self._check_open()
+        for check in self._checks:  # (a collective's group closed: its communicator is gone)
+            check.check_replay()
         self._graphs.launch(self._exec, stream)
 
     def _check_open(self) -> None:
@@ -280,7 +283,7 @@ class CudaGraph:
             self._closed = True
             exec_, graph, shown = self._exec, self._graph, self._shown
             self._exec = self._graph = self._shown = None
-            self._keep, self._nodes, self._by_launch = [], [], {}
+            self._keep, self._nodes, self._by_launch, self._checks = [], [], {}, ()
         self._graphs.close(exec_, (graph, shown))
 
     def __enter__(self):
