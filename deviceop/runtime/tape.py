@@ -15,9 +15,10 @@ from .graphs import capture_failed
 
 
 def run_tape(tape) -> None:
-    """Run a tape's steps in order, skipping those switched off."""
+    """Run a tape's steps in order, skipping those switched off (a step of another
+    module, a collective's, has no switch: it always runs)."""
     for step in tape:
-        if step.enabled:
+        if getattr(step, "enabled", True):
             step.run()
 
 
