@@ -271,11 +271,15 @@ def test_without_conditional_nodes_capture_says_so_and_eager_branches_still_run(
     assert_result(a.result(), a.expect(1))
 
 
-def test_the_select_kernel_compiles_for_sm_90():
-    """No GPU needed: CI compiles what a captured branch launches."""
-    from deviceop.graph.branches import _SELECT_SOURCE
+def test_the_select_kernel_compiles_for_sm_90_with_the_layout_it_is_launched_with():
+    """No GPU needed: CI compiles what a captured branch launches, and checks its
+    parameters against the signature its launches pack (as loading it on a GPU does)."""
+    from deviceop.graph.branches import _SELECT_SIGNATURE, _SELECT_SOURCE
+    from deviceop.runtime.params import ParamLayout, check_param_layout
     prog = dop.compile_cubin(_SELECT_SOURCE, arch="sm_90", filename="deviceop_select.cu")
     assert prog.cubin[:4] == b"\x7fELF"
+    declared = ParamLayout("deviceop_select", _SELECT_SIGNATURE)
+    check_param_layout("deviceop_select", declared.signature, prog.param_layout("deviceop_select"))
 
 
 # -- on the GPU ------------------------------------------------------------------------------
@@ -301,12 +305,21 @@ def test_gpu_replays_are_bit_equal_to_eager_execution_for_every_branch(stream, r
 
 
 @pytest.mark.gpu
-def test_gpu_an_if_else_is_one_node_with_two_bodies(stream, rng):
+def test_gpu_an_if_else_is_one_node_and_its_replays_are_bit_equal_to_eager_execution(stream, rng):
     a = Affines(rng, stream, [(2.0, 1.0), (-0.5, 0.25)])
-    graph = dop.if_(cell(1, stream), *a.branches()).graph_on(stream)
-    dot = graph.to_dot(verbose=True)
-    assert graph.summary()["by_type"] == {"KERNEL": 1, "CONDITIONAL": 1}
-    assert "deviceop_select" in dot and dot.count("affine") >= 2   # both bodies, inside the node
+    cond = cell(1, stream)
+    graph = dop.if_(cond, *a.branches()).graph_on(stream)
+    assert graph.summary()["by_type"] == {"KERNEL": 1, "CONDITIONAL": 1}  # the select kernel, one IF/ELSE node
+    for v in (1, 0, 3, 0, 0, 1):
+        set_cell(cond, v, stream)
+        a.clear()
+        dop.if_(cond, *a.branches()).sync_on(stream)
+        eager = a.result().copy()
+        a.clear()
+        graph.replay()
+        replayed = a.result()
+        assert replayed.tobytes() == eager.tobytes()
+        assert_result(replayed, a.expect(0 if v else 1))
     graph.close()
 
 

@@ -59,6 +59,7 @@ extern "C" __global__ void deviceop_select(cudaGraphConditionalHandle h, const i
         cudaGraphSetConditional(h, picked == (unsigned int)which ? 1u : 0u);
 }
 """
+_SELECT_SIGNATURE = ["uint64", ptr("int32"), "int32", "int32", "int32"]
 _ONE_THREAD = LaunchConfig(1, 1)
 _select: dict = {}  # (device type, ordinal) -> the deviceop_select Function
 
@@ -68,7 +69,7 @@ def _select_function(device):
     fn = _select.get(key)
     if fn is None:
         mod = load_module(compile_cubin(_SELECT_SOURCE, arch=device.arch, filename="deviceop_select.cu"), device)
-        fn = _select[key] = mod.get_function("deviceop_select", ["uint64", ptr("int32"), "int32", "int32", "int32"])
+        fn = _select[key] = mod.get_function("deviceop_select", _SELECT_SIGNATURE)
     return fn
 
 
