@@ -59,8 +59,8 @@ from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value
 from . import api
 from .foreign import ForeignOp, HostCallback, foreign, host_callback
 from .kernel import In, InOut, Kernel, KernelLaunch, Out, Scalar, precompile
-from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, Module, Scope, Workspace,
-                    default_sizes, loop, while_)
+from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, MemcpyNode, MemsetNode,
+                    Module, Scope, Workspace, default_sizes, if_, loop, switch, while_)
 
 __version__ = "0.1.0"
 
@@ -78,8 +78,9 @@ __all__ = [
     "Partition", "SharedTensor", "Tensor", "as_tensor", "empty", "from_dlpack", "from_numpy", "zeros",
     "DeviceOp", "DeviceOpVec", "ExecutionContext", "SharedOp", "shared", "value", "zip_",
     "ForeignOp", "HostCallback", "foreign", "host_callback",
-    "In", "InOut", "Kernel", "KernelLaunch", "KernelNode", "Out", "Scalar", "api", "precompile",
+    "In", "InOut", "Kernel", "KernelLaunch", "KernelNode", "MemcpyNode", "MemsetNode", "Out", "Scalar", "api",
+    "precompile",
     "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
-    "CacheStats", "GraphCache", "Workspace", "default_sizes", "loop", "while_",
+    "CacheStats", "GraphCache", "Workspace", "default_sizes", "if_", "loop", "switch", "while_",
 ]
 zip = zip_  # dop.zip(...) reads like the seed's zip!; the builtin is untouched outside this namespace

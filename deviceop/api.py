@@ -1,11 +1,12 @@
 """Value ops: allocation (zeros, ones, full, rand, randn, arange, dup,
-from_numpy, empty) and memcpy.
+from_numpy, empty), memcpy and fill.
 
 Allocation ops are *not* graph-safe: a graph bakes in addresses, and an
 allocation captured into one would hand out a different buffer, or free the
 one the graph still writes.  ``CudaGraph.scope`` refuses them by name and any
-capture rejects them when they run.  ``memcpy`` is graph-safe: it copies
-between buffers that exist before the capture.
+capture rejects them when they run.  ``memcpy`` and ``fill`` are graph-safe: they copy into or set buffers that
+exist before the capture (a MEMCPY or MEMSET node, which
+``graph.node(op)`` can point at other buffers between replays).
 
 Random data is drawn on the host with NumPy's seeded generator and uploaded,
 so a seed gives the same numbers on the GPU and on the reference device.
@@ -156,7 +157,7 @@ class Memcpy(DeviceOp):
         dst = _destination(resolve(self.dst, ctx))  # checked again: clones may have been made since
         src = _tensor_of(resolve(self.src, ctx), "memcpy source")
         _check_copy(dst, src)
-        _copy(dst, src, ctx)
+        _copy(dst, src, ctx, self)
         return dst
 
 
@@ -194,10 +195,83 @@ def _check_copy(dst: Tensor, src: Tensor) -> None:
         raise AliasingError("memcpy between overlapping buffers; copy through a separate buffer")
 
 
-def _copy(dst: Tensor, src: Tensor, ctx) -> None:
+def _copy(dst: Tensor, src: Tensor, ctx, op=None) -> None:
     if dst.data_ptr == src.data_ptr or dst.size == 0:
         return
-    ctx.stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)  # a capturing stream records it
-    if ctx.capture is not None:
-        ctx.capture.keep.append((dst, src))  # the graph copies between these buffers at every replay
+    if ctx.capture is not None:  # a MEMCPY node, which keeps both buffers; graph.node(op) can update it
+        ctx.capture.record_copy(ctx.stream, op, dst, src)
+    else:
+        ctx.stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)
     stats["copies"] += 1
+
+
+class Fill(DeviceOp):
+    """Set every element of the existing buffer ``dst`` to ``value`` (graph-safe)."""
+
+    __slots__ = ("dst", "value")
+    graph_safe = True
+    op_name = "api.fill"
+
+    def __init__(self, dst, value):
+        super().__init__()
+        self.dst, self.value = dst, value
+        if isinstance(dst, DeviceOp):
+            dst._armed = False  # run by this fill
+        else:
+            fill_pattern(_destination(dst), value)  # a bad value or buffer fails now, not at execution
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
+
+    def children(self):
+        return (self.dst,) if isinstance(self.dst, DeviceOp) else ()
+
+    def _execute(self, ctx):
+        dst = _destination(resolve(self.dst, ctx))
+        bits, size, count = fill_pattern(dst, self.value)
+        if count == 0:
+            return dst
+        if ctx.capture is not None:  # a MEMSET node; graph.node(op) can update it
+            ctx.capture.record_fill(ctx.stream, self, dst, self.value, bits, size, count)
+        else:
+            memset(ctx.stream, dst.data_ptr, bits, size, count)
+        return dst
+
+
+def fill(dst, value) -> DeviceOp:
+    """Set every element of the existing tensor ``dst`` to ``value`` (a memset on
+    the stream; captured, a MEMSET node): the graph-safe form of ``api.full``."""
+    return Fill(dst, value)
+
+
+def fill_pattern(dst: Tensor, value) -> tuple[int, int, int]:
+    """``(bits, element size, count)``: the memset that sets every element of ``dst``
+    to ``value``.  CUDA sets 1-, 2- or 4-byte elements; an 8-byte value is two
+    4-byte halves, which must then be equal (0, -1 ...)."""
+    dt = dst.dtype
+    if not dst.is_contiguous:
+        raise ShapeError(f"api.fill needs a contiguous tensor, got shape {list(dst.shape)} with strides "
+                         f"{list(dst.strides)}; fill the tensor it is a view of, or a contiguous copy")
+    coerced = dt.coerce(value)  # a DTypeError names a value the type cannot hold
+    if dt.name == "bfloat16":
+        bits = coerced  # (coerce gives a bfloat16's bits)
+    else:
+        bits = int(np.array([coerced], dtype=dt.np).view(np.dtype(f"u{dt.itemsize}"))[0])
+    if dt.itemsize <= 4:
+        return bits, dt.itemsize, dst.size
+    low, high = bits & 0xFFFFFFFF, bits >> 32
+    if low != high:
+        raise DTypeError(f"api.fill({value!r}) of a {dt.name} tensor: CUDA's memset writes 1-, 2- or 4-byte "
+                         f"patterns, and the 8 bytes of {value!r} are not one 4-byte pattern repeated; fill it "
+                         "with a kernel, or copy from a tensor made with api.full")
+    return low, 4, 2 * dst.size
+
+
+def memset(stream, dst: int, bits: int, size: int, count: int) -> None:
+    """``count`` elements of ``size`` bytes at ``dst`` set to ``bits``, ordered on ``stream``."""
+    if size == 1:
+        stream.memset8(dst, bits, count)
+    elif size == 2:
+        stream.memset16(dst, bits, count)
+    else:
+        stream.memset32(dst, bits, count)

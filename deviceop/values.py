@@ -23,7 +23,7 @@ def launched_kernels(op) -> list:
         if getattr(o, "kernel", None) is not None:
             names.append(o.describe())
         elif graph is not None and hasattr(graph, "_nodes"):
-            names.extend(n.label for n in graph._nodes)
+            names.extend(n.label for n in graph._nodes if hasattr(n, "kernel"))  # its kernel nodes
         core = getattr(o, "core", None)  # a shared op: what it runs, also once it has run
         stack.extend(reversed((core.op,) if core is not None else o.children()))
     return names

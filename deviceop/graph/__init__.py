@@ -1,18 +1,21 @@
 """Graphs: CudaGraph and Scope (capture, replay, recapture), the kernel nodes of
-a captured graph, device loops, the shape-keyed GraphCache, and Module/GraphModel.
+a captured graph, device loops and branches, the shape-keyed GraphCache, and Module/GraphModel.
 
 The top layer: it imports the ones below, and installs ``CudaGraph.capture``
 as what ``op.graph_on(stream)`` calls, so that the op layer never imports it.
 """
 from .. import op as _op
+from .branches import if_, switch
 from .cache import CacheStats, GraphCache, Workspace, default_sizes
 from .capture import Capture
+from .copy_nodes import MemcpyNode, MemsetNode
 from .cudagraph import CudaGraph, GraphLaunch, Scope
 from .loops import Loop, While, loop, while_
 from .model import GraphModel, Module
-from .nodes import KernelNode
+from .nodes import KernelNode, Node
 
 _op._capture_graph = CudaGraph.capture
 
 __all__ = ["CacheStats", "Capture", "CudaGraph", "GraphCache", "GraphLaunch", "GraphModel", "KernelNode", "Loop",
-           "Module", "Scope", "While", "Workspace", "default_sizes", "loop", "while_"]
+           "MemcpyNode", "MemsetNode", "Module", "Node", "Scope", "While", "Workspace", "default_sizes", "if_", "loop",
+           "switch", "while_"]

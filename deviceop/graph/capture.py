@@ -1,9 +1,11 @@
 """The state of one capture in progress, and how a launch becomes a node."""
 from __future__ import annotations
 
+from ..api import memset
 from ..errors import GraphSafetyError
 from ..kernel import KernelLaunch
 from ..op import DeviceOp, SharedOp
+from .copy_nodes import MemcpyNode, MemsetNode
 from .nodes import KernelNode
 
 
@@ -20,7 +22,7 @@ class ReplayCheck:
 
 class Capture:
     """State of one capture in progress: what the graph must keep alive and
-    the kernel nodes recorded so far.
+    the nodes recorded so far (kernels, copies, fills), by the op that made each.
 
     It also knows what executing into it may change, so that a capture that
     fails (or whose graph is never made) can hand it back with ``undo()``: the
@@ -56,6 +58,22 @@ class Capture:
                           stream.device.graphs.last_node(stream), head=head)
         self.nodes.append(node)
         self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
+
+    def record_copy(self, stream, op, dst, src) -> None:
+        """Record ``op``'s copy from ``src`` into ``dst`` on the capturing ``stream``: a
+        MEMCPY node, which ``graph.node(op).set(dst=..., src=...)`` can point elsewhere."""
+        stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)
+        self._add(op, MemcpyNode(dst, src, stream.device.graphs.last_node(stream)))
+
+    def record_fill(self, stream, op, dst, value, bits: int, size: int, count: int) -> None:
+        """Record ``op``'s memset of ``dst``: a MEMSET node (``graph.node(op).set(...)``)."""
+        memset(stream, dst.data_ptr, bits, size, count)
+        self._add(op, MemsetNode(dst, value, stream.device.graphs.last_node(stream)))
+
+    def _add(self, op, node) -> None:
+        self.nodes.append(node)
+        if op is not None:
+            self.by_launch[op] = node  # the node keeps its buffers alive, and the graph keeps its nodes
 
     def undo(self) -> None:
         """Leave no op marked as executed by this capture: every shared op it ran

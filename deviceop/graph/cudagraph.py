@@ -20,7 +20,7 @@ from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError
 from ..execution import SCOPE
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, warn_if_unexecuted
 from .capture import Capture, ReplayCheck, preload
-from .nodes import KernelNode
+from .nodes import KernelNode, Node
 from .render import render_dot
 
 
@@ -170,22 +170,24 @@ class CudaGraph:
             raise StateError("this CudaGraph was closed; capture a new one")
 
     # -- kernel nodes and updates ----------------------------------------------------
-    def node(self, launch) -> KernelNode:
-        """The kernel node a launch op became in this graph (see deviceop.nodes)."""
+    def node(self, launch) -> Node:
+        """The node an op became in this graph: a kernel launch's KernelNode (see
+        deviceop.nodes), an ``api.memcpy``'s MemcpyNode, an ``api.fill``'s MemsetNode."""
         self._check_open()
         node = self._by_launch.get(launch)
         if node is None:
             if isinstance(launch, DeviceOp):
                 launch.discard()  # the error says it was never captured; no warning on top
             what = launch.describe() if isinstance(launch, DeviceOp) else type(launch).__name__
-            raise StateError(f"{what} was not captured into this graph: pass the launch op itself "
-                             "(the one that was executed), e.g. keep it in a variable before composing")
+            raise StateError(f"{what} was not captured into this graph: pass the op itself (a kernel launch, "
+                             "api.memcpy or api.fill: the one that was executed), e.g. keep it in a variable "
+                             "before composing")
         return node
 
     def kernel_nodes(self) -> list[KernelNode]:
         """Every kernel node, in capture order."""
         self._check_open()
-        return list(self._nodes)
+        return [n for n in self._nodes if isinstance(n, KernelNode)]
 
     def recapture(self, work, *, reinstantiate: bool = True) -> str:
         """Capture ``work`` again — an op, or a scope body ``f(s)`` — and update
@@ -219,6 +221,9 @@ class CudaGraph:
         with self._lock:
             reason = graphs.update(self._exec, graph, cap.label)
             if reason is None:
+                for node in self._nodes:  # the new capture's nodes are on, as the nodes it reports say
+                    if not node._enabled:
+                        graphs.set_enabled(self._exec, node.handle, True, node.label)
                 for node, origin in zip(cap.nodes, self._origin):
                     node.handle = origin  # exec's nodes keep the names of the graph it was instantiated from
                 graphs.destroy(self._shown)

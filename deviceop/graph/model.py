@@ -7,6 +7,7 @@ from ..execution import _tls
 from ..tensor import SharedTensor, Tensor
 from .. import api
 from .cudagraph import CudaGraph
+from .nodes import KernelNode
 
 
 class Module:
@@ -34,7 +35,8 @@ class GraphModel(Module):
         try:
             self.graph.stream.synchronize()
         except KernelFaultError as exc:
-            raise exc.naming("GraphModel.forward", [n.label for n in self.graph._nodes]) from None
+            kernels = [n.label for n in self.graph._nodes if isinstance(n, KernelNode)]
+            raise exc.naming("GraphModel.forward", kernels) from None
         return self.output
 
     def forward_async(self, x):

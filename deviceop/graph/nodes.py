@@ -1,4 +1,5 @@
-"""The kernel nodes of a captured graph, and changing their arguments between replays.
+"""The kernel nodes of a captured graph, and changing their arguments between replays;
+what every node deviceop hands out has (``Node``: its graph, its driver handle, ``enabled``).
 
 Every kernel launch deviceop records into a graph keeps the handle of the node
 the driver made for it: right after the launch, ``cuStreamGetCaptureInfo``
@@ -20,29 +21,80 @@ ranks, layouts, aliasing, the kernel's own rules), on the whole would-be
 argument set and before anything changes, with the launches' verdict cache: a
 scalar-only change to arguments seen before takes a short path that packs the
 new value into the node's parameter buffer.
+
+``graph.node(step).enabled = False`` switches the node off for the next
+replays (cuGraphNodeSetEnabled: it does nothing, as an empty node, until it is
+switched on again), also without re-instantiating.
 """
 from __future__ import annotations
 
 import struct
 import weakref
 
+import numpy as np
+
 from ..errors import DTypeError, LaunchError, StateError
 from ..kernel import checked_launch
 
 
-class KernelNode:
+class Node:
+    """A kernel, memcpy or memset node of a captured graph: its ``label``, its place in
+    capture order (``index``), the driver's ``handle``, and ``enabled``."""
+
+    __slots__ = ("label", "index", "handle", "_graph", "_stale", "_enabled")
+
+    def __init__(self, label: str, handle):
+        self.label, self.index, self.handle = label, -1, handle
+        self._graph, self._stale, self._enabled = None, False, True
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the node runs at the next replays.  ``node.enabled = False`` switches
+        it off (it does nothing, as an empty node), ``True`` on again: one driver call
+        (cuGraphNodeSetEnabled), no recapture, no re-instantiation; its parameters stay."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on) -> None:
+        if not isinstance(on, (bool, np.bool_)):
+            raise DTypeError(f"{self.label}: enabled takes True or False, got {type(on).__name__} {on!r}")
+        graph = self._live_graph()
+        self._check_handle("switched on or off")
+        graph._graphs.set_enabled(graph._exec, self.handle, bool(on), self.label)
+        self._enabled = bool(on)
+
+    def _check_handle(self, what: str) -> None:
+        if self.handle is None:
+            raise StateError(f"the driver did not report a node for {self.label} during capture "
+                             f"(the capture stream had several dependencies), so it cannot be {what}")
+
+    def _live_graph(self):
+        graph = self._graph() if self._graph is not None else None
+        if graph is None or graph._closed:
+            raise StateError(f"the graph of node {self.label} was closed; nodes live as long as their graph")
+        if self._stale:
+            raise StateError(f"node {self.label} belongs to a capture this graph replaced (recapture); "
+                             "take the node of the new op: graph.node(op)")
+        return graph
+
+    def _attach(self, graph, index: int) -> None:
+        self._graph, self.index = weakref.ref(graph), index
+
+
+class KernelNode(Node):
     """One kernel node of a captured graph (see the module docstring)."""
 
-    __slots__ = ("kernel", "generics", "label", "index", "handle", "mutable", "values", "launch_args",
-                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_graph", "_stale", "_head")
+    __slots__ = ("kernel", "generics", "mutable", "values", "launch_args",
+                 "_function", "_config", "_params", "_buf", "_ptrs", "_fast", "_head")
 
     def __init__(self, kernel, generics, label, values, launch_args, mutable, function, config, handle, *, head):
         # capture pays only for these attributes: the parameter buffer is made on the first set()
-        self.kernel, self.generics, self.label = kernel, generics, label
+        super().__init__(label, handle)
+        self.kernel, self.generics = kernel, generics
         self._head = head  # the launch key's (device, generics, pdl, cooperative): see kernel.checked_launch
-        self.index, self.handle, self.mutable = -1, handle, mutable
+        self.mutable = mutable
         self.values, self.launch_args = list(values), list(launch_args)
-        self._function, self._config, self._graph, self._stale = function, config, None, False
+        self._function, self._config = function, config
         self._params = self._buf = self._ptrs = self._fast = None
 
     def _prepare(self) -> None:
@@ -193,25 +245,12 @@ class KernelNode:
     def _commit(self, graph, saved: bytes, launch_args) -> None:
         if self.handle is None:
             self._buf[:len(saved)] = saved
-            raise StateError(f"the driver did not report a node for {self.label} during capture "
-                             "(the capture stream had several dependencies), so it cannot be updated")
+            self._check_handle("updated")
         try:
             graph._graphs.set_kernel_node(graph._exec, self.handle, self._params, launch_args, self.label)
         except BaseException:
             self._buf[:len(saved)] = saved  # the node keeps its previous arguments
             raise
-
-    def _live_graph(self):
-        graph = self._graph() if self._graph is not None else None
-        if graph is None or graph._closed:
-            raise StateError(f"the graph of node {self.label} was closed; nodes live as long as their graph")
-        if self._stale:
-            raise StateError(f"node {self.label} belongs to a capture this graph replaced (recapture); "
-                             "take the node of the new launch: graph.node(launch)")
-        return graph
-
-    def _attach(self, graph, index: int) -> None:
-        self._graph, self.index = weakref.ref(graph), index
 
 
 def _coerce(param, value, label):

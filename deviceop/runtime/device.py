@@ -171,6 +171,11 @@ class CudaDevice(Device):
         (WHILE) nodes, which captured loops become?  (CUDA 12.4 drivers and up.)"""
         return driver.conditional_nodes_support()
 
+    def conditional_branches(self) -> tuple[bool, str]:
+        """``(supported, why not)``: can one conditional node hold several bodies (IF/ELSE,
+        SWITCH: CUDA 12.8 drivers and up)?  Without, each branch is an IF node of its own."""
+        return driver.conditional_branches_support()
+
     def synchronize(self) -> None:
         self.bind()
         code = cu.cuCtxSynchronize()[0]

@@ -126,3 +126,18 @@ def conditional_nodes_support() -> tuple[bool, str]:
     if v < 12040:
         return False, f"the driver supports CUDA {v // 1000}.{(v % 1000) // 10} (conditional nodes need 12.4)"
     return True, ""
+
+
+def conditional_branches_support() -> tuple[bool, str]:
+    """``(supported, why not)``: can a conditional node hold several bodies (IF/ELSE,
+    SWITCH)?  They need a CUDA 12.8 driver and bindings that know SWITCH; without,
+    deviceop makes one IF node per branch (runtime/graphs.py's ``capture_branches``)."""
+    ok, why = conditional_nodes_support()
+    if not ok:
+        return ok, why
+    if not hasattr(cu.CUgraphConditionalNodeType, "CU_GRAPH_COND_TYPE_SWITCH"):
+        return False, "these cuda-bindings lack CU_GRAPH_COND_TYPE_SWITCH"
+    v = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
+    if v < 12080:
+        return False, f"the driver supports CUDA {v // 1000}.{(v % 1000) // 10} (IF/ELSE and SWITCH need 12.8)"
+    return True, ""

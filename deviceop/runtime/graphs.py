@@ -1,5 +1,6 @@
 """The driver's graph work, as thin functions: capture, instantiate, launch,
-exec update, kernel-node parameters, conditional WHILE nodes, inspection.
+exec update, node parameters (kernel, memcpy, memset) and switching nodes on
+and off, conditional nodes (WHILE, IF, IF/ELSE, SWITCH), inspection.
 
 A CUDA device's ``graphs`` is this module; the reference device's is an
 object with the same functions over host tapes (runtime/reference.py), so the
@@ -105,6 +106,76 @@ def set_kernel_node(exec_, handle, params, launch_args, label: str) -> None:
         raise_error(code, f"cuGraphExecKernelNodeSetParams({label})")
 
 
+def set_enabled(exec_, handle, on: bool, label: str) -> None:
+    """Switch one kernel, memcpy or memset node of ``exec_`` on or off (a node switched
+    off does nothing at the next replays, as an empty node)."""
+    code = cu.cuGraphNodeSetEnabled(exec_, handle, 1 if on else 0)[0]
+    if code:
+        raise_error(code, f"cuGraphNodeSetEnabled({label})")
+
+
+def set_memcpy_node(exec_, handle, dst: int, src: int, nbytes: int, device, label: str) -> None:
+    """Point one memcpy node of ``exec_`` at other buffers: the node's captured parameters
+    (its memory types) with new addresses and width."""
+    params = check(cu.cuGraphMemcpyNodeGetParams(handle), f"cuGraphMemcpyNodeGetParams({label})")
+    params.dstDevice, params.srcDevice, params.WidthInBytes = dst, src, nbytes
+    code = cu.cuGraphExecMemcpyNodeSetParams(exec_, handle, params, device.context)[0]
+    if code:
+        raise_error(code, f"cuGraphExecMemcpyNodeSetParams({label})")
+
+
+def set_memset_node(exec_, handle, dst: int, value: int, size: int, count: int, device, label: str) -> None:
+    """Point one memset node of ``exec_`` at another buffer and value (``count`` elements of ``size`` bytes)."""
+    params = check(cu.cuGraphMemsetNodeGetParams(handle), f"cuGraphMemsetNodeGetParams({label})")
+    params.dst, params.value, params.elementSize, params.width, params.height = dst, value, size, count, 1
+    code = cu.cuGraphExecMemsetNodeSetParams(exec_, handle, params, device.context)[0]
+    if code:
+        raise_error(code, f"cuGraphExecMemsetNodeSetParams({label})")
+
+
+def _add_conditional(stream, handle, kind, size: int, label: str) -> list:
+    """Add a conditional node of ``kind`` with ``size`` bodies after the capturing
+    ``stream``'s work, by hand (capture cannot make one), and make it the stream's
+    new dependency: the node's body graphs, which the node owns."""
+    info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
+    graph, deps, ndeps = info[2], info[3], info[-1]
+    params = cu.CUgraphNodeParams()
+    params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+    params.conditional.handle = handle
+    params.conditional.type = kind
+    params.conditional.size = size
+    params.conditional.ctx = stream.device.context
+    node = check(cu.cuGraphAddNode(graph, list(deps[:ndeps]), None, ndeps, params), f"cuGraphAddNode({label})")
+    bodies = [params.conditional.phGraph_out[i] for i in range(size)]
+    check(cu.cuStreamUpdateCaptureDependencies(
+        stream.handle, [node], None, 1,
+        cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
+        "cuStreamUpdateCaptureDependencies")
+    return bodies
+
+
+def _new_handle(stream):
+    """A conditional handle of the graph ``stream`` captures into (no default value:
+    the control kernel sets it before its node runs)."""
+    graph = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")[2]
+    return check(cu.cuGraphConditionalHandleCreate(graph, stream.device.context, 0, 0),
+                 "cuGraphConditionalHandleCreate")
+
+
+def _capture_body(stream, body_graph, label: str, run) -> None:
+    """Record ``run(body_stream)`` into a conditional node's ``body_graph``, on a stream
+    of its own (the outer stream stays in its capture)."""
+    body_stream = stream.device.new_stream()
+    check(cu.cuStreamBeginCaptureToGraph(body_stream.handle, body_graph, None, None, 0,
+                                         cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+          "cuStreamBeginCaptureToGraph")
+    try:
+        run(body_stream)
+    finally:
+        code = cu.cuStreamEndCapture(body_stream.handle)[0]
+    check((code,), f"cuStreamEndCapture(body of {label})")
+
+
 def capture_while(stream, label: str, launch_control, host_control, run_body) -> None:
     """Record a conditional WHILE node on the capturing ``stream``.
 
@@ -113,39 +184,47 @@ def capture_while(stream, label: str, launch_control, host_control, run_body) ->
     each iteration of the body); ``run_body(body_stream)`` records the body on a
     stream capturing into the node's child graph.  (``host_control`` is the
     reference device's form of the control kernel; the GPU runs the kernel.)"""
-    info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
-    graph = info[2]
-    context = stream.device.context
-    handle = check(cu.cuGraphConditionalHandleCreate(graph, context, 0, 0), "cuGraphConditionalHandleCreate")
+    handle = _new_handle(stream)
     launch_control(stream, handle, True)
+    body_graph, = _add_conditional(stream, handle, cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE, 1,
+                                   label)
 
-    info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
-    deps, ndeps = info[3], info[-1]
-    params = cu.CUgraphNodeParams()
-    params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-    params.conditional.handle = handle
-    params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-    params.conditional.size = 1
-    params.conditional.ctx = context
-    node = check(cu.cuGraphAddNode(graph, list(deps[:ndeps]), None, ndeps, params), "cuGraphAddNode(WHILE)")
-    body_graph = params.conditional.phGraph_out[0]
-    check(cu.cuStreamUpdateCaptureDependencies(
-        stream.handle, [node], None, 1,
-        cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
-        "cuStreamUpdateCaptureDependencies")
-
-    # The body goes into the node's own graph, captured on a stream of its
-    # own (the outer stream stays in its capture); the node owns that graph.
-    body_stream = stream.device.new_stream()
-    check(cu.cuStreamBeginCaptureToGraph(body_stream.handle, body_graph, None, None, 0,
-                                         cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
-          "cuStreamBeginCaptureToGraph")
-    try:
+    def body(body_stream):
         run_body(body_stream)
         launch_control(body_stream, handle, False)
-    finally:
-        code = cu.cuStreamEndCapture(body_stream.handle)[0]
-    check((code,), f"cuStreamEndCapture(body of {label})")
+    _capture_body(stream, body_graph, label, body)
+
+
+def capture_branches(stream, label: str, kind: str, count: int, several: bool, launch_select, host_select,
+                     run_branch) -> None:
+    """Record ``count`` branches on the capturing ``stream``, of which a device value
+    picks one (or none) at every replay: ``kind`` "if" (the bodies then and, with
+    ``count`` 2, else) or "switch" (body i runs when the value is i).
+
+    ``launch_select(stream, handle, case)`` launches the one-thread kernel that
+    sets a handle from the value; ``run_branch(i, body_stream)`` records body i.
+    With ``several`` (CUDA 12.8 drivers and up) it is one node: IF (1 or 2
+    bodies) or SWITCH, set by one kernel (``case`` -1).  Without, each body is
+    an IF node of its own, whose handle says "this case?" (``case`` i); all the
+    handles are set before the first node runs, so a body that changes the
+    value cannot make a second body run.  (``host_select`` is the reference
+    device's form of the selection.)"""
+    if kind == "if" and count == 1 or several:
+        handle = _new_handle(stream)
+        launch_select(stream, handle, -1)
+        node_type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF if kind == "if" else \
+            cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH
+        bodies = _add_conditional(stream, handle, node_type, count, label)
+        for i, body_graph in enumerate(bodies):
+            _capture_body(stream, body_graph, label, lambda s, i=i: run_branch(i, s))
+        return
+    handles = [_new_handle(stream) for _ in range(count)]
+    for i, handle in enumerate(handles):
+        launch_select(stream, handle, i)
+    for i, handle in enumerate(handles):
+        body_graph, = _add_conditional(stream, handle, cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF, 1,
+                                       f"{label}, case {i}")
+        _capture_body(stream, body_graph, label, lambda s, i=i: run_branch(i, s))
 
 
 def nodes(graph) -> list[dict]:

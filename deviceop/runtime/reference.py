@@ -12,7 +12,6 @@ difference lives.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ from ..dtypes import host_array_from_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver
 from .device import CTX_SYNC, Device
-from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, TapeGraphs
+from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, TapeGraphs
 from .params import ParamLayout, check_param_layout
 from .stream import _CAPTURED_EVENT, _CLOSED, Stream, closed_stream, sync_in_capture
 
@@ -85,6 +84,10 @@ class ReferenceDevice(Device):
 
     def conditional_nodes(self) -> tuple[bool, str]:
         """Always ``(True, "")``: a captured loop replays its body's tape on the host."""
+        return True, ""
+
+    def conditional_branches(self) -> tuple[bool, str]:
+        """Always ``(True, "")``: a captured branch is one tape step, whatever the driver."""
         return True, ""
 
     def new_stream(self, priority: int = 0):
@@ -301,10 +304,13 @@ class ReferenceStream(Stream):
         self._run(_Copy(dst, src, nbytes))
 
     def memset8(self, dst: int, value: int, count: int, call: str = "memset") -> None:
-        ctypes.memset(dst, value, count)
+        self._run(_Memset(dst, value & 0xFF, 1, count))
+
+    def memset16(self, dst: int, value: int, count: int) -> None:
+        self._run(_Memset(dst, value & 0xFFFF, 2, count))
 
     def memset32(self, dst: int, value: int, count: int) -> None:
-        (ctypes.c_int32 * count).from_address(dst)[:] = [value] * count
+        self._run(_Memset(dst, value & 0xFFFFFFFF, 4, count))
 
     def fill(self, array, value) -> None:
         array.fill(value)

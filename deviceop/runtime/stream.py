@@ -181,6 +181,9 @@ class CudaStream(Stream):
         if code:
             raise_error(code, call)
 
+    def memset16(self, dst: int, value: int, count: int) -> None:
+        check(cu.cuMemsetD16Async(dst, value, count, self._live("a memset")), "cuMemsetD16Async")
+
     def memset32(self, dst: int, value: int, count: int) -> None:
         check(cu.cuMemsetD32Async(dst, value, count, self._live("a memset")), "cuMemsetD32Async")
 

@@ -1,21 +1,33 @@
 """The reference device's graphs: a capture records a tape of steps (a kernel's
-NumPy reference with its arguments, a copy, a loop over a body tape, a host
-function: a host callback, or the NumPy reference of foreign work), and a
-graph launch runs them in order.  Steps are updated in place, as a CUDA
-graph's nodes are by cuGraphExecUpdate and cuGraphExecKernelNodeSetParams."""
+NumPy reference with its arguments, a copy, a memset, a loop over a body tape,
+a branch between body tapes, a host function: a host callback, or the NumPy
+reference of foreign work), and a graph launch runs them in order.  Steps are
+updated in place, as a CUDA graph's nodes are by cuGraphExecUpdate and
+cuGraphExec*NodeSetParams; a kernel, copy or memset step that is switched off
+(``enabled`` False, as cuGraphNodeSetEnabled does on a GPU) is skipped."""
 from __future__ import annotations
 
 import ctypes
 
+import numpy as np
+
 from .graphs import capture_failed
 
 
+def run_tape(tape) -> None:
+    """Run a tape's steps in order, skipping those switched off (a step of another
+    module, a collective's, has no switch: it always runs)."""
+    for step in tape:
+        if getattr(step, "enabled", True):
+            step.run()
+
+
 class Kernel:
-    __slots__ = ("fn", "args")
+    __slots__ = ("fn", "args", "enabled")
     kind = "kernel"
 
     def __init__(self, fn, args):
-        self.fn, self.args = fn, args
+        self.fn, self.args, self.enabled = fn, args, True
 
     @property
     def name(self) -> str:
@@ -29,11 +41,11 @@ class Kernel:
 
 
 class Copy:
-    __slots__ = ("dst", "src", "nbytes")
+    __slots__ = ("dst", "src", "nbytes", "enabled")
     kind, name = "memcpy", "memcpy"
 
     def __init__(self, dst, src, nbytes):
-        self.dst, self.src, self.nbytes = dst, src, nbytes
+        self.dst, self.src, self.nbytes, self.enabled = dst, src, nbytes, True
 
     def run(self) -> None:
         ctypes.memmove(self.dst, self.src, self.nbytes)
@@ -42,10 +54,31 @@ class Copy:
         self.dst, self.src, self.nbytes = other.dst, other.src, other.nbytes
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+class Memset:
+    """``count`` elements of ``size`` bytes (1, 2 or 4) at ``dst`` set to the bits ``value``."""
+    __slots__ = ("dst", "value", "size", "count", "enabled")
+    kind, name = "memset", "memset"
+
+    def __init__(self, dst, value, size, count):
+        self.dst, self.value, self.size, self.count, self.enabled = dst, value, size, count, True
+
+    def run(self) -> None:
+        if self.count:
+            words = (ctypes.c_char * (self.size * self.count)).from_address(self.dst)
+            np.frombuffer(words, dtype=_UINT[self.size]).fill(self.value)
+
+    def take(self, other: "Memset") -> None:
+        self.dst, self.value, self.size, self.count = other.dst, other.value, other.size, other.count
+
+
 class Host:
     """A host function: ``kind`` "host" for a host callback (a HOST node on a GPU),
     "graph" for foreign work's NumPy reference (a child GRAPH node there)."""
     __slots__ = ("fn", "name", "kind")
+    enabled = True  # (the driver switches only kernel, memcpy and memset nodes on and off)
 
     def __init__(self, fn, name: str, kind: str):
         self.fn, self.name, self.kind = fn, name, kind
@@ -60,16 +93,19 @@ class Host:
 class While:
     """A conditional WHILE node: ``control(start)`` is the control kernel's test."""
     __slots__ = ("name", "control", "body")
-    kind = "loop"
+    kind, enabled = "loop", True
 
     def __init__(self, name, control, body):
         self.name, self.control, self.body = name, control, body
 
+    @property
+    def bodies(self) -> list:
+        return [self.body]
+
     def run(self) -> None:
         go = self.control(True)
         while go:
-            for step in self.body:
-                step.run()
+            run_tape(self.body)
             go = self.control(False)
 
     def take(self, other: "While") -> None:
@@ -78,8 +114,30 @@ class While:
             mine.take(theirs)
 
 
+class Branch:
+    """A conditional IF or SWITCH node: ``select()`` is the control kernel's choice,
+    the index of the body to run (None: none of them)."""
+    __slots__ = ("name", "select", "bodies")
+    kind, enabled = "branch", True
+
+    def __init__(self, name, select, bodies):
+        self.name, self.select, self.bodies = name, select, bodies
+
+    def run(self) -> None:
+        chosen = self.select()
+        if chosen is not None:
+            run_tape(self.bodies[chosen])
+
+    def take(self, other: "Branch") -> None:
+        self.select = other.select
+        for body, theirs in zip(self.bodies, other.bodies):
+            for mine, step in zip(body, theirs):
+                mine.take(step)
+
+
 def _shape(tape) -> list:
-    return [(s.kind, s.name, _shape(s.body) if s.kind == "loop" else None) for s in tape]
+    return [(s.kind, s.name, [_shape(b) for b in s.bodies] if s.kind in ("loop", "branch") else None)
+            for s in tape]
 
 
 class TapeGraphs:
@@ -110,8 +168,7 @@ class TapeGraphs:
 
     @staticmethod
     def launch(exec_, stream) -> None:
-        for step in exec_:
-            step.run()
+        run_tape(exec_)
 
     @staticmethod
     def update(exec_, graph, label: str) -> str | None:
@@ -141,18 +198,41 @@ class TapeGraphs:
     def set_kernel_node(exec_, handle, params, launch_args, label: str) -> None:
         handle.args = [getattr(a, "_array", a) for a in launch_args]
 
-    def capture_while(self, stream, label: str, launch_control, host_control, run_body) -> None:
+    @staticmethod
+    def set_enabled(exec_, handle, on: bool, label: str) -> None:
+        handle.enabled = on
+
+    @staticmethod
+    def set_memcpy_node(exec_, handle, dst: int, src: int, nbytes: int, device, label: str) -> None:
+        handle.dst, handle.src, handle.nbytes = dst, src, nbytes
+
+    @staticmethod
+    def set_memset_node(exec_, handle, dst: int, value: int, size: int, count: int, device, label: str) -> None:
+        handle.dst, handle.value, handle.size, handle.count = dst, value, size, count
+
+    def _capture_body(self, stream, run) -> list:
+        """The tape ``run(body_stream)`` records on a stream of its own."""
         body_stream = self._stream_type(stream.device)
         body_stream.begin_capture()
         try:
-            run_body(body_stream)
+            run(body_stream)
         finally:
             body, _ = body_stream._end_capture()
-        stream._run(While(label, host_control, body))
+        return body
+
+    def capture_while(self, stream, label: str, launch_control, host_control, run_body) -> None:
+        stream._run(While(label, host_control, self._capture_body(stream, run_body)))
+
+    def capture_branches(self, stream, label: str, kind: str, count: int, several: bool, launch_select,
+                         host_select, run_branch) -> None:
+        """runtime/graphs.py's ``capture_branches``: one step whose ``host_select()`` picks the body."""
+        bodies = [self._capture_body(stream, lambda s, i=i: run_branch(i, s)) for i in range(count)]
+        stream._run(Branch(label, host_select, bodies))
 
     @staticmethod
     def nodes(graph) -> list[dict]:
-        kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL", "host": "HOST", "graph": "GRAPH"}
+        kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL", "branch": "CONDITIONAL", "host": "HOST", "graph": "GRAPH",
+                 "memset": "MEMSET"}
         return [{"type": kinds.get(s.kind, "MEMCPY"), "name": s.name} for s in graph]
 
     @staticmethod
