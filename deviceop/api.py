@@ -20,11 +20,16 @@ from .op import DeviceOp, resolve, stats, warn_if_unexecuted
 from .tensor import SharedTensor, Tensor, _shape_tuple
 
 
+ALLOCATES = ("it allocates (a replay would reuse or free an address the graph baked in). Allocate before "
+             "capturing and pass the buffer in; only kernel launches, api.memcpy, loops and values are graph-safe")
+
+
 class AllocOp(DeviceOp):
     """An op that allocates a new tensor."""
 
     __slots__ = ("shape", "dtype", "make", "name")
     graph_safe = False
+    unsafe_reason = ALLOCATES
 
     def __init__(self, name: str, shape, dtype, make):
         super().__init__()
@@ -104,6 +109,7 @@ class Dup(DeviceOp):
 
     __slots__ = ("src",)
     graph_safe = False
+    unsafe_reason = ALLOCATES
     op_name = "api.dup"
 
     def __init__(self, src):

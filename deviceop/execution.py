@@ -49,6 +49,26 @@ if sys.getrecursionlimit() < RECURSION_LIMIT:
     sys.setrecursionlimit(RECURSION_LIMIT)
 
 
+_SHOWN = 6  # wrappers a long chain's description shows at each end
+
+
+def describe_chain(op) -> str:
+    """The description of a wrapper op (``x.map.reshape[2, 3]``, ``shared(boxed(x))``), made
+    without recursion: errors about a chain too deep to execute must describe it too.  A
+    chain of more than ``2 * _SHOWN`` wrappers shows its innermost op, the wrappers at
+    each end and how many are left out."""
+    parts = []
+    while True:
+        wrapped = op._wrapped()
+        if wrapped is None:
+            break
+        prefix, op, suffix = wrapped
+        parts.append((prefix, suffix))
+    if len(parts) > 2 * _SHOWN:
+        parts = parts[:_SHOWN] + [("", f"...({len(parts) - 2 * _SHOWN} more)...")] + parts[-_SHOWN:]
+    return "".join(p for p, _ in parts) + op.describe() + "".join(s for _, s in reversed(parts))
+
+
 def too_deep(op, exc: RecursionError) -> StateError:
     """The error of an execution that ran past Python's recursion limit."""
     return StateError(
@@ -105,10 +125,11 @@ class _SharedCore:
     A context belongs to one thread (executions are non-reentrant, and a
     capture scope records only from the thread that opened it)."""
 
-    __slots__ = ("op", "done", "failed", "result", "claims")
+    __slots__ = ("op", "done", "failed", "result", "claims", "error")
 
     def __init__(self, op):
         self.op, self.done, self.failed, self.result, self.claims = op, False, False, None, []
+        self.error = None  # what the op raised when it failed: every other consumer's error is chained to it
 
     def wake(self) -> None:
         """Wake the executions waiting for the run (``done`` or ``failed`` is set)."""
@@ -125,7 +146,7 @@ class _SharedCore:
         """Back to unclaimed, the result dropped: what a failed capture does to a
         cell it ran, whose result is a buffer only the discarded graph would fill."""
         self.done = self.failed = False
-        self.result, self.claims = None, []
+        self.result, self.claims, self.error = None, [], None
 
     def wait(self, ctx):
         """The result of a run another execution claimed (see the class docstring)."""
@@ -141,9 +162,20 @@ class _SharedCore:
             raise self._failed_error()
         return self.result
 
+    def fail(self, exc: BaseException) -> None:
+        """The run raised ``exc``: remember it (the waiters' errors are chained to it) and wake them."""
+        self.error, self.failed = exc, True
+        self.claims[0] = None
+        self.wake()
+
     def _failed_error(self) -> StateError:
-        return StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
-                          "result; build the op again")
+        """What every consumer but the one that ran the op sees: a StateError whose cause is the original."""
+        cause = self.error
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        err = StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no result"
+                         f"{why}, the cause of this error; build the op again")
+        err.__cause__ = cause
+        return err
 
 
 def warn_if_unexecuted(op) -> None:

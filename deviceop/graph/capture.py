@@ -27,10 +27,7 @@ class Capture:
     def check_graph_safe(self, op: DeviceOp) -> None:
         bad = op.unsafe_for_graphs(self.fresh)
         if bad is not None:
-            raise GraphSafetyError(
-                f"{bad.describe()} cannot be recorded into a graph: it allocates (a replay would reuse or free "
-                "an address the graph baked in). Allocate before capturing and pass the buffer in; only kernel "
-                "launches, api.memcpy and values are graph-safe")
+            raise GraphSafetyError(f"{bad.describe()} cannot be recorded into a graph: {bad.unsafe_reason}")
 
     def record_launch(self, stream, launch, head, values, launch_args, plan) -> None:
         """Record a checked kernel launch on the capturing ``stream``: it becomes a

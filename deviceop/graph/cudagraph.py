@@ -190,6 +190,8 @@ class CudaGraph:
         topology or a node's kind changed) the graph is re-instantiated, or
         GraphUpdateError is raised with ``reinstantiate=False`` (the graph then
         keeps its old work).  Returns ``"updated"`` or ``"reinstantiated"``."""
+        if isinstance(work, DeviceOp):
+            work.discard()  # handed over: if it cannot be captured here, the error says so
         self._check_open()
         stream = self._stream
         if isinstance(work, DeviceOp):
@@ -300,11 +302,17 @@ class CudaGraph:
         return f"<CudaGraph {state}>"
 
 
+_NOT_A_CHILD_GRAPH = ("it launches another graph, and deviceop does not record a graph launch as a node of "
+                      "another graph (child graph nodes are not supported yet): replay that graph before or after "
+                      "this capture (graph.replay()), or capture the ops it was made of into this graph")
+
+
 class GraphLaunch(DeviceOp):
     """One replay of a graph, as an op."""
 
     __slots__ = ("graph",)
     graph_safe = False  # a graph launch is not a node of another capture here
+    unsafe_reason = _NOT_A_CHILD_GRAPH
     op_name = "graph.launch"
 
     def __init__(self, graph: CudaGraph):
@@ -316,7 +324,7 @@ class GraphLaunch(DeviceOp):
 
     def _execute(self, ctx):
         if ctx.capture is not None:
-            raise GraphSafetyError("a graph launch cannot be recorded into another graph")
+            raise GraphSafetyError(f"graph.launch() cannot be recorded into a graph: {_NOT_A_CHILD_GRAPH}")
         self.graph._replay(ctx.stream)
         return None
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..api import ALLOCATES
 from ..compile import compile_cubin
 from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
 from ..op import DeviceOp, ExecutionContext, value
@@ -157,9 +158,10 @@ class _Loop(DeviceOp):
         bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
         if bad is not None:
             where = "captured" if capturing else "run"
-            raise GraphSafetyError(f"the body of {self._label} contains {bad.describe()}, which allocates or "
-                                   f"synchronizes; a loop body may only launch kernels and copy (it is {where} "
-                                   "as one conditional graph node): allocate before the loop and pass buffers in")
+            raise GraphSafetyError(f"the body of {self._label} contains {bad.describe()}, which a loop body cannot "
+                                   f"hold (it is {where} as one conditional graph node, so it may only launch "
+                                   f"kernels and copy): " + (f"it allocates; allocate before the loop and pass the "
+                                   "buffers in" if bad.unsafe_reason is ALLOCATES else bad.unsafe_reason))
         return op
 
     def _execute(self, ctx: ExecutionContext):
