@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+from threading import get_ident
 
 from .errors import LaunchError, ReentrancyError, StateError, UnexecutedOpWarning
-from .runtime.stream import not_a_stream
+from .runtime.stream import captured_elsewhere, not_a_stream
 
-_tls = threading.local()
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
 
@@ -83,33 +83,72 @@ def too_deep(op, exc: RecursionError) -> StateError:
 SCOPE = "CudaGraph.scope"  # what an open capture scope holds the execution lock as
 
 
+# thread ident -> the ``executing`` that holds that thread's execution lock.  A dict, not a
+# thread-local: a capture beginning on a stream looks here for other threads' executions
+# on it, and a scope collected on another thread can give its thread's lock back.
+_running: dict = {}
+
+
+def executing_now():
+    """What holds this thread's execution lock (an ``executing``), or None."""
+    return _running.get(get_ident())
+
+
+def refuse_reentry(what, current) -> ReentrancyError:
+    """The error of executing ``what`` while ``current`` (an ``executing``) runs on this thread."""
+    what = what if isinstance(what, str) else what()
+    current = current.what if isinstance(current.what, str) else current.what()
+    fix = ("Inside a capture scope, record the op with s.record(op) (it runs as it is recorded), or "
+           "execute it after the scope ends" if current == SCOPE else
+           "Compose with .then(...) instead of executing inside a callback")
+    if what.startswith("graph.replay()"):
+        fix = "Replay the graph before or after that execution (or capture), not inside it"
+    return ReentrancyError(f"{what} was called while {current} is executing on this thread; "
+                           f"DeviceOp execution is non-reentrant. {fix}")
+
+
 class executing:
-    """Hold the thread's execution lock (non-reentrant, as in cutile-rs).
+    """Hold the thread's execution lock (non-reentrant, as in cutile-rs): ``what`` is a
+    string, or a callable that makes one (only for the error).
+
+    With a ``stream`` (eager executions) the execution is also work enqueued on that
+    stream: it is refused while another thread captures the stream (``captured_elsewhere``).
+    The execution is in ``_running`` before it looks for a capture, and a capture notes
+    itself on the stream before it looks in ``_running`` (graph.CudaGraph._begin_or_abort):
+    of the two, at least one sees the other.
 
     A class, not a @contextmanager generator: it is entered on every
     execution, and a generator-based context manager costs ~1 us more."""
 
-    __slots__ = ("what",)
+    __slots__ = ("what", "stream", "ident", "thread")  # thread: set by a scope, which may outlive it
 
-    def __init__(self, what):
-        self.what = what
+    def __init__(self, what, stream=None):
+        self.what, self.stream = what, stream
 
     def __enter__(self):
-        current = getattr(_tls, "executing", None)
-        if current:
-            what = self.what if isinstance(self.what, str) else self.what()
-            current = current if isinstance(current, str) else current()
-            fix = ("Inside a capture scope, record the op with s.record(op) (it runs as it is recorded), or "
-                   "execute it after the scope ends" if current == SCOPE else
-                   "Compose with .then(...) instead of executing inside a callback")
-            raise ReentrancyError(f"{what} was called while {current} is executing on this thread; "
-                                  f"DeviceOp execution is non-reentrant. {fix}")
-        _tls.executing = self.what  # a string, or a callable that makes one (only for the error)
+        self.ident = ident = get_ident()
+        current = _running.get(ident)
+        if current is not None:
+            holder = getattr(current, "thread", None)
+            if holder is None or holder.is_alive():  # else a scope left open by a thread that ended: stale
+                raise refuse_reentry(self.what, current)
+        _running[ident] = self
+        stream = self.stream
+        if stream is not None and getattr(stream, "_captured_by", None) is not None:
+            owner = stream._captured_by
+            if owner is not None and owner[0] != ident:
+                del _running[ident]
+                raise captured_elsewhere(self.what if isinstance(self.what, str) else self.what(), owner)
         return self
 
     def __exit__(self, *exc):
-        _tls.executing = None
+        _running.pop(self.ident, None)
         return False
+
+    def release_from_anywhere(self) -> None:
+        """Give the lock back from any thread (a scope collected without ``__exit__``)."""
+        if _running.get(self.ident) is self:
+            _running.pop(self.ident, None)
 
 
 class _SharedCore:

@@ -21,7 +21,7 @@ from .errors import KernelFaultError, StateError
 from .runtime.device import Device
 from .tensor import Tensor
 from .values import _first, _last, _reshape, _selector, _unpartition, launched_kernels, reshape_dims, unzip_count
-from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, _tls, check_stream, describe_chain,  # noqa: F401
+from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, check_stream, describe_chain,  # noqa: F401
                         executing, not_a_stream, stats, too_deep, warn_if_unexecuted)
 
 # How an op becomes a graph (CudaGraph.capture): installed by deviceop.graph, the layer above,
@@ -98,7 +98,7 @@ class DeviceOp:
     def sync_on(self, stream):
         """Execute on ``stream`` and wait for the device; returns the op's value."""
         self._armed = False  # handed to an execution: if it cannot run, the error says so
-        with executing(lambda: f"sync_on({self.describe()})"):
+        with executing(lambda: f"sync_on({self.describe()})", stream):
             try:
                 out = self._run(ExecutionContext(stream))
             except RecursionError as exc:
@@ -117,7 +117,7 @@ class DeviceOp:
         """Enqueue the work on ``stream`` without waiting; the value's buffers are
         ready once the stream reaches this point."""
         self._armed = False
-        with executing(lambda: f"async_on({self.describe()})"):
+        with executing(lambda: f"async_on({self.describe()})", stream):
             try:
                 return self._run(ExecutionContext(stream))
             except RecursionError as exc:

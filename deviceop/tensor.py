@@ -18,8 +18,8 @@ import numpy as np
 
 from .dtypes import DType, dtype as as_dtype
 from .errors import DTypeError, LaunchError, ShapeError, StateError
-from .memory import (Partition, _Allocation, _Borrow, _owned, _owned_lock, _owner_of, _resolve_shape, _shape_tuple,
-                     _sig_id, _sig_ids, claim)  # noqa: F401 (_sig_ids: tests read the layout-id table here)
+from .memory import (Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
+                     _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
 from .runtime.device import Device, placed
 from .runtime.stream import sync_in_capture
@@ -315,136 +315,6 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
-
-
-# -- shared handles and ownership ------------------------------------------------
-
-class SharedTensor:
-    """An Arc-like, read-only handle to a tensor.
-
-    ``clone()`` makes another live handle; ``release()`` (or the handle being
-    collected) ends one.  ``try_partition(tile)`` turns the *only* live handle
-    into a writable Partition and fails with an OwnershipError while anything
-    else deviceop can see may still reach the buffer — the runtime form of
-    cutile-rs's ``Arc::try_unwrap``:
-
-    * another live handle (counted explicitly — handles made and ended, not
-      CPython reference counts — and per allocation: two handles made from two
-      views of one buffer still count as two);
-    * a live *borrow*: a view made through a handle (``handle.view(...)``, an
-      op's ``.reshape`` of a handle) or a DLPack import of the buffer's memory,
-      counted while that view, or any view made from it, is alive;
-    * memory imported from another framework (``from_dlpack``, ``as_tensor``):
-      its other references are invisible, so it is never claimed.
-
-    A plain Tensor is not tracked: ``tensor.partition`` is a mutable borrow its
-    caller vouches for (docs/robustness.md, "Ownership", says what is and is
-    not enforced).
-    """
-
-    __slots__ = ("_tensor", "_live", "__weakref__")
-
-    def __init__(self, tensor: Tensor):
-        if not isinstance(tensor, Tensor):
-            raise StateError(f"SharedTensor wraps a Tensor, got {type(tensor).__name__}")
-        self._tensor = tensor
-        alloc = tensor._alloc
-        with alloc.lock:
-            alloc.handles += 1
-        self._live = True
-
-    @property
-    def tensor(self) -> Tensor:
-        """The tensor, for reading (launch inputs).  It is a plain Tensor: views of
-        it are not counted as borrows; make views with ``handle.view(...)``."""
-        if not self._live:
-            raise StateError("this SharedTensor handle was released or consumed by try_partition: take a fresh "
-                             "handle with .clone() of a live one (before releasing it), or tensor.into_shared()")
-        return self._tensor
-
-    @property
-    def live_handles(self) -> int:
-        """Live handles to this buffer's allocation (this one included, if live)."""
-        return self._tensor._alloc.handles
-
-    def clone(self) -> "SharedTensor":
-        return SharedTensor(self.tensor)  # a dead handle cannot be cloned
-
-    def release(self) -> None:
-        """End this handle (idempotent)."""
-        if self._live:
-            self._live = False
-            alloc = self._tensor._alloc
-            with alloc.lock:
-                alloc.handles -= 1
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:
-            pass
-
-    def _exclusive(self, what: str, consume: bool) -> Tensor:
-        """The tensor, if this is the only way deviceop can see to reach the buffer
-        (the handle ended with the lock held when ``consume``); else OwnershipError."""
-        tensor = self.tensor
-        alloc = tensor._alloc
-
-        def end():
-            alloc.handles -= 1
-            self._live = False
-        claim(alloc, tensor._borrow, what, f"{tensor.dtype.name} buffer {tensor.shape}", end if consume else None)
-        return tensor
-
-    def try_partition(self, tile_shape) -> Partition:
-        """Claim the buffer for writing: succeeds only if nothing else deviceop can
-        see reaches it (see the class docstring).
-
-        The handle is consumed (like a Rust move); the partition's tensor is
-        the buffer, writable by one launch."""
-        tensor = self.tensor
-        part = Partition(tensor, tile_shape)  # a bad tile fails before the handle is consumed
-        alloc = tensor._alloc
-        with alloc.lock:  # the common case inline (a claim is made per buffer per forward built)
-            if alloc.handles == 1 and not alloc.borrows and not alloc.external:
-                alloc.handles -= 1
-                self._live = False
-                return part
-        self._exclusive("try_partition", consume=True)
-        return part
-
-    def check_writable(self, what: str) -> Tensor:
-        """The tensor, for a write through this handle (``api.memcpy`` into it):
-        allowed when ``try_partition`` would be, without consuming the handle
-        (cutile-rs's ``Arc::get_mut``).  Raises OwnershipError otherwise."""
-        return self._exclusive(what, consume=False)
-
-    # read-only conveniences, all through .tensor
-    @property
-    def shape(self):
-        return self.tensor.shape
-
-    @property
-    def dtype(self):
-        return self.tensor.dtype
-
-    def view(self, *shape) -> Tensor:
-        """A view of the buffer, counted as a borrow while it (or a view made from
-        it) is alive: ``try_partition`` on any handle to the buffer waits for it."""
-        tensor = self.tensor
-        like = tensor.view(*shape)  # the tensor's cached view: its shape checked once
-        v = like._twin()  # an object of its own: its life is the borrow's
-        v._borrow = _Borrow(tensor._alloc, "a view made through a handle (handle.view / .reshape)")
-        return v
-
-    reshape = view
-
-    def numpy(self, **kw):
-        return self.tensor.numpy(**kw)
-
-    def __repr__(self) -> str:
-        state = f"{self.live_handles} live handle(s)" if self._live else "released"
-        return f"SharedTensor({self._tensor!r}, {state})"
 
 
 _launch.tensor_type = Tensor  # the launchers' fast path reads a Tensor's pointer without a call

@@ -196,3 +196,100 @@ def test_a_graph_launch_inside_a_capture_is_refused_for_what_it_is(stream, rng, 
 def test_an_allocation_in_a_capture_is_still_refused_as_one(stream):
     with pytest.raises(dop.GraphSafetyError, match=r"api\.zeros.*allocates"):
         zip_(api.zeros([4])).graph_on(stream)
+
+
+# -- graph.replay() inside a callback ------------------------------------------------------------------
+
+def test_graph_replay_inside_a_callback_is_refused_as_any_execution_there(stream, rng):
+    inner, x, y = _inner_graph(stream, rng)
+    before = y.numpy(stream=stream)
+    with pytest.raises(dop.ReentrancyError, match=r"graph\.replay\(\).*non-reentrant"):
+        dop.value(None).inspect(lambda _: inner.replay()).sync_on(stream)
+    other = stream.device.new_stream()
+    z = dop.empty(N, stream=stream)
+    with pytest.raises(dop.ReentrancyError, match=r"graph\.replay\(\)"):  # during another capture
+        zip_(scale(z, x), dop.value(None).inspect(lambda _: inner.replay(other))).graph_on(other)
+    with pytest.raises(dop.ReentrancyError, match=r"graph\.replay\(\)"):
+        with CudaGraph.scope(other):
+            inner.replay(other)
+    assert not other.is_capturing()
+    np.testing.assert_array_equal(y.numpy(stream=stream), before)  # it never ran
+    inner.replay()  # outside any execution: runs
+    np.testing.assert_array_equal(y.numpy(stream=stream), 2 * x.numpy(stream=stream))
+
+
+# -- a node whose input handle was released ----------------------------------------------------------
+
+def test_a_node_takes_new_arguments_after_a_handle_it_was_given_is_released(stream, rng):
+    xs = [rng.standard_normal(N).astype(np.float32) for _ in range(3)]
+    handle = upload(xs[0], stream).into_shared()
+    y = dop.empty(N, stream=stream)
+    step = affine(y.partition([128]), handle, 2.0, 0.0).generics([128]).dynamic()
+    graph = step.graph_on(stream)
+    node = graph.node(step)
+    handle.release()  # the handle captured with the launch
+    node.set(alpha=3.0)
+    graph.replay()
+    np.testing.assert_allclose(y.numpy(stream=stream), 3 * xs[0], rtol=1e-6)
+    other = upload(xs[1], stream).into_shared()
+    node.set(x=other)
+    other.release()  # a handle given to set()
+    z = dop.empty(N, stream=stream)
+    node.set(out=z.partition([128]))  # changes only out
+    node.set(alpha=-1.0)
+    graph.replay()
+    np.testing.assert_allclose(z.numpy(stream=stream), -xs[1], rtol=1e-6)
+    again = upload(xs[2], stream).into_shared()
+    node.set(z.partition([128]), again, 0.5, 0.0)  # positionally
+    graph.replay()
+    np.testing.assert_allclose(z.numpy(stream=stream), 0.5 * xs[2], rtol=1e-6)
+    again.release()
+    with pytest.raises(dop.StateError, match="released"):  # a released handle given now is refused
+        node.set(x=again)
+
+
+# -- a scope entered by hand and collected without __exit__ --------------------------------------------
+
+def test_a_scope_collected_without_exit_ends_its_capture_and_gives_the_lock_back(stream, rng, no_unexecuted_warning):
+    xs = rng.standard_normal(N).astype(np.float32)
+    x, y = upload(xs, stream), dop.from_numpy(np.full(N, np.nan, np.float32), stream=stream)
+    computed = scale(y, x).first().unpartition().shared()
+    scope = CudaGraph.scope(stream)
+    scope.__enter__()
+    scope.record(computed.clone())
+    assert stream.is_capturing()
+    del scope
+    gc.collect()
+    assert not stream.is_capturing()
+    assert dop.value(2).map(lambda v: v + 1).sync_on(stream) == 3  # no ReentrancyError: the lock is back
+    assert computed.clone().sync_on(stream) is y  # the recorded op was handed back: it runs now
+    np.testing.assert_array_equal(y.numpy(stream=stream), 2 * xs)
+    with CudaGraph.scope(stream) as s:  # the stream captures again
+        s.record(scale(y, x, 3.0))
+    s.graph.replay()
+    np.testing.assert_array_equal(y.numpy(stream=stream), 3 * xs)
+
+
+def test_a_scope_dropped_by_another_thread_frees_that_threads_lock(device):
+    """The scope is collected on the main thread; the thread that opened it runs work afterwards."""
+    stream = device.new_stream()
+    box, dropped, done = {}, threading.Event(), {}
+
+    def opener():
+        scope = CudaGraph.scope(stream)
+        scope.__enter__()
+        box["scope"] = scope
+        del scope
+        assert dropped.wait(60)
+        done["value"] = dop.value(5).sync_on(device.new_stream())
+
+    t = threading.Thread(target=opener)
+    t.start()
+    while "scope" not in box:
+        threading.Event().wait(0.001)
+    del box["scope"]
+    gc.collect()
+    dropped.set()
+    t.join(60)
+    assert done.get("value") == 5
+    assert not stream.is_capturing()

@@ -17,8 +17,9 @@ from __future__ import annotations
 import threading
 
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
-from ..execution import SCOPE
+from ..execution import SCOPE, _running, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
+from ..runtime.stream import refuse_if_captured_elsewhere
 from .capture import Capture, preload
 from .nodes import KernelNode
 from .render import render_dot
@@ -64,7 +65,7 @@ class CudaGraph:
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
             preload(op, stream.device)
-            graph = cls._begin_or_abort(stream)
+            graph = cls._begin_or_abort(stream, cap.label)
             try:
                 output = op._run(ExecutionContext(stream, cap))
             except BaseException as exc:
@@ -74,7 +75,7 @@ class CudaGraph:
                     raise CaptureError(f"capturing {op.describe()} failed: {exc}") from exc
                 raise  # deviceop errors name their op; user errors and interrupts go on unchanged
             try:
-                return cls._end(stream, cap), output, cap
+                return cls._end_capture(stream, cap), output, cap
             except BaseException:
                 cap.undo()
                 raise
@@ -86,11 +87,24 @@ class CudaGraph:
         return True
 
     @staticmethod
-    def _begin_or_abort(stream):
+    def _begin_or_abort(stream, label: str):
         """``_begin``, ending the capture again if anything interrupts it — also a
-        KeyboardInterrupt that lands after the driver began it, before it returned."""
+        KeyboardInterrupt that lands after the driver began it, before it returned.
+
+        While the capture is open the stream notes which thread captures it
+        (``_captured_by``): eager work other threads enqueue on it is refused instead of
+        being recorded into this graph (execution.executing).  A capture does not begin
+        while another thread is enqueueing work on the stream."""
         if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
             raise CaptureError("this stream is already capturing; end that capture first")
+        me = threading.current_thread()
+        stream._captured_by = (me.ident, me.name, label)  # first, then look: see execution.executing
+        busy = [ident for ident, e in _running.copy().items() if e.stream is stream and ident != me.ident]
+        if busy:
+            stream._captured_by = None
+            raise CaptureError(f"capturing {label}: another thread is executing work on this stream now "
+                               "(sync_on / async_on), which the capture would record into the graph. Capture on a "
+                               "stream of your own (device.new_stream()), or once that work is enqueued")
         try:
             return CudaGraph._begin(stream)
         except BaseException:
@@ -100,7 +114,18 @@ class CudaGraph:
     @staticmethod
     def _abort(stream, graph) -> None:
         """End a failed capture and destroy whatever it recorded."""
-        stream.device.graphs.abort(stream)
+        try:
+            stream.device.graphs.abort(stream)
+        finally:
+            stream._captured_by = None
+
+    @staticmethod
+    def _end_capture(stream, cap: Capture):
+        """``_end``; then other threads may enqueue on the stream again."""
+        try:
+            return CudaGraph._end(stream, cap)
+        finally:
+            stream._captured_by = None
 
     @staticmethod
     def _end(stream, cap: Capture):
@@ -154,11 +179,17 @@ class CudaGraph:
 
     def replay(self, stream=None) -> None:
         """Enqueue one replay now on ``stream`` (default: the graph's own), without
-        building an op: the loop form of ``graph.launch().async_on(stream)``."""
+        building an op: the loop form of ``graph.launch().async_on(stream)``.  Refused
+        inside an execution (an op's callback, a capture scope), as ``sync_on`` there is."""
+        current = executing_now()
+        if current is not None:
+            raise refuse_reentry("graph.replay()", current)
         self._replay(stream if stream is not None else self._stream)
 
     def _replay(self, stream) -> None:
         self._check_open()
+        if getattr(stream, "_captured_by", None) is not None:
+            refuse_if_captured_elsewhere("graph.replay()", stream)
         self._graphs.launch(self._exec, stream)
 
     def _check_open(self) -> None:
@@ -331,7 +362,12 @@ class GraphLaunch(DeviceOp):
 
 class Scope:
     """The recorder of ``CudaGraph.scope``: ``record(op)`` runs a graph-safe op
-    on the capture stream at once (recording it) and returns its value."""
+    on the capture stream at once (recording it) and returns its value.
+
+    A scope entered by hand (``__enter__``) and collected without ``__exit__`` ends
+    its capture as a failed one (nothing of it is kept, every op it ran is handed
+    back) and releases its thread's execution lock, as cuda.core does for a
+    GraphBuilder collected mid-capture."""
 
     def __init__(self, stream, instantiate: bool = True):
         self.stream, self.graph = stream, None
@@ -356,15 +392,28 @@ class Scope:
     def __enter__(self) -> "Scope":
         self._lock_cm = executing(SCOPE)
         self._lock_cm.__enter__()
+        self._lock_cm.thread = threading.current_thread()  # its ident may be reused once it ends
         try:
             self._cap = Capture("CudaGraph.scope")
-            self._graph_handle = CudaGraph._begin_or_abort(self.stream)
+            self._graph_handle = CudaGraph._begin_or_abort(self.stream, self._cap.label)
             self._ctx = ExecutionContext(self.stream, self._cap)
             self._thread = threading.get_ident()
         except BaseException:
             self._lock_cm.__exit__(None, None, None)
             raise
         return self
+
+    def __del__(self):
+        try:
+            if self._ctx is not None:  # entered, never exited: end the capture as a failed one
+                self._ctx = None
+                try:
+                    CudaGraph._abort(self.stream, self._graph_handle)
+                    self._cap.undo()
+                finally:
+                    self._lock_cm.release_from_anywhere()  # the lock of the thread that entered it
+        except Exception:
+            pass
 
     def __exit__(self, exc_type, exc, tb):
         self._ctx = None
@@ -374,7 +423,7 @@ class Scope:
                 self._cap.undo()
                 return False
             try:
-                graph = CudaGraph._end(self.stream, self._cap)
+                graph = CudaGraph._end_capture(self.stream, self._cap)
                 if not self._instantiate:
                     self.recorded = (graph, self._cap)
                     return False

@@ -28,6 +28,7 @@ import weakref
 
 from ..errors import DTypeError, LaunchError, StateError
 from ..kernel import checked_launch
+from ..tensor import SharedTensor
 
 
 class KernelNode:
@@ -41,7 +42,7 @@ class KernelNode:
         self.kernel, self.generics, self.label = kernel, generics, label
         self._head = head  # the launch key's (device, generics, pdl, cooperative): see kernel.checked_launch
         self.index, self.handle, self.mutable = -1, handle, mutable
-        self.values, self.launch_args = list(values), list(launch_args)
+        self.values, self.launch_args = _kept(values, launch_args), list(launch_args)
         self._function, self._config, self._graph, self._stale = function, config, None, False
         self._params = self._buf = self._ptrs = self._fast = None
 
@@ -96,7 +97,7 @@ class KernelNode:
                 raise LaunchError(f"{self.label} takes {len(params)} arguments "
                                   f"({', '.join(p.describe() for p in params)}), got {len(args)}")
             new = list(args)
-            changed = [i for i in range(len(params)) if new[i] is not self.values[i]]
+            changed = [i for i in range(len(params)) if not _same(new[i], self.values[i])]
         else:
             new, changed = list(self.values), []
             index = kernel.param_index
@@ -140,7 +141,7 @@ class KernelNode:
             except BaseException:
                 self._params, self._config = old
                 raise
-        self.values, self.launch_args = new, launch_args  # the graph keeps the new buffers alive
+        self.values, self.launch_args = _kept(new, launch_args), launch_args  # the graph keeps the buffers alive
 
     def _set_fast(self, graph, fast, changes) -> bool:
         """Scalars only, each a float (int) for a float (int) parameter: pack them and
@@ -212,6 +213,18 @@ class KernelNode:
 
     def _attach(self, graph, index: int) -> None:
         self._graph, self.index = weakref.ref(graph), index
+
+
+def _kept(values, launch_args) -> list:
+    """The arguments a node keeps: the output partition (its grid), and for the rest what
+    the kernel reads (a SharedTensor's tensor, not the handle: releasing a handle given
+    to the node must not make its later updates fail; the node keeps the buffer alive)."""
+    return [values[0], *launch_args[1:]]
+
+
+def _same(given, kept) -> bool:
+    """Is an argument given to ``set`` the one the node has (a live handle to its tensor counts)?"""
+    return given is kept or (type(given) is SharedTensor and given._live and given._tensor is kept)
 
 
 def _coerce(param, value, label):

@@ -18,7 +18,8 @@ from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
 from .driver import check
 from .module import CudaModule
-from .stream import _CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, sync_failed
+from .stream import (_CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, refuse_if_captured_elsewhere,
+                     sync_failed)
 
 _instances: dict[tuple[type, int], "Device"] = {}
 _loaded: dict[tuple[int, str], CudaModule] = {}  # (ordinal, program key) -> the module loaded once
@@ -267,6 +268,8 @@ def placed(what: str, device, stream):
             raise not_a_stream(what, stream)
         if home is _CLOSED:
             raise closed_stream(what)
+        if getattr(stream, "_captured_by", None) is not None:  # another thread captures it: not into its graph
+            refuse_if_captured_elsewhere(what, stream)
         if device is None:
             return home, stream
         if device_key(home) != device_key(device):

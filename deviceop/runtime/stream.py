@@ -6,6 +6,8 @@ interoperability, but it is refused for graph capture: CUDA cannot capture it.
 """
 from __future__ import annotations
 
+import threading
+
 from cuda.bindings import driver as cu
 
 from ..errors import CaptureError, CaptureSyncError, LaunchError, StateError
@@ -51,6 +53,23 @@ def not_a_stream(what: str, stream) -> LaunchError:
                        f"another library's), got {'None' if stream is None else type(stream).__name__}")
 
 
+def captured_elsewhere(what: str, owner) -> CaptureError:
+    """The error of work enqueued on a stream that another thread is capturing (``owner``:
+    the ``_captured_by`` the graph layer notes on the stream while its capture is open)."""
+    _, thread, label = owner
+    return CaptureError(f"{what} on a stream that another thread ({thread}) is capturing into a graph "
+                        f"({label}): its work would be recorded into that graph, never run now and run at every "
+                        "replay. Enqueue it on a stream of its own (device.new_stream()), or once that capture "
+                        "has ended")
+
+
+def refuse_if_captured_elsewhere(what: str, stream) -> None:
+    """Refuse work from this thread on ``stream`` while another thread captures it (nothing is enqueued)."""
+    owner = getattr(stream, "_captured_by", None)
+    if owner is not None and owner[0] != threading.get_ident():
+        raise captured_elsewhere(what, owner)
+
+
 def closed_stream(what: str) -> StateError:
     return StateError(f"{what} on a stream that was closed (stream.close()); use a live stream "
                       "(device.new_stream())")
@@ -78,6 +97,9 @@ class Stream:
 
     device = None
     is_legacy = False
+    # (thread ident, thread name, label) while deviceop's graph layer captures on the stream;
+    # eager work from other threads is then refused (refuse_if_captured_elsewhere)
+    _captured_by = None
 
     def synchronize(self) -> None:
         raise NotImplementedError
