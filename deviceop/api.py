@@ -17,6 +17,7 @@ import numpy as np
 from .dtypes import dtype as as_dtype
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
 from .op import DeviceOp, resolve, stats, warn_if_unexecuted
+from .memory import read_only_error
 from .tensor import SharedTensor, Tensor, _shape_tuple
 
 
@@ -174,7 +175,10 @@ def _destination(x) -> Tensor:
     its buffer (a handle is read-only while shared, as an Arc is)."""
     if isinstance(x, SharedTensor):
         return x.check_writable("api.memcpy into a SharedTensor")
-    return _tensor_of(x, "memcpy destination")
+    t = _tensor_of(x, "memcpy destination")
+    if t._alloc.read_only:
+        raise read_only_error("api.memcpy into it", t)
+    return t
 
 
 def _tensor_of(x, what: str) -> Tensor:

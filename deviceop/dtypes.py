@@ -153,6 +153,29 @@ _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
+_FLAGS_OFFSET = 24  # of DLManagedTensorVersioned.flags: after version (2 x uint32), manager_ctx, deleter
+_DLPACK_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+
+
+class DLPackExport:
+    """``obj``'s DLPack export, noting whether its producer flagged it read-only
+    (``read_only``: DLPack 1.0's flag, which only a versioned capsule carries; NumPy
+    refuses to export a read-only array any other way).  Everything else is ``obj``'s."""
+
+    def __init__(self, obj):
+        self.obj, self.read_only = obj, False
+
+    def __getattr__(self, name):
+        return getattr(self.obj, name)
+
+    def __dlpack__(self, *args, **kwargs):
+        capsule = self.obj.__dlpack__(*args, **kwargs)
+        if type(capsule).__name__ == "PyCapsule" and _capsule_name(capsule) == b"dltensor_versioned":
+            base = _capsule_pointer(capsule, b"dltensor_versioned")
+            self.read_only = bool(ctypes.c_uint64.from_address(base + _FLAGS_OFFSET).value & _DLPACK_READ_ONLY)
+        return capsule
+
+
 class _HostImport:
     """``obj``'s DLPack export as NumPy reads it: NumPy has no bfloat16, so a
     bfloat16 capsule is relabelled uint16 (same bits; the caller views the

@@ -65,15 +65,32 @@ class _Allocation:
     checks) and who can reach it (ownership, see SharedTensor): the number of
     live SharedTensor handles, the live *borrows* (views made through a handle,
     imports of its memory through DLPack), and whether another framework owns
-    the memory (``external``: imported, its other references are invisible)."""
+    the memory (``external``: imported, its other references are invisible), and
+    whether it may be written at all (``read_only``: an import its producer flagged so)."""
 
-    __slots__ = ("lo", "hi", "handles", "lock", "borrows", "external", "__weakref__")
+    __slots__ = ("lo", "hi", "handles", "lock", "borrows", "external", "read_only", "__weakref__")
 
-    def __init__(self, lo: int, hi: int, external: bool = False):
+    def __init__(self, lo: int, hi: int, external: bool = False, read_only: bool = False):
         self.lo, self.hi, self.handles = lo, hi, 0
         self.lock = threading.Lock()
         self.borrows = []  # what each live borrow is (one entry per _Borrow alive)
-        self.external = external
+        self.external, self.read_only = external, read_only
+
+
+# The last item of a read-only tensor's layout (Tensor._sig): launch keys of writes
+# into it never equal those of the writable memory it may alias, so they are checked.
+READ_ONLY = "read-only"
+
+
+def read_only_error(what: str, tensor) -> OwnershipError:
+    """The error of writing (``what``) into the read-only import ``tensor``."""
+    return OwnershipError(f"{what}: the {tensor.dtype.name} tensor {tensor.shape} is read-only memory imported "
+                          f"from another framework ({_READ_ONLY_WHY}")
+
+
+_READ_ONLY_WHY = ("its producer exported it with DLPack's read-only flag, or __cuda_array_interface__'s readonly), "
+                  "which deviceop only reads. Write into a buffer deviceop owns: copy it with api.dup(x), or have "
+                  "the producer export it writable")
 
 
 class _Borrow:
@@ -115,6 +132,8 @@ def _owner_of(lo: int, hi: int) -> "_Allocation | None":
 def _why_not_exclusive(alloc: _Allocation, own: "_Borrow | None") -> str | None:
     """What else can reach the allocation besides one handle (and, ``own``, the borrow
     that handle was made from): None when nothing deviceop can see.  Call with its lock."""
+    if alloc.read_only:
+        return f"is read-only memory imported from another framework ({_READ_ONLY_WHY}"
     if alloc.external:
         return ("is memory imported from another framework (from_dlpack / as_tensor), which may still hold and "
                 "use it: deviceop cannot count its references. Copy it into a buffer deviceop owns "

@@ -16,9 +16,9 @@ import math
 
 import numpy as np
 
-from .dtypes import DType, dtype as as_dtype
+from .dtypes import DLPackExport, DType, dtype as as_dtype
 from .errors import DTypeError, LaunchError, ShapeError, StateError
-from .memory import (Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
+from .memory import (READ_ONLY, Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
                      _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
 from .runtime.device import Device, placed
@@ -42,9 +42,11 @@ class Tensor:
                           "dop.empty(shape), dop.from_numpy(array), dop.from_dlpack(obj), or the api ops")
 
     @classmethod
-    def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None, external: bool = False) -> "Tensor":
+    def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None, external: bool = False,
+              read_only: bool = False) -> "Tensor":
         """A tensor over all of ``array``, which owns (or keeps alive) the memory;
-        ``external``: memory another framework owns (an import)."""
+        ``external``: memory another framework owns (an import); ``read_only``: an
+        import its producer flagged read-only (deviceop refuses to write it)."""
         t = object.__new__(cls)
         t._base = t._arr = array
         t.device = device
@@ -56,7 +58,7 @@ class Tensor:
         t._ptr = device.address(array)
         # the allocation's extent: views of one allocation share it, so "can these
         # two alias?" is usually one identity test
-        t._alloc = _Allocation(*(device.extent(array) or t._range()), external)
+        t._alloc = _Allocation(*(device.extent(array) or t._range()), external, read_only)
         t._borrow = None
         if external:
             owner = _owner_of(*t._range())
@@ -66,7 +68,7 @@ class Tensor:
             with _owned_lock:
                 _owned.add(t._alloc)
         t._home_stream = home_stream
-        t._sig = (t._ptr, t._shape, t._strides, t.dtype)
+        t._sig = (t._ptr, t._shape, t._strides, t.dtype) + ((READ_ONLY,) if read_only else ())
         t._sig_id = _sig_id(t._sig)
         t._views = None
         return t
@@ -78,6 +80,8 @@ class Tensor:
         t._ptr, t._shape, t._strides, t._contig = ptr, shape, strides, contiguous
         t._alloc, t._home_stream, t._borrow = self._alloc, self._home_stream, self._borrow
         t._sig, t._views = (ptr, shape, strides, self.dtype), None
+        if self._alloc.read_only:
+            t._sig += (READ_ONLY,)
         t._sig_id = _sig_id(t._sig)
         return t
 
@@ -138,13 +142,18 @@ class Tensor:
             raise StateError("a NumPy array lives in host memory, and zero-copy import (dop.from_dlpack, "
                              "dop.as_tensor) takes device memory: copy it with dop.from_numpy(array)")
         stream = stream or device.default_stream()
-        return cls._wrap(device.import_dlpack(obj, stream), device, home_stream=stream, external=True)
+        export = DLPackExport(obj) if hasattr(obj, "__dlpack__") else obj  # notes DLPack's read-only flag
+        array = device.import_dlpack(export, stream)
+        read_only = getattr(export, "read_only", False) or not getattr(getattr(array, "flags", None), "writeable", True)
+        return cls._wrap(array, device, home_stream=stream, external=True, read_only=read_only)
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
         device = device if device is not None else Device(0)
-        return cls._wrap(device.import_cuda_array(obj), device, external=True)
+        array = device.import_cuda_array(obj)
+        data = obj.__cuda_array_interface__.get("data")  # (pointer, read-only)
+        return cls._wrap(array, device, external=True, read_only=bool(data[1]) if isinstance(data, tuple) else False)
 
     # -- metadata ------------------------------------------------------------
     @property

@@ -39,6 +39,7 @@ from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError,
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
+from ..memory import read_only_error
 from ..tensor import SharedTensor, Tensor
 
 _CONTROL_SOURCE = r"""
@@ -191,6 +192,8 @@ class Loop(_Loop):
         if isinstance(index, SharedTensor):  # the loop writes the index: a shared one must be ours alone
             index.check_writable("dop.loop's index")
         self.index = _int32_cell(index, "the loop index", "dop.from_numpy(np.zeros(1, np.int32))")
+        if self.index._alloc.read_only:
+            raise read_only_error("dop.loop's index (the loop writes it)", self.index)
         if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
             if count < 0 or count > 2**31 - 1:
                 raise ShapeError(f"a loop count must be in [0, 2^31), got {count}")

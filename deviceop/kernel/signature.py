@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..dtypes import DType, dtype as as_dtype
 from ..errors import DTypeError, LaunchError, ShapeError
+from ..memory import read_only_error
 from ..tensor import Partition, SharedTensor, Tensor
 
 LAYOUTS = ("dense", "strided")
@@ -181,6 +182,8 @@ def check_arg(kernel, p: Param, a) -> None:
                 if isinstance(a, (Tensor, SharedTensor)) else ""
             raise LaunchError(f"argument 0 ({p.name}) of {k} must be a Partition{hint}, got {type(a).__name__}")
         t = a.tensor
+        if t._alloc.read_only:  # checked as the launch is built (and whenever a new key is checked)
+            raise read_only_error(f"{k} writes {p.name}", t)
     elif p.role == "in":
         t = _as_tensor_arg(a)
         if not isinstance(t, Tensor):
