@@ -157,6 +157,11 @@ class Memcpy(DeviceOp):
     def children(self):
         return tuple(x for x in (self.dst, self.src) if isinstance(x, DeviceOp))
 
+    def writes(self) -> tuple:
+        """The tensor this copy writes, if it is known before it runs."""
+        dst = self.dst
+        return (dst._tensor,) if isinstance(dst, SharedTensor) else (dst,) if isinstance(dst, Tensor) else ()
+
     def _execute(self, ctx):
         dst = _destination(resolve(self.dst, ctx))  # checked again: clones may have been made since
         src = _tensor_of(resolve(self.src, ctx), "memcpy source")
@@ -203,6 +208,8 @@ def _check_copy(dst: Tensor, src: Tensor) -> None:
 
 
 def _copy(dst: Tensor, src: Tensor, ctx) -> None:
+    if ctx.guard is not None:  # inside a loop's body: not into the loop's index or count
+        ctx.guard.check(dst, "api.memcpy")
     if dst.data_ptr == src.data_ptr or dst.size == 0:
         return
     ctx.stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)  # a capturing stream records it

@@ -8,28 +8,56 @@ import threading
 import warnings
 from threading import get_ident
 
-from .errors import LaunchError, ReentrancyError, StateError, UnexecutedOpWarning
+from .errors import LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
 from .runtime.stream import captured_elsewhere, not_a_stream
 
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
 
 class ExecutionContext:
-    """Where an execution runs: the device and stream, and whether a graph
-    is being captured (then only graph-safe work is allowed)."""
+    """Where an execution runs: the device and stream, whether a graph is being
+    captured (then only graph-safe work is allowed), and the buffers it may read
+    and not write (``guard``: a loop's index and count while its body runs).
+    ``plain`` (neither): kernel launches may take the eager fast path."""
 
-    __slots__ = ("device", "stream", "capture")
+    __slots__ = ("device", "stream", "capture", "guard", "plain")
 
-    def __init__(self, stream, capture=None):
+    def __init__(self, stream, capture=None, guard=None):
         try:
             self.device = stream.device
         except AttributeError:
             raise not_a_stream("running an op (sync_on, async_on, graph.update ...)", stream) from None
         self.stream = stream
         self.capture = capture  # None, or the capture in progress (graph layer)
+        self.guard = guard      # None, or the ReadOnlyBorrows every write is checked against
+        self.plain = capture is None and guard is None
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
+
+
+class ReadOnlyBorrows:
+    """Buffers an execution may read and not write: a loop borrows its index and
+    count read-only while its body runs (the loop itself sets the index; a body that
+    wrote either would run another number of iterations eagerly than captured).
+    Nested loops chain theirs to the enclosing loop's (``outer``)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, label: str, borrowed, outer: "ReadOnlyBorrows | None" = None):
+        mine = tuple((t, label, whose) for t, whose in borrowed if t is not None)
+        self.entries = mine + (outer.entries if outer is not None else ())
+
+    def check(self, tensor, what) -> None:
+        """Refuse (OwnershipError) a write into ``tensor`` by ``what`` (a string, or a callable making one)."""
+        for borrowed, label, whose in self.entries:
+            if tensor.overlaps(borrowed):
+                what = what if isinstance(what, str) else what()
+                raise OwnershipError(
+                    f"{label}'s body writes {whose} ({what} writes into it): a loop borrows its count and index "
+                    "read-only while it runs (the loop sets the index at each iteration, and a body that wrote "
+                    "either would run another number of iterations eagerly than captured). Have the body read "
+                    "them, and write into buffers of its own")
 
 
 def check_stream(what: str, stream) -> None:

@@ -131,3 +131,81 @@ def test_a_read_only_cuda_array_import_is_never_written_on_the_gpu(rng):
     scale(y, ro).sync_on(stream)
     np.testing.assert_array_equal(y.numpy(stream=stream), 2 * xs)
     np.testing.assert_array_equal(cupy.asnumpy(c), xs)
+
+
+# -- a loop borrows its index and count read-only ------------------------------------------------------
+
+_BUMP = r"""extern "C" __global__ void bump_cell(int* c) { c[0] += 1; }"""
+
+
+def _bump_ref(g, c):
+    c[0] += 1
+
+
+bump = dop.Kernel("bump_cell", _BUMP, [dop.Out("c", "int32", rank=1)], block=1, reference=_bump_ref)
+
+
+def int32_cell(v, stream):
+    return dop.from_numpy(np.array([v], np.int32), stream=stream)
+
+
+def _run(op, mode, stream):
+    if mode == "eager":
+        op.sync_on(stream)
+    elif mode == "graph_on":
+        op.graph_on(stream).replay()
+    else:
+        with CudaGraph.scope(stream) as s:
+            s.record(op)
+        s.graph.replay()
+    stream.synchronize()
+
+
+def _writers(stream, index, count, other):
+    """Bodies that write the loop's index or count: (what is written, body builder)."""
+    src = int32_cell(7, stream)
+    return [
+        ("its index", lambda i: bump(i.partition([1]))),                                   # known when built
+        ("its count", lambda i: zip_(bump(other.partition([1])), api.memcpy(count, src))),
+        ("its index", lambda i: dop.value(i).then(lambda t: bump(t.partition([1])))),      # known when it runs
+        ("its count", lambda i: dop.value(None).then(lambda _: api.memcpy(count, src))),
+        ("its index", lambda i: dop.loop(2, i, lambda j: dop.value(None))),                # a nested loop's index
+        ("its index", lambda i: dop.loop(2, other, lambda j: bump(i.partition([1])))),      # inside a nested loop
+        ("its count", lambda i: dop.while_(other, lambda: api.memcpy(count, src))),        # inside a nested while_
+    ]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph_on", "scope"])
+def test_a_loop_body_that_writes_its_index_or_count_is_refused(stream, mode):
+    for k in range(7):
+        index, count, other = int32_cell(-5, stream), int32_cell(3, stream), int32_cell(0, stream)
+        what, body = _writers(stream, index, count, other)[k]
+        with pytest.raises(dop.OwnershipError, match=rf"loop\(count tensor\)'s body writes {what}.*read-only"):
+            _run(dop.loop(count, index, body), mode, stream)
+        assert not stream.is_capturing()
+        assert count.numpy(stream=stream)[0] == 3, f"body {k}: the count was written"
+        if k < 2 or mode != "eager":  # refused before the loop began (an eager loop sets the index first)
+            assert index.numpy(stream=stream)[0] == -5, f"body {k}: the loop began"
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph_on", "scope"])
+def test_a_loop_body_that_writes_a_view_of_the_count_is_refused(stream, mode):
+    cells = dop.from_numpy(np.array([0, 4, 0, 0], np.int32), stream=stream)
+    count, index = cells[1:2], int32_cell(0, stream)
+    body = lambda i: bump(cells[0:2].partition([2]))  # noqa: E731 (overlaps the count)
+    with pytest.raises(dop.OwnershipError, match="writes its count"):
+        _run(dop.loop(count, index, body), mode, stream)
+    np.testing.assert_array_equal(cells.numpy(stream=stream), [0, 4, 0, 0])
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph_on", "scope"])
+def test_a_loop_body_reads_its_index_and_writes_elsewhere_the_same_way_eagerly_and_captured(stream, mode):
+    index, count, seen, last = (int32_cell(v, stream) for v in (0, 4, 0, -1))
+    cond = int32_cell(0, stream)
+    outer = dop.loop(count, index, lambda i: zip_(bump(seen.partition([1])), api.memcpy(last, i),
+                                                  dop.while_(cond, lambda: bump(seen.partition([1])))))
+    _run(outer, mode, stream)
+    assert seen.numpy(stream=stream)[0] == 4 and last.numpy(stream=stream)[0] == 3
+    assert index.numpy(stream=stream)[0] == 4  # the iterations run, counted by the loop alone
+    with pytest.raises(dop.OwnershipError, match="writes its index"):  # a body never run is checked too
+        _run(dop.loop(count, index, lambda i: dop.while_(cond, lambda: bump(i.partition([1])))), mode, stream)

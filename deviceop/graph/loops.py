@@ -36,6 +36,7 @@ import numpy as np
 from ..api import ALLOCATES
 from ..compile import compile_cubin
 from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
+from ..execution import ReadOnlyBorrows
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
@@ -117,6 +118,22 @@ def _body_builder(body):
     return body
 
 
+def _check_known_writes(op, guard) -> None:
+    """Refuse a body whose op tree writes a buffer ``guard`` borrows, where its ops say
+    before they run (``writes()``: kernel launches, copies, loops)."""
+    stack, seen = [op], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        writes = getattr(o, "writes", None)
+        if writes is not None:
+            for t in writes():
+                guard.check(t, o.describe)
+        stack.extend(o.children())
+
+
 class _Loop(DeviceOp):
     """The shared machinery of ``loop`` and ``while_``: eager host loop,
     conditional WHILE node when captured, tape loop on the reference device."""
@@ -150,10 +167,20 @@ class _Loop(DeviceOp):
     def _keep(self) -> tuple:
         return ()
 
+    def _borrowed(self) -> tuple:
+        """``(tensor, whose)`` pairs the body may read and not write (the count and index)."""
+        return ()
+
+    def writes(self) -> tuple:
+        """The tensors the loop itself writes (not its body): a ``loop``'s index."""
+        return ()
+
     # -- execution ----------------------------------------------------------------------
-    def _build_body(self, capture=None) -> DeviceOp:
-        """The body op, checked; ``capture``: the capture it is recorded into (which
-        notes the ops it runs, to hand them back if it fails)."""
+    def _build_body(self, guard, capture=None) -> DeviceOp:
+        """The body op, checked: graph-safe, and writing nothing ``guard`` borrows, as far
+        as its tree says before it runs (what it writes later is checked as it writes);
+        ``capture``: the capture it is recorded into (which notes the ops it runs, to hand
+        them back if it fails)."""
         op = value(self._body(*self._body_args()))
         capturing = capture is not None
         bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
@@ -163,12 +190,27 @@ class _Loop(DeviceOp):
                                    f"hold (it is {where} as one conditional graph node, so it may only launch "
                                    f"kernels and copy): " + (f"it allocates; allocate before the loop and pass the "
                                    "buffers in" if bad.unsafe_reason is ALLOCATES else bad.unsafe_reason))
+        if guard is not None:
+            _check_known_writes(op, guard)
         return op
 
     def _execute(self, ctx: ExecutionContext):
+        outer = ctx.guard
+        if outer is not None:  # a loop inside another's body: it must not write what that one borrows
+            for t in self.writes():
+                outer.check(t, self._label)
+        borrowed = self._borrowed()
+        guard = ReadOnlyBorrows(self._label, borrowed, outer) if borrowed else outer
         if ctx.capture is None:
+            op = self._build_body(guard)  # the first iteration's, checked before the loop begins
+            body_ctx = ExecutionContext(ctx.stream, None, guard)
             for _ in self._eager_iterations(ctx):
-                self._build_body()._run(ctx)
+                if op is None:
+                    op = self._build_body(guard)
+                op._run(body_ctx)
+                op = None
+            if op is not None:
+                op.discard()  # no iteration ran: built to be checked, as a captured loop's body is
         else:
             supported, why = ctx.device.conditional_nodes()
             if not supported:
@@ -178,7 +220,7 @@ class _Loop(DeviceOp):
             capture = ctx.capture
             ctx.device.graphs.capture_while(
                 ctx.stream, self._label, self._launch_control, self._host_control,
-                lambda body_stream: self._build_body(capture)._run(ExecutionContext(body_stream, capture)))
+                lambda body_stream: self._build_body(guard, capture)._run(ExecutionContext(body_stream, capture, guard)))
             capture.keep.append(self._keep())  # the body stream is only needed while capturing
         return None
 
@@ -207,6 +249,12 @@ class Loop(_Loop):
         super().__init__(body, label)
 
     def _body_args(self) -> tuple:
+        return (self.index,)
+
+    def _borrowed(self) -> tuple:
+        return ((self.index, "its index"), (self.count_tensor, "its count"))
+
+    def writes(self) -> tuple:
         return (self.index,)
 
     def _count_now(self, ctx) -> int:
