@@ -100,6 +100,30 @@ def test_work_enqueued_on_a_stream_another_thread_captures_is_refused_and_never_
     assert np.isnan(z.numpy(stream=stream)).all(), "the graph performed the other thread's work"
 
 
+def test_a_graph_cache_replay_on_a_stream_another_thread_captures_is_refused(device, rng):
+    stream = device.new_stream()
+    w = upload(rng.standard_normal(N), stream)
+
+    def forward(ws, x):
+        y = ws.empty([ws.size, N])
+        return affine(y.reshape(ws.size * N).partition([128]), x.reshape(ws.size * N), 2.0, 0.0) \
+            .generics([128]).first().unpartition().reshape(ws.size, N)
+    cache = dop.GraphCache(forward, stream=stream, max_size=2)
+    xs = rng.standard_normal((2, N)).astype(np.float32)
+    x = upload(xs, stream)
+    np.testing.assert_array_equal(cache(x).numpy(stream=stream), 2 * xs)  # captured and replayed
+    held = Held(lambda hold: zip_(hold, scale(dop.empty(N, stream=stream), w, 1.0)).graph_on(stream))
+    try:
+        with pytest.raises(dop.CaptureError, match="GraphCache replay on a stream that another thread"):
+            cache(upload(3 * xs, device.new_stream()))
+    finally:
+        graph = held.release()
+    assert [n["type"] for n in graph.nodes()] == ["KERNEL"]  # the cache's input copy was not recorded
+    with pytest.raises(dop.ReentrancyError, match="graph.replay.. of a GraphCache"):
+        dop.value(None).inspect(lambda _: cache(x)).sync_on(device.new_stream())
+    np.testing.assert_array_equal(cache(x).numpy(stream=stream), 2 * xs)
+
+
 def test_a_capture_does_not_begin_on_a_stream_another_thread_is_executing_on(device, rng):
     stream = device.new_stream()
     xs = rng.standard_normal(N).astype(np.float32)
