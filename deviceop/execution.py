@@ -8,7 +8,7 @@ import threading
 import warnings
 from threading import get_ident
 
-from .errors import LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
+from .errors import GraphSafetyError, LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
 from .runtime.stream import captured_elsewhere, not_a_stream
 
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
@@ -29,22 +29,26 @@ class ExecutionContext:
             raise not_a_stream("running an op (sync_on, async_on, graph.update ...)", stream) from None
         self.stream = stream
         self.capture = capture  # None, or the capture in progress (graph layer)
-        self.guard = guard      # None, or the ReadOnlyBorrows every write is checked against
+        self.guard = guard      # None, or the BodyGuard of the loop body it runs
         self.plain = capture is None and guard is None
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
 
 
-class ReadOnlyBorrows:
-    """Buffers an execution may read and not write: a loop borrows its index and
-    count read-only while its body runs (the loop itself sets the index; a body that
-    wrote either would run another number of iterations eagerly than captured).
-    Nested loops chain theirs to the enclosing loop's (``outer``)."""
+class BodyGuard:
+    """What the body of a loop may not do, checked as it runs, eagerly as captured:
+    hold an op that is not graph-safe (the body is one conditional graph node), or
+    write a buffer a loop borrows read-only: its index and count (the loop sets the
+    index at each iteration, and a body that wrote either would run another number of
+    iterations eagerly than captured).  Nested loops chain theirs to the enclosing
+    loop's (``outer``).  Ops a ``then`` returns in the body are checked by ``check_op``,
+    and each write as it happens by ``check`` (kernel launches, copies, nested loops)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("label", "entries")
 
-    def __init__(self, label: str, borrowed, outer: "ReadOnlyBorrows | None" = None):
+    def __init__(self, label: str, borrowed=(), outer: "BodyGuard | None" = None):
+        self.label = label
         mine = tuple((t, label, whose) for t, whose in borrowed if t is not None)
         self.entries = mine + (outer.entries if outer is not None else ())
 
@@ -58,6 +62,32 @@ class ReadOnlyBorrows:
                     "read-only while it runs (the loop sets the index at each iteration, and a body that wrote "
                     "either would run another number of iterations eagerly than captured). Have the body read "
                     "them, and write into buffers of its own")
+
+    def check_op(self, op, fresh=None, where: str = "run") -> None:
+        """Refuse ``op`` in the body before it runs: an op in its tree that is not graph-safe
+        (GraphSafetyError), or a write its ops know of into what a loop borrows (``writes()``:
+        kernel launches, copies, loops).  ``fresh``: as for ``unsafe_for_graphs``."""
+        bad = op.unsafe_for_graphs(fresh)
+        if bad is not None:
+            reason = bad.unsafe_reason
+            if reason.startswith("it allocates"):
+                reason = "it allocates; allocate before the loop and pass the buffers in"
+            raise GraphSafetyError(f"the body of {self.label} contains {bad.describe()}, which a loop body cannot "
+                                   f"hold (it is {where} as one conditional graph node, so it may only launch "
+                                   f"kernels and copy): {reason}")
+        if not self.entries:
+            return
+        stack, seen = [op], set()
+        while stack:
+            o = stack.pop()
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            writes = getattr(o, "writes", None)
+            if writes is not None:
+                for t in writes():
+                    self.check(t, o.describe)
+            stack.extend(o.children())
 
 
 def check_stream(what: str, stream) -> None:

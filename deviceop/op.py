@@ -299,6 +299,8 @@ class Then(DeviceOp):
             nxt._armed = False  # taken in: executed below, or refused with an error that says so
             if ctx.capture is not None:
                 ctx.capture.check_graph_safe(nxt)
+            if ctx.guard is not None:  # in a loop's body (eager too): the body's rules
+                ctx.guard.check_op(nxt)
         return resolve(nxt, ctx)
 
     def _wrapped(self):

@@ -209,3 +209,17 @@ def test_a_loop_body_reads_its_index_and_writes_elsewhere_the_same_way_eagerly_a
     assert index.numpy(stream=stream)[0] == 4  # the iterations run, counted by the loop alone
     with pytest.raises(dop.OwnershipError, match="writes its index"):  # a body never run is checked too
         _run(dop.loop(count, index, lambda i: dop.while_(cond, lambda: bump(i.partition([1])))), mode, stream)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph_on", "scope"])
+@pytest.mark.parametrize("make", ["allocation", "graph launch"])
+def test_what_a_then_returns_in_a_loop_body_follows_the_body_rules_eagerly_as_captured(stream, rng, mode, make):
+    cond, y, sink = int32_cell(-2, stream), dop.empty(N, stream=stream), int32_cell(0, stream)
+    inner = scale(y, upload(rng.standard_normal(N), stream)).graph_on(stream)
+    unsafe = (lambda: api.zeros([4])) if make == "allocation" else (lambda: inner.launch())
+    body = lambda: zip_(bump(cond.partition([1])), bump(sink.partition([1])),  # noqa: E731 (two iterations)
+                        dop.value(None).then(lambda _: unsafe()))
+    with pytest.raises(dop.GraphSafetyError, match="it allocates" if make == "allocation" else "another graph"):
+        _run(dop.while_(cond, body), mode, stream)
+    assert not stream.is_capturing()
+    assert sink.numpy(stream=stream)[0] == (1 if mode == "eager" else 0)  # eagerly, what came before it ran

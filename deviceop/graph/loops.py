@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..api import ALLOCATES
 from ..compile import compile_cubin
-from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
-from ..execution import ReadOnlyBorrows
+from ..errors import CapabilityError, DTypeError, LaunchError, ShapeError
+from ..execution import BodyGuard
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
@@ -118,22 +117,6 @@ def _body_builder(body):
     return body
 
 
-def _check_known_writes(op, guard) -> None:
-    """Refuse a body whose op tree writes a buffer ``guard`` borrows, where its ops say
-    before they run (``writes()``: kernel launches, copies, loops)."""
-    stack, seen = [op], set()
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        writes = getattr(o, "writes", None)
-        if writes is not None:
-            for t in writes():
-                guard.check(t, o.describe)
-        stack.extend(o.children())
-
-
 class _Loop(DeviceOp):
     """The shared machinery of ``loop`` and ``while_``: eager host loop,
     conditional WHILE node when captured, tape loop on the reference device."""
@@ -177,21 +160,10 @@ class _Loop(DeviceOp):
 
     # -- execution ----------------------------------------------------------------------
     def _build_body(self, guard, capture=None) -> DeviceOp:
-        """The body op, checked: graph-safe, and writing nothing ``guard`` borrows, as far
-        as its tree says before it runs (what it writes later is checked as it writes);
-        ``capture``: the capture it is recorded into (which notes the ops it runs, to hand
-        them back if it fails)."""
+        """The body op, checked by ``guard`` (BodyGuard.check_op); ``capture``: the capture
+        it is recorded into (which notes the ops it runs, to hand them back if it fails)."""
         op = value(self._body(*self._body_args()))
-        capturing = capture is not None
-        bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
-        if bad is not None:
-            where = "captured" if capturing else "run"
-            raise GraphSafetyError(f"the body of {self._label} contains {bad.describe()}, which a loop body cannot "
-                                   f"hold (it is {where} as one conditional graph node, so it may only launch "
-                                   f"kernels and copy): " + (f"it allocates; allocate before the loop and pass the "
-                                   "buffers in" if bad.unsafe_reason is ALLOCATES else bad.unsafe_reason))
-        if guard is not None:
-            _check_known_writes(op, guard)
+        guard.check_op(op, capture.fresh if capture is not None else None, "captured" if capture else "run")
         return op
 
     def _execute(self, ctx: ExecutionContext):
@@ -199,8 +171,7 @@ class _Loop(DeviceOp):
         if outer is not None:  # a loop inside another's body: it must not write what that one borrows
             for t in self.writes():
                 outer.check(t, self._label)
-        borrowed = self._borrowed()
-        guard = ReadOnlyBorrows(self._label, borrowed, outer) if borrowed else outer
+        guard = BodyGuard(self._label, self._borrowed(), outer)
         if ctx.capture is None:
             op = self._build_body(guard)  # the first iteration's, checked before the loop begins
             body_ctx = ExecutionContext(ctx.stream, None, guard)
