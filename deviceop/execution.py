@@ -9,7 +9,7 @@ import warnings
 from threading import get_ident
 
 from .errors import GraphSafetyError, LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
-from .runtime.stream import captured_elsewhere, not_a_stream
+from .runtime.stream import captured_elsewhere, capturing, not_a_stream, stream_key
 
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
@@ -172,7 +172,7 @@ class executing:
     With a ``stream`` (eager executions) the execution is also work enqueued on that
     stream: it is refused while another thread captures the stream (``captured_elsewhere``).
     The execution is in ``_running`` before it looks for a capture, and a capture notes
-    itself on the stream before it looks in ``_running`` (graph.CudaGraph._begin_or_abort):
+    itself in ``capturing`` before it looks in ``_running`` (graph.CudaGraph._begin_or_abort):
     of the two, at least one sees the other.
 
     A class, not a @contextmanager generator: it is entered on every
@@ -192,8 +192,8 @@ class executing:
                 raise refuse_reentry(self.what, current)
         _running[ident] = self
         stream = self.stream
-        if stream is not None and getattr(stream, "_captured_by", None) is not None:
-            owner = stream._captured_by
+        if stream is not None and capturing:  # (a capture is open somewhere: is it on this stream?)
+            owner = capturing.get(stream_key(stream))
             if owner is not None and owner[0] != ident:
                 del _running[ident]
                 raise captured_elsewhere(self.what if isinstance(self.what, str) else self.what(), owner)

@@ -100,6 +100,22 @@ def test_work_enqueued_on_a_stream_another_thread_captures_is_refused_and_never_
     assert np.isnan(z.numpy(stream=stream)).all(), "the graph performed the other thread's work"
 
 
+@pytest.mark.gpu
+def test_another_wrapper_of_the_captured_cuda_stream_is_refused_too(rng):
+    """CudaStream.from_handle of the stream a thread captures names the same queue: refused as well."""
+    device = dop.CudaDevice(0)
+    stream = device.new_stream()
+    x, y, z = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream), dop.empty(N, stream=stream)
+    held = Held(lambda hold: zip_(hold, scale(y, x, 2.0)).graph_on(stream))
+    try:
+        twin = dop.CudaStream.from_handle(device, int(stream))
+        with pytest.raises(dop.CaptureError, match="another thread"):
+            scale(z, x, 3.0).async_on(twin)
+    finally:
+        graph = held.release()
+    assert [n["type"] for n in graph.nodes()] == ["KERNEL"]
+
+
 def test_a_graph_cache_replay_on_a_stream_another_thread_captures_is_refused(device, rng):
     stream = device.new_stream()
     w = upload(rng.standard_normal(N), stream)

@@ -19,7 +19,7 @@ import threading
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE, _running, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
-from ..runtime.stream import refuse_if_captured_elsewhere
+from ..runtime.stream import capturing, refuse_if_captured_elsewhere, stream_key
 from .capture import Capture, preload
 from .nodes import KernelNode
 from .render import render_dot
@@ -92,16 +92,17 @@ class CudaGraph:
         KeyboardInterrupt that lands after the driver began it, before it returned.
 
         While the capture is open the stream notes which thread captures it
-        (``_captured_by``): eager work other threads enqueue on it is refused instead of
+        (runtime.stream.capturing): eager work other threads enqueue on it is refused instead of
         being recorded into this graph (execution.executing).  A capture does not begin
         while another thread is enqueueing work on the stream."""
         if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
             raise CaptureError("this stream is already capturing; end that capture first")
-        me = threading.current_thread()
-        stream._captured_by = (me.ident, me.name, label)  # first, then look: see execution.executing
-        busy = [ident for ident, e in _running.copy().items() if e.stream is stream and ident != me.ident]
+        me, key = threading.current_thread(), stream_key(stream)
+        capturing[key] = (me.ident, me.name, label)  # first, then look: see execution.executing
+        busy = [i for i, e in _running.copy().items() if e.stream is not None and stream_key(e.stream) == key
+                and i != me.ident]
         if busy:
-            stream._captured_by = None
+            capturing.pop(key, None)
             raise CaptureError(f"capturing {label}: another thread is executing work on this stream now "
                                "(sync_on / async_on), which the capture would record into the graph. Capture on a "
                                "stream of your own (device.new_stream()), or once that work is enqueued")
@@ -117,7 +118,7 @@ class CudaGraph:
         try:
             stream.device.graphs.abort(stream)
         finally:
-            stream._captured_by = None
+            capturing.pop(stream_key(stream), None)
 
     @staticmethod
     def _end_capture(stream, cap: Capture):
@@ -125,7 +126,7 @@ class CudaGraph:
         try:
             return CudaGraph._end(stream, cap)
         finally:
-            stream._captured_by = None
+            capturing.pop(stream_key(stream), None)
 
     @staticmethod
     def _end(stream, cap: Capture):
@@ -188,7 +189,7 @@ class CudaGraph:
 
     def _replay(self, stream) -> None:
         self._check_open()
-        if getattr(stream, "_captured_by", None) is not None:
+        if capturing:
             refuse_if_captured_elsewhere("graph.replay()", stream)
         self._graphs.launch(self._exec, stream)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import KernelFaultError
 from ..execution import executing_now
+from ..runtime.stream import capturing, stream_key
 from ..tensor import SharedTensor, Tensor
 from .. import api
 from .cudagraph import CudaGraph
@@ -48,7 +49,7 @@ class GraphModel(Module):
         stream = graph._stream
         if (type(x) is Tensor and x._sig[1:] == self._in_sig and x._contig
                 and x._alloc is not inp._alloc and executing_now() is None and not graph._closed
-                and stream._captured_by is None):
+                and not (capturing and stream_key(stream) in capturing)):
             stream.memcpy(inp._ptr, x._ptr, inp.nbytes)
             graph._replay(stream)
             return self.output

@@ -268,8 +268,7 @@ def placed(what: str, device, stream):
             raise not_a_stream(what, stream)
         if home is _CLOSED:
             raise closed_stream(what)
-        if getattr(stream, "_captured_by", None) is not None:  # another thread captures it: not into its graph
-            refuse_if_captured_elsewhere(what, stream)
+        refuse_if_captured_elsewhere(what, stream)  # another thread captures it: not into its graph
         if device is None:
             return home, stream
         if device_key(home) != device_key(device):

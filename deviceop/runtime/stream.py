@@ -53,9 +53,19 @@ def not_a_stream(what: str, stream) -> LaunchError:
                        f"another library's), got {'None' if stream is None else type(stream).__name__}")
 
 
+# The streams deviceop's graph layer is capturing: stream_key -> (thread ident, thread name,
+# label), while the capture is open.  Eager work other threads enqueue on them is refused.
+capturing: dict = {}
+
+
+def stream_key(stream):
+    """What names a stream's queue: its CUDA handle (two wrappers of one stream agree), else the object."""
+    return getattr(stream, "ptr", None) or id(stream)
+
+
 def captured_elsewhere(what: str, owner) -> CaptureError:
     """The error of work enqueued on a stream that another thread is capturing (``owner``:
-    the ``_captured_by`` the graph layer notes on the stream while its capture is open)."""
+    its entry in ``capturing``)."""
     _, thread, label = owner
     return CaptureError(f"{what} on a stream that another thread ({thread}) is capturing into a graph "
                         f"({label}): its work would be recorded into that graph, never run now and run at every "
@@ -65,9 +75,10 @@ def captured_elsewhere(what: str, owner) -> CaptureError:
 
 def refuse_if_captured_elsewhere(what: str, stream) -> None:
     """Refuse work from this thread on ``stream`` while another thread captures it (nothing is enqueued)."""
-    owner = getattr(stream, "_captured_by", None)
-    if owner is not None and owner[0] != threading.get_ident():
-        raise captured_elsewhere(what, owner)
+    if capturing:
+        owner = capturing.get(stream_key(stream))
+        if owner is not None and owner[0] != threading.get_ident():
+            raise captured_elsewhere(what, owner)
 
 
 def closed_stream(what: str) -> StateError:
@@ -97,9 +108,6 @@ class Stream:
 
     device = None
     is_legacy = False
-    # (thread ident, thread name, label) while deviceop's graph layer captures on the stream;
-    # eager work from other threads is then refused (refuse_if_captured_elsewhere)
-    _captured_by = None
 
     def synchronize(self) -> None:
         raise NotImplementedError
