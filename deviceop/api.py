@@ -18,7 +18,12 @@ import numpy as np
 from .dtypes import dtype as as_dtype
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
 from .op import DeviceOp, resolve, stats, warn_if_unexecuted
+from .memory import read_only_error
 from .tensor import SharedTensor, Tensor, _shape_tuple
+
+
+ALLOCATES = ("it allocates (a replay would reuse or free an address the graph baked in). Allocate before "
+             "capturing and pass the buffer in; only kernel launches, api.memcpy, loops and values are graph-safe")
 
 
 class AllocOp(DeviceOp):
@@ -26,6 +31,7 @@ class AllocOp(DeviceOp):
 
     __slots__ = ("shape", "dtype", "make", "name")
     graph_safe = False
+    unsafe_reason = ALLOCATES
 
     def __init__(self, name: str, shape, dtype, make):
         super().__init__()
@@ -107,6 +113,7 @@ class Dup(DeviceOp):
 
     __slots__ = ("src",)
     graph_safe = False
+    unsafe_reason = ALLOCATES
     op_name = "api.dup"
 
     def __init__(self, src):
@@ -153,6 +160,11 @@ class Memcpy(DeviceOp):
     def children(self):
         return tuple(x for x in (self.dst, self.src) if isinstance(x, DeviceOp))
 
+    def writes(self) -> tuple:
+        """The tensor this copy writes, if it is known before it runs."""
+        dst = self.dst
+        return (dst._tensor,) if isinstance(dst, SharedTensor) else (dst,) if isinstance(dst, Tensor) else ()
+
     def _execute(self, ctx):
         dst = _destination(resolve(self.dst, ctx))  # checked again: clones may have been made since
         src = _tensor_of(resolve(self.src, ctx), "memcpy source")
@@ -171,7 +183,10 @@ def _destination(x) -> Tensor:
     its buffer (a handle is read-only while shared, as an Arc is)."""
     if isinstance(x, SharedTensor):
         return x.check_writable("api.memcpy into a SharedTensor")
-    return _tensor_of(x, "memcpy destination")
+    t = _tensor_of(x, "memcpy destination")
+    if t._alloc.read_only:
+        raise read_only_error("api.memcpy into it", t)
+    return t
 
 
 def _tensor_of(x, what: str) -> Tensor:
@@ -196,6 +211,8 @@ def _check_copy(dst: Tensor, src: Tensor) -> None:
 
 
 def _copy(dst: Tensor, src: Tensor, ctx, op=None) -> None:
+    if ctx.guard is not None:  # inside a loop's body: not into the loop's index or count
+        ctx.guard.check(dst, "api.memcpy")
     if dst.data_ptr == src.data_ptr or dst.size == 0:
         return
     if ctx.capture is not None:  # a MEMCPY node, which keeps both buffers; graph.node(op) can update it

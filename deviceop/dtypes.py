@@ -206,6 +206,10 @@ _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 
 
+_FLAGS_OFFSET = 24  # of DLManagedTensorVersioned.flags: after version (2 x uint32), manager_ctx, deleter
+_DLPACK_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+
+
 _CAPSULES = (b"dltensor", b"dltensor_versioned")
 _CONSUMED = (b"used_dltensor", b"used_dltensor_versioned")  # a consumer renames what it imported
 
@@ -214,10 +218,14 @@ class _CheckedExport:
     """A DLPack producer whose exports are checked before a consumer (NumPy, CuPy)
     reads them: a ``__dlpack__`` that returns no capsule, or one already consumed,
     is a deviceop error here rather than the consumer's raw ValueError.  Calls
-    pass through, stream and version arguments included."""
+    pass through, stream and version arguments included; ``read_only`` notes
+    whether the producer flagged its export read-only (DLPack 1.0)."""
 
     def __init__(self, obj):
-        self.obj = obj
+        self.obj, self.read_only = obj, False
+
+    def __getattr__(self, name):
+        return getattr(self.obj, name)
 
     def __dlpack_device__(self):
         device = self.obj.__dlpack_device__()
@@ -244,6 +252,9 @@ class _CheckedExport:
         if name not in _CAPSULES:
             raise DTypeError(f"{producer} returned a capsule named {name!r}, not a DLPack tensor "
                              f"({_CAPSULES[0]!r} or {_CAPSULES[1]!r})")
+        if name == b"dltensor_versioned":  # DLPack 1.0's read-only flag: only a versioned capsule carries it
+            base = _capsule_pointer(capsule, name)
+            self.read_only = bool(ctypes.c_uint64.from_address(base + _FLAGS_OFFSET).value & _DLPACK_READ_ONLY)
         return capsule
 
 

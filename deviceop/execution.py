@@ -6,30 +6,88 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+from threading import get_ident
 
-from .errors import LaunchError, ReentrancyError, StateError, UnexecutedOpWarning
-from .runtime.stream import not_a_stream
+from .errors import GraphSafetyError, LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
+from .runtime.stream import captured_elsewhere, capturing, not_a_stream, stream_key
 
-_tls = threading.local()
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
 
 class ExecutionContext:
-    """Where an execution runs: the device and stream, and whether a graph
-    is being captured (then only graph-safe work is allowed)."""
+    """Where an execution runs: the device and stream, whether a graph is being
+    captured (then only graph-safe work is allowed), and the buffers it may read
+    and not write (``guard``: a loop's index and count while its body runs).
+    ``plain`` (neither): kernel launches may take the eager fast path."""
 
-    __slots__ = ("device", "stream", "capture")
+    __slots__ = ("device", "stream", "capture", "guard", "plain")
 
-    def __init__(self, stream, capture=None):
+    def __init__(self, stream, capture=None, guard=None):
         try:
             self.device = stream.device
         except AttributeError:
             raise not_a_stream("running an op (sync_on, async_on, graph.update ...)", stream) from None
         self.stream = stream
         self.capture = capture  # None, or the capture in progress (graph layer)
+        self.guard = guard      # None, or the BodyGuard of the loop body it runs
+        self.plain = capture is None and guard is None
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
+
+
+class BodyGuard:
+    """What the body of a loop may not do, checked as it runs, eagerly as captured:
+    hold an op that is not graph-safe (the body is one conditional graph node), or
+    write a buffer a loop borrows read-only: its index and count (the loop sets the
+    index at each iteration, and a body that wrote either would run another number of
+    iterations eagerly than captured).  Nested loops chain theirs to the enclosing
+    loop's (``outer``).  Ops a ``then`` returns in the body are checked by ``check_op``,
+    and each write as it happens by ``check`` (kernel launches, copies, nested loops)."""
+
+    __slots__ = ("label", "entries")
+
+    def __init__(self, label: str, borrowed=(), outer: "BodyGuard | None" = None):
+        self.label = label
+        mine = tuple((t, label, whose) for t, whose in borrowed if t is not None)
+        self.entries = mine + (outer.entries if outer is not None else ())
+
+    def check(self, tensor, what) -> None:
+        """Refuse (OwnershipError) a write into ``tensor`` by ``what`` (a string, or a callable making one)."""
+        for borrowed, label, whose in self.entries:
+            if tensor.overlaps(borrowed):
+                what = what if isinstance(what, str) else what()
+                raise OwnershipError(
+                    f"{label}'s body writes {whose} ({what} writes into it): a loop borrows its count and index "
+                    "read-only while it runs (the loop sets the index at each iteration, and a body that wrote "
+                    "either would run another number of iterations eagerly than captured). Have the body read "
+                    "them, and write into buffers of its own")
+
+    def check_op(self, op, fresh=None, where: str = "run") -> None:
+        """Refuse ``op`` in the body before it runs: an op in its tree that is not graph-safe
+        (GraphSafetyError), or a write its ops know of into what a loop borrows (``writes()``:
+        kernel launches, copies, loops).  ``fresh``: as for ``unsafe_for_graphs``."""
+        bad = op.unsafe_for_graphs(fresh)
+        if bad is not None:
+            reason = bad.unsafe_reason
+            if reason.startswith("it allocates"):
+                reason = "it allocates; allocate before the loop and pass the buffers in"
+            raise GraphSafetyError(f"the body of {self.label} contains {bad.describe()}, which a loop body cannot "
+                                   f"hold (it is {where} as one conditional graph node, so it may only launch "
+                                   f"kernels and copy): {reason}")
+        if not self.entries:
+            return
+        stack, seen = [op], set()
+        while stack:
+            o = stack.pop()
+            if id(o) in seen:
+                continue
+            seen.add(id(o))
+            writes = getattr(o, "writes", None)
+            if writes is not None:
+                for t in writes():
+                    self.check(t, o.describe)
+            stack.extend(o.children())
 
 
 def check_stream(what: str, stream) -> None:
@@ -49,6 +107,26 @@ if sys.getrecursionlimit() < RECURSION_LIMIT:
     sys.setrecursionlimit(RECURSION_LIMIT)
 
 
+_SHOWN = 6  # wrappers a long chain's description shows at each end
+
+
+def describe_chain(op) -> str:
+    """The description of a wrapper op (``x.map.reshape[2, 3]``, ``shared(boxed(x))``), made
+    without recursion: errors about a chain too deep to execute must describe it too.  A
+    chain of more than ``2 * _SHOWN`` wrappers shows its innermost op, the wrappers at
+    each end and how many are left out."""
+    parts = []
+    while True:
+        wrapped = op._wrapped()
+        if wrapped is None:
+            break
+        prefix, op, suffix = wrapped
+        parts.append((prefix, suffix))
+    if len(parts) > 2 * _SHOWN:
+        parts = parts[:_SHOWN] + [("", f"...({len(parts) - 2 * _SHOWN} more)...")] + parts[-_SHOWN:]
+    return "".join(p for p, _ in parts) + op.describe() + "".join(s for _, s in reversed(parts))
+
+
 def too_deep(op, exc: RecursionError) -> StateError:
     """The error of an execution that ran past Python's recursion limit."""
     return StateError(
@@ -63,33 +141,72 @@ def too_deep(op, exc: RecursionError) -> StateError:
 SCOPE = "CudaGraph.scope"  # what an open capture scope holds the execution lock as
 
 
+# thread ident -> the ``executing`` that holds that thread's execution lock.  A dict, not a
+# thread-local: a capture beginning on a stream looks here for other threads' executions
+# on it, and a scope collected on another thread can give its thread's lock back.
+_running: dict = {}
+
+
+def executing_now():
+    """What holds this thread's execution lock (an ``executing``), or None."""
+    return _running.get(get_ident())
+
+
+def refuse_reentry(what, current) -> ReentrancyError:
+    """The error of executing ``what`` while ``current`` (an ``executing``) runs on this thread."""
+    what = what if isinstance(what, str) else what()
+    current = current.what if isinstance(current.what, str) else current.what()
+    fix = ("Inside a capture scope, record the op with s.record(op) (it runs as it is recorded), or "
+           "execute it after the scope ends" if current == SCOPE else
+           "Compose with .then(...) instead of executing inside a callback")
+    if what.startswith("graph.replay()"):
+        fix = "Replay the graph before or after that execution (or capture), not inside it"
+    return ReentrancyError(f"{what} was called while {current} is executing on this thread; "
+                           f"DeviceOp execution is non-reentrant. {fix}")
+
+
 class executing:
-    """Hold the thread's execution lock (non-reentrant, as in cutile-rs).
+    """Hold the thread's execution lock (non-reentrant, as in cutile-rs): ``what`` is a
+    string, or a callable that makes one (only for the error).
+
+    With a ``stream`` (eager executions) the execution is also work enqueued on that
+    stream: it is refused while another thread captures the stream (``captured_elsewhere``).
+    The execution is in ``_running`` before it looks for a capture, and a capture notes
+    itself in ``capturing`` before it looks in ``_running`` (graph.CudaGraph._begin_or_abort):
+    of the two, at least one sees the other.
 
     A class, not a @contextmanager generator: it is entered on every
     execution, and a generator-based context manager costs ~1 us more."""
 
-    __slots__ = ("what",)
+    __slots__ = ("what", "stream", "ident", "thread")  # thread: set by a scope, which may outlive it
 
-    def __init__(self, what):
-        self.what = what
+    def __init__(self, what, stream=None):
+        self.what, self.stream = what, stream
 
     def __enter__(self):
-        current = getattr(_tls, "executing", None)
-        if current:
-            what = self.what if isinstance(self.what, str) else self.what()
-            current = current if isinstance(current, str) else current()
-            fix = ("Inside a capture scope, record the op with s.record(op) (it runs as it is recorded), or "
-                   "execute it after the scope ends" if current == SCOPE else
-                   "Compose with .then(...) instead of executing inside a callback")
-            raise ReentrancyError(f"{what} was called while {current} is executing on this thread; "
-                                  f"DeviceOp execution is non-reentrant. {fix}")
-        _tls.executing = self.what  # a string, or a callable that makes one (only for the error)
+        self.ident = ident = get_ident()
+        current = _running.get(ident)
+        if current is not None:
+            holder = getattr(current, "thread", None)
+            if holder is None or holder.is_alive():  # else a scope left open by a thread that ended: stale
+                raise refuse_reentry(self.what, current)
+        _running[ident] = self
+        stream = self.stream
+        if stream is not None and capturing:  # (a capture is open somewhere: is it on this stream?)
+            owner = capturing.get(stream_key(stream))
+            if owner is not None and owner[0] != ident:
+                del _running[ident]
+                raise captured_elsewhere(self.what if isinstance(self.what, str) else self.what(), owner)
         return self
 
     def __exit__(self, *exc):
-        _tls.executing = None
+        _running.pop(self.ident, None)
         return False
+
+    def release_from_anywhere(self) -> None:
+        """Give the lock back from any thread (a scope collected without ``__exit__``)."""
+        if _running.get(self.ident) is self:
+            _running.pop(self.ident, None)
 
 
 class _SharedCore:
@@ -105,10 +222,11 @@ class _SharedCore:
     A context belongs to one thread (executions are non-reentrant, and a
     capture scope records only from the thread that opened it)."""
 
-    __slots__ = ("op", "done", "failed", "result", "claims")
+    __slots__ = ("op", "done", "failed", "result", "claims", "error")
 
     def __init__(self, op):
         self.op, self.done, self.failed, self.result, self.claims = op, False, False, None, []
+        self.error = None  # what the op raised when it failed: every other consumer's error is chained to it
 
     def wake(self) -> None:
         """Wake the executions waiting for the run (``done`` or ``failed`` is set)."""
@@ -125,7 +243,7 @@ class _SharedCore:
         """Back to unclaimed, the result dropped: what a failed capture does to a
         cell it ran, whose result is a buffer only the discarded graph would fill."""
         self.done = self.failed = False
-        self.result, self.claims = None, []
+        self.result, self.claims, self.error = None, [], None
 
     def wait(self, ctx):
         """The result of a run another execution claimed (see the class docstring)."""
@@ -141,9 +259,20 @@ class _SharedCore:
             raise self._failed_error()
         return self.result
 
+    def fail(self, exc: BaseException) -> None:
+        """The run raised ``exc``: remember it (the waiters' errors are chained to it) and wake them."""
+        self.error, self.failed = exc, True
+        self.claims[0] = None
+        self.wake()
+
     def _failed_error(self) -> StateError:
-        return StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no "
-                          "result; build the op again")
+        """What every consumer but the one that ran the op sees: a StateError whose cause is the original."""
+        cause = self.error
+        why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+        err = StateError(f"shared op {self.op.describe()} failed when it ran, so its clones have no result"
+                         f"{why}, the cause of this error; build the op again")
+        err.__cause__ = cause
+        return err
 
 
 def warn_if_unexecuted(op) -> None:

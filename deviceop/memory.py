@@ -13,7 +13,7 @@ import weakref
 
 import numpy as np
 
-from .errors import OwnershipError, ShapeError
+from .errors import OwnershipError, ShapeError, StateError
 
 
 def _shape_tuple(shape) -> tuple[int, ...]:
@@ -65,15 +65,32 @@ class _Allocation:
     checks) and who can reach it (ownership, see SharedTensor): the number of
     live SharedTensor handles, the live *borrows* (views made through a handle,
     imports of its memory through DLPack), and whether another framework owns
-    the memory (``external``: imported, its other references are invisible)."""
+    the memory (``external``: imported, its other references are invisible), and
+    whether it may be written at all (``read_only``: an import its producer flagged so)."""
 
-    __slots__ = ("lo", "hi", "handles", "lock", "borrows", "external", "__weakref__")
+    __slots__ = ("lo", "hi", "handles", "lock", "borrows", "external", "read_only", "__weakref__")
 
-    def __init__(self, lo: int, hi: int, external: bool = False):
+    def __init__(self, lo: int, hi: int, external: bool = False, read_only: bool = False):
         self.lo, self.hi, self.handles = lo, hi, 0
         self.lock = threading.Lock()
         self.borrows = []  # what each live borrow is (one entry per _Borrow alive)
-        self.external = external
+        self.external, self.read_only = external, read_only
+
+
+# The last item of a read-only tensor's layout (Tensor._sig): launch keys of writes
+# into it never equal those of the writable memory it may alias, so they are checked.
+READ_ONLY = "read-only"
+
+
+def read_only_error(what: str, tensor) -> OwnershipError:
+    """The error of writing (``what``) into the read-only import ``tensor``."""
+    return OwnershipError(f"{what}: the {tensor.dtype.name} tensor {tensor.shape} is read-only memory imported "
+                          f"from another framework ({_READ_ONLY_WHY}")
+
+
+_READ_ONLY_WHY = ("its producer exported it with DLPack's read-only flag, or __cuda_array_interface__'s readonly), "
+                  "which deviceop only reads. Write into a buffer deviceop owns: copy it with api.dup(x), or have "
+                  "the producer export it writable")
 
 
 class _Borrow:
@@ -115,6 +132,8 @@ def _owner_of(lo: int, hi: int) -> "_Allocation | None":
 def _why_not_exclusive(alloc: _Allocation, own: "_Borrow | None") -> str | None:
     """What else can reach the allocation besides one handle (and, ``own``, the borrow
     that handle was made from): None when nothing deviceop can see.  Call with its lock."""
+    if alloc.read_only:
+        return f"is read-only memory imported from another framework ({_READ_ONLY_WHY}"
     if alloc.external:
         return ("is memory imported from another framework (from_dlpack / as_tensor), which may still hold and "
                 "use it: deviceop cannot count its references. Copy it into a buffer deviceop owns "
@@ -187,3 +206,150 @@ class Partition:
 
     def __repr__(self) -> str:
         return f"Partition({self.tensor!r}, tile={self.tile_shape}, grid={self.grid})"
+
+
+# -- shared handles and ownership ------------------------------------------------
+
+def _released() -> StateError:
+    return StateError("this SharedTensor handle was released or consumed by try_partition: take a fresh "
+                      "handle with .clone() of a live one (before releasing it), or tensor.into_shared()")
+
+
+class SharedTensor:
+    """An Arc-like, read-only handle to a tensor.
+
+    ``clone()`` makes another live handle; ``release()`` (or the handle being
+    collected) ends one.  ``try_partition(tile)`` turns the *only* live handle
+    into a writable Partition and fails with an OwnershipError while anything
+    else deviceop can see may still reach the buffer — the runtime form of
+    cutile-rs's ``Arc::try_unwrap``:
+
+    * another live handle (counted explicitly — handles made and ended, not
+      CPython reference counts — and per allocation: two handles made from two
+      views of one buffer still count as two);
+    * a live *borrow*: a view made through a handle (``handle.view(...)``, an
+      op's ``.reshape`` of a handle) or a DLPack import of the buffer's memory,
+      counted while that view, or any view made from it, is alive;
+    * memory imported from another framework (``from_dlpack``, ``as_tensor``):
+      its other references are invisible, so it is never claimed.
+
+    A plain Tensor is not tracked: ``tensor.partition`` is a mutable borrow its
+    caller vouches for (docs/robustness.md, "Ownership", says what is and is
+    not enforced).
+    """
+
+    __slots__ = ("_tensor", "_live", "__weakref__")
+
+    def __init__(self, tensor: Tensor, _counted: bool = False):
+        if type(getattr(tensor, "_alloc", None)) is not _Allocation:  # (Tensor is the layer above)
+            raise StateError(f"SharedTensor wraps a Tensor, got {type(tensor).__name__}")
+        self._tensor = tensor
+        if not _counted:
+            alloc = tensor._alloc
+            with alloc.lock:
+                alloc.handles += 1
+        self._live = True
+
+    @property
+    def tensor(self) -> Tensor:
+        """The tensor, for reading (launch inputs).  It is a plain Tensor: views of
+        it are not counted as borrows; make views with ``handle.view(...)``."""
+        if not self._live:
+            raise _released()
+        return self._tensor
+
+    @property
+    def live_handles(self) -> int:
+        """Live handles to this buffer's allocation (this one included, if live)."""
+        return self._tensor._alloc.handles
+
+    def clone(self) -> "SharedTensor":
+        """Another live handle.  This one's liveness is read and the count raised under the
+        allocation's lock, the lock a claim ends handles under: a clone racing
+        ``try_partition`` on another thread is made before the claim (which then sees
+        it), or refused after it; never a live handle to a claimed buffer."""
+        alloc = self._tensor._alloc
+        with alloc.lock:
+            if not self._live:  # a dead handle cannot be cloned
+                raise _released()
+            alloc.handles += 1
+        return SharedTensor(self._tensor, _counted=True)
+
+    def release(self) -> None:
+        """End this handle (idempotent, also when threads race to release it)."""
+        if self._live:
+            alloc = self._tensor._alloc
+            with alloc.lock:
+                if self._live:
+                    self._live = False
+                    alloc.handles -= 1
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def _exclusive(self, what: str, consume: bool) -> Tensor:
+        """The tensor, if this is the only way deviceop can see to reach the buffer
+        (the handle ended with the lock held when ``consume``); else OwnershipError."""
+        tensor = self.tensor
+        alloc = tensor._alloc
+
+        def end():
+            if not self._live:  # ended by another thread since .tensor above
+                raise _released()
+            alloc.handles -= 1
+            self._live = False
+        claim(alloc, tensor._borrow, what, f"{tensor.dtype.name} buffer {tensor.shape}", end if consume else None)
+        return tensor
+
+    def try_partition(self, tile_shape) -> Partition:
+        """Claim the buffer for writing: succeeds only if nothing else deviceop can
+        see reaches it (see the class docstring).
+
+        The handle is consumed (like a Rust move); the partition's tensor is
+        the buffer, writable by one launch."""
+        tensor = self.tensor
+        part = Partition(tensor, tile_shape)  # a bad tile fails before the handle is consumed
+        alloc = tensor._alloc
+        with alloc.lock:  # the common case inline (a claim is made per buffer per forward built)
+            if alloc.handles == 1 and self._live and not alloc.borrows and not alloc.external:
+                alloc.handles -= 1
+                self._live = False
+                return part
+        self._exclusive("try_partition", consume=True)
+        return part
+
+    def check_writable(self, what: str) -> Tensor:
+        """The tensor, for a write through this handle (``api.memcpy`` into it):
+        allowed when ``try_partition`` would be, without consuming the handle
+        (cutile-rs's ``Arc::get_mut``).  Raises OwnershipError otherwise."""
+        return self._exclusive(what, consume=False)
+
+    # read-only conveniences, all through .tensor
+    @property
+    def shape(self):
+        return self.tensor.shape
+
+    @property
+    def dtype(self):
+        return self.tensor.dtype
+
+    def view(self, *shape) -> Tensor:
+        """A view of the buffer, counted as a borrow while it (or a view made from
+        it) is alive: ``try_partition`` on any handle to the buffer waits for it."""
+        tensor = self.tensor
+        like = tensor.view(*shape)  # the tensor's cached view: its shape checked once
+        v = like._twin()  # an object of its own: its life is the borrow's
+        v._borrow = _Borrow(tensor._alloc, "a view made through a handle (handle.view / .reshape)")
+        return v
+
+    reshape = view
+
+    def numpy(self, **kw):
+        return self.tensor.numpy(**kw)
+
+    def __repr__(self) -> str:
+        state = f"{self.live_handles} live handle(s)" if self._live else "released"
+        return f"SharedTensor({self._tensor!r}, {state})"

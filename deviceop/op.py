@@ -21,8 +21,8 @@ from .errors import KernelFaultError, StateError
 from .runtime.device import Device
 from .tensor import Tensor
 from .values import _first, _last, _reshape, _selector, _unpartition, launched_kernels, reshape_dims, unzip_count
-from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, _tls, check_stream, executing,  # noqa: F401
-                        not_a_stream, stats, too_deep, warn_if_unexecuted)
+from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, check_stream, describe_chain,  # noqa: F401
+                        executing, not_a_stream, stats, too_deep, warn_if_unexecuted)
 
 # How an op becomes a graph (CudaGraph.capture): installed by deviceop.graph, the layer above,
 # so that this layer reaches graphs only through it and through ExecutionContext.capture.
@@ -35,6 +35,9 @@ class DeviceOp:
     # _armed: set by ops doing device work, cleared by value() and discard(); see warn_if_unexecuted
     __slots__ = ("_consumed", "_armed")
     graph_safe = False    # may CudaGraph.scope record it? (kernel launches, memcpy, values)
+    # why an op that is not graph-safe cannot be recorded: the GraphSafetyError says it
+    unsafe_reason = ("it is not graph-safe (its class sets graph_safe = False); only kernel launches, "
+                     "api.memcpy, loops and values can be recorded: run it before or after the capture")
     op_name = "op"
 
     def __init__(self):
@@ -82,7 +85,12 @@ class DeviceOp:
         return None
 
     def describe(self) -> str:
-        return self.op_name
+        return self.op_name if self._wrapped() is None else describe_chain(self)
+
+    def _wrapped(self):
+        """``(prefix, inner op, suffix)`` when this op is described as a wrapper of one
+        inner op (map, reshape, then, boxed, shared), else None: see ``describe_chain``."""
+        return None
 
     def __repr__(self) -> str:
         return f"<DeviceOp {self.describe()}>"
@@ -90,7 +98,7 @@ class DeviceOp:
     def sync_on(self, stream):
         """Execute on ``stream`` and wait for the device; returns the op's value."""
         self._armed = False  # handed to an execution: if it cannot run, the error says so
-        with executing(lambda: f"sync_on({self.describe()})"):
+        with executing(lambda: f"sync_on({self.describe()})", stream):
             try:
                 out = self._run(ExecutionContext(stream))
             except RecursionError as exc:
@@ -109,7 +117,7 @@ class DeviceOp:
         """Enqueue the work on ``stream`` without waiting; the value's buffers are
         ready once the stream reaches this point."""
         self._armed = False
-        with executing(lambda: f"async_on({self.describe()})"):
+        with executing(lambda: f"async_on({self.describe()})", stream):
             try:
                 return self._run(ExecutionContext(stream))
             except RecursionError as exc:
@@ -237,8 +245,8 @@ class Map(DeviceOp):
             return v
         return self.f(v)
 
-    def describe(self):
-        return f"{self.op.describe()}.{self.name or ('inspect' if self.is_inspect else 'map')}"
+    def _wrapped(self):
+        return "", self.op, f".{self.name or ('inspect' if self.is_inspect else 'map')}"
 
     _execute = _run
 
@@ -268,8 +276,8 @@ class Reshape(DeviceOp):
             return v if v is not None else t.view(self.shape)
         return _reshape(t, self.shape)
 
-    def describe(self):
-        return f"{self.op.describe()}.reshape{list(self.shape)}"
+    def _wrapped(self):
+        return "", self.op, f".reshape{list(self.shape)}"
 
     _execute = _run
 
@@ -287,12 +295,16 @@ class Then(DeviceOp):
 
     def _execute(self, ctx):
         nxt = self.f(self.op._run(ctx))
-        if isinstance(nxt, DeviceOp) and ctx.capture is not None:
-            ctx.capture.check_graph_safe(nxt)
+        if isinstance(nxt, DeviceOp):
+            nxt._armed = False  # taken in: executed below, or refused with an error that says so
+            if ctx.capture is not None:
+                ctx.capture.check_graph_safe(nxt)
+            if ctx.guard is not None:  # in a loop's body (eager too): the body's rules
+                ctx.guard.check_op(nxt)
         return resolve(nxt, ctx)
 
-    def describe(self):
-        return f"{self.op.describe()}.then"
+    def _wrapped(self):
+        return "", self.op, ".then"
 
 
 class Zip(DeviceOp):
@@ -353,10 +365,8 @@ class SharedOp(DeviceOp):
             if claims[0] is ctx:  # this execution runs the op
                 try:
                     core.result = result = core.op._run(ctx)
-                except BaseException:
-                    core.failed = True
-                    claims[0] = None
-                    core.wake()
+                except BaseException as exc:
+                    core.fail(exc)
                     raise
                 core.done = True
                 claims[0] = None  # the cell does not keep the context alive
@@ -371,8 +381,8 @@ class SharedOp(DeviceOp):
     def is_done(self) -> bool:
         return self.core.done
 
-    def describe(self):
-        return f"shared({self.core.op.describe()})"
+    def _wrapped(self):
+        return "shared(", self.core.op, ")"
 
 
 def shared(x) -> SharedOp:
@@ -407,8 +417,8 @@ class Boxed(DeviceOp):
         self._consumed = True
         return self.op._run(ctx)
 
-    def describe(self):
-        return f"boxed({self.op.describe()})"
+    def _wrapped(self):
+        return "boxed(", self.op, ")"
 
     _execute = _run
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from .dtypes import DType, dlpack_producer, dtype as as_dtype
 from .errors import DTypeError, LaunchError, ShapeError, StateError
-from .memory import (Partition, _Allocation, _Borrow, _owned, _owned_lock, _owner_of, _resolve_shape, _shape_tuple,
-                     _sig_id, _sig_ids, claim)  # noqa: F401 (_sig_ids: tests read the layout-id table here)
+from .memory import (READ_ONLY, Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
+                     _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
 from .runtime.device import Device, as_device, placed
 from .runtime.stream import sync_in_capture
@@ -42,9 +42,11 @@ class Tensor:
                           "dop.empty(shape), dop.from_numpy(array), dop.from_dlpack(obj), or the api ops")
 
     @classmethod
-    def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None, external: bool = False) -> "Tensor":
+    def _wrap(cls, array, device, dtype: DType | None = None, home_stream=None, external: bool = False,
+              read_only: bool = False) -> "Tensor":
         """A tensor over all of ``array``, which owns (or keeps alive) the memory;
-        ``external``: memory another framework owns (an import)."""
+        ``external``: memory another framework owns (an import); ``read_only``: an
+        import its producer flagged read-only (deviceop refuses to write it)."""
         t = object.__new__(cls)
         t._base = t._arr = array
         t.device = device
@@ -56,7 +58,7 @@ class Tensor:
         t._ptr = device.address(array)
         # the allocation's extent: views of one allocation share it, so "can these
         # two alias?" is usually one identity test
-        t._alloc = _Allocation(*(device.extent(array) or t._range()), external)
+        t._alloc = _Allocation(*(device.extent(array) or t._range()), external, read_only)
         t._borrow = None
         if external:
             owner = _owner_of(*t._range())
@@ -66,7 +68,7 @@ class Tensor:
             with _owned_lock:
                 _owned.add(t._alloc)
         t._home_stream = home_stream
-        t._sig = (t._ptr, t._shape, t._strides, t.dtype)
+        t._sig = (t._ptr, t._shape, t._strides, t.dtype) + ((READ_ONLY,) if read_only else ())
         t._sig_id = _sig_id(t._sig)
         t._views = None
         return t
@@ -78,6 +80,8 @@ class Tensor:
         t._ptr, t._shape, t._strides, t._contig = ptr, shape, strides, contiguous
         t._alloc, t._home_stream, t._borrow = self._alloc, self._home_stream, self._borrow
         t._sig, t._views = (ptr, shape, strides, self.dtype), None
+        if self._alloc.read_only:
+            t._sig += (READ_ONLY,)
         t._sig_id = _sig_id(t._sig)
         return t
 
@@ -137,14 +141,18 @@ class Tensor:
         if isinstance(obj, np.ndarray):  # on either device, as the GPU must: a NumPy array is host memory
             raise StateError("a NumPy array lives in host memory, and zero-copy import (dop.from_dlpack, "
                              "dop.as_tensor) takes device memory: copy it with dop.from_numpy(array)")
-        producer, stream = dlpack_producer(obj), stream or device.default_stream()  # its exports checked
-        return cls._wrap(device.import_dlpack(producer, stream), device, home_stream=stream, external=True)
+        producer, stream = dlpack_producer(obj), stream or device.default_stream()  # exports checked, read-only noted
+        array = device.import_dlpack(producer, stream)
+        read_only = producer.read_only or not getattr(getattr(array, "flags", None), "writeable", True)
+        return cls._wrap(array, device, home_stream=stream, external=True, read_only=read_only)
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
         device = as_device(device) if device is not None else Device(0)
-        return cls._wrap(device.import_cuda_array(obj), device, external=True)
+        array = device.import_cuda_array(obj)
+        data = obj.__cuda_array_interface__.get("data")  # (pointer, read-only)
+        return cls._wrap(array, device, external=True, read_only=bool(data[1]) if isinstance(data, tuple) else False)
 
     # -- metadata ------------------------------------------------------------
     @property
@@ -315,136 +323,6 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
-
-
-# -- shared handles and ownership ------------------------------------------------
-
-class SharedTensor:
-    """An Arc-like, read-only handle to a tensor.
-
-    ``clone()`` makes another live handle; ``release()`` (or the handle being
-    collected) ends one.  ``try_partition(tile)`` turns the *only* live handle
-    into a writable Partition and fails with an OwnershipError while anything
-    else deviceop can see may still reach the buffer — the runtime form of
-    cutile-rs's ``Arc::try_unwrap``:
-
-    * another live handle (counted explicitly — handles made and ended, not
-      CPython reference counts — and per allocation: two handles made from two
-      views of one buffer still count as two);
-    * a live *borrow*: a view made through a handle (``handle.view(...)``, an
-      op's ``.reshape`` of a handle) or a DLPack import of the buffer's memory,
-      counted while that view, or any view made from it, is alive;
-    * memory imported from another framework (``from_dlpack``, ``as_tensor``):
-      its other references are invisible, so it is never claimed.
-
-    A plain Tensor is not tracked: ``tensor.partition`` is a mutable borrow its
-    caller vouches for (docs/robustness.md, "Ownership", says what is and is
-    not enforced).
-    """
-
-    __slots__ = ("_tensor", "_live", "__weakref__")
-
-    def __init__(self, tensor: Tensor):
-        if not isinstance(tensor, Tensor):
-            raise StateError(f"SharedTensor wraps a Tensor, got {type(tensor).__name__}")
-        self._tensor = tensor
-        alloc = tensor._alloc
-        with alloc.lock:
-            alloc.handles += 1
-        self._live = True
-
-    @property
-    def tensor(self) -> Tensor:
-        """The tensor, for reading (launch inputs).  It is a plain Tensor: views of
-        it are not counted as borrows; make views with ``handle.view(...)``."""
-        if not self._live:
-            raise StateError("this SharedTensor handle was released or consumed by try_partition: take a fresh "
-                             "handle with .clone() of a live one (before releasing it), or tensor.into_shared()")
-        return self._tensor
-
-    @property
-    def live_handles(self) -> int:
-        """Live handles to this buffer's allocation (this one included, if live)."""
-        return self._tensor._alloc.handles
-
-    def clone(self) -> "SharedTensor":
-        return SharedTensor(self.tensor)  # a dead handle cannot be cloned
-
-    def release(self) -> None:
-        """End this handle (idempotent)."""
-        if self._live:
-            self._live = False
-            alloc = self._tensor._alloc
-            with alloc.lock:
-                alloc.handles -= 1
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:
-            pass
-
-    def _exclusive(self, what: str, consume: bool) -> Tensor:
-        """The tensor, if this is the only way deviceop can see to reach the buffer
-        (the handle ended with the lock held when ``consume``); else OwnershipError."""
-        tensor = self.tensor
-        alloc = tensor._alloc
-
-        def end():
-            alloc.handles -= 1
-            self._live = False
-        claim(alloc, tensor._borrow, what, f"{tensor.dtype.name} buffer {tensor.shape}", end if consume else None)
-        return tensor
-
-    def try_partition(self, tile_shape) -> Partition:
-        """Claim the buffer for writing: succeeds only if nothing else deviceop can
-        see reaches it (see the class docstring).
-
-        The handle is consumed (like a Rust move); the partition's tensor is
-        the buffer, writable by one launch."""
-        tensor = self.tensor
-        part = Partition(tensor, tile_shape)  # a bad tile fails before the handle is consumed
-        alloc = tensor._alloc
-        with alloc.lock:  # the common case inline (a claim is made per buffer per forward built)
-            if alloc.handles == 1 and not alloc.borrows and not alloc.external:
-                alloc.handles -= 1
-                self._live = False
-                return part
-        self._exclusive("try_partition", consume=True)
-        return part
-
-    def check_writable(self, what: str) -> Tensor:
-        """The tensor, for a write through this handle (``api.memcpy`` into it):
-        allowed when ``try_partition`` would be, without consuming the handle
-        (cutile-rs's ``Arc::get_mut``).  Raises OwnershipError otherwise."""
-        return self._exclusive(what, consume=False)
-
-    # read-only conveniences, all through .tensor
-    @property
-    def shape(self):
-        return self.tensor.shape
-
-    @property
-    def dtype(self):
-        return self.tensor.dtype
-
-    def view(self, *shape) -> Tensor:
-        """A view of the buffer, counted as a borrow while it (or a view made from
-        it) is alive: ``try_partition`` on any handle to the buffer waits for it."""
-        tensor = self.tensor
-        like = tensor.view(*shape)  # the tensor's cached view: its shape checked once
-        v = like._twin()  # an object of its own: its life is the borrow's
-        v._borrow = _Borrow(tensor._alloc, "a view made through a handle (handle.view / .reshape)")
-        return v
-
-    reshape = view
-
-    def numpy(self, **kw):
-        return self.tensor.numpy(**kw)
-
-    def __repr__(self) -> str:
-        state = f"{self.live_handles} live handle(s)" if self._live else "released"
-        return f"SharedTensor({self._tensor!r}, {state})"
 
 
 _launch.tensor_type = Tensor  # the launchers' fast path reads a Tensor's pointer without a call

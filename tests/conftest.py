@@ -143,7 +143,9 @@ def stream(device):
 
 @pytest.fixture
 def rng():
-    """Fresh random data every run (never zeros); the seed is printed on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"rng seed {seed}")
+    """Fresh random data every run (never zeros); the seed is printed on failure, and
+    ``DEVICEOP_TEST_SEED=<seed>`` runs a test again with the seed that failed it."""
+    fixed = os.environ.get("DEVICEOP_TEST_SEED", "")
+    seed = int(fixed) if fixed else int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed} (DEVICEOP_TEST_SEED={seed} repeats it)")
     return np.random.default_rng(seed)

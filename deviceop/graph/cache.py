@@ -43,7 +43,9 @@ from ..dtypes import dtype as as_dtype
 from ..errors import AliasingError, DTypeError, ShapeError, StateError
 from ..interop import empty
 from ..kernel.precompile import progress
+from ..execution import executing_now, refuse_reentry
 from ..op import DeviceOp
+from ..runtime.stream import refuse_if_captured_elsewhere
 from .cache_checks import check_new_key, check_options, check_pad, checked_key, count
 from ..tensor import Partition, SharedTensor, Tensor
 
@@ -292,6 +294,9 @@ class GraphCache:
 
     def _replay(self, entry: _Entry, batch: int, inputs):
         stream = self.stream
+        if executing_now() is not None:  # refused before the inputs are copied in, as graph.replay() is
+            raise refuse_reentry("graph.replay() of a GraphCache", executing_now())
+        refuse_if_captured_elsewhere("a GraphCache replay", stream)
         if self.key_fn is not None:  # the default key already holds every shape and dtype
             for x, t in zip(inputs, entry.inputs):
                 if x.shape[1:] != t.shape[1:] or x.dtype is not t.dtype:

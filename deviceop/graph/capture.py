@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..api import memset
-from ..errors import GraphSafetyError
+from ..errors import GraphSafetyError, LaunchError
 from ..kernel import KernelLaunch
 from ..op import DeviceOp, SharedOp
 from .copy_nodes import MemcpyNode, MemsetNode
@@ -43,10 +43,7 @@ class Capture:
     def check_graph_safe(self, op: DeviceOp) -> None:
         bad = op.unsafe_for_graphs(self.fresh)
         if bad is not None:
-            raise GraphSafetyError(
-                f"{bad.describe()} cannot be recorded into a graph: it allocates (a replay would reuse or free "
-                "an address the graph baked in). Allocate before capturing and pass the buffer in; only kernel "
-                "launches, api.memcpy and values are graph-safe")
+            raise GraphSafetyError(f"{bad.describe()} cannot be recorded into a graph: {bad.unsafe_reason}")
 
     def record_launch(self, stream, launch, head, values, launch_args, plan) -> None:
         """Record a checked kernel launch on the capturing ``stream``: it becomes a
@@ -107,3 +104,18 @@ def preload(op: DeviceOp, device) -> None:
             if gen is not None:
                 o.kernel.function(device, gen)
         stack.extend(o.children())
+
+
+def not_recordable(x) -> LaunchError:
+    """The error of ``scope.record(x)`` for an ``x`` that is no op: it would record nothing."""
+    if callable(x):
+        what = ("which would run once, now, and never on a replay: put another library's GPU work "
+                "in dop.foreign(body, reads=[...], writes=[...]) and host work that must run at every replay in "
+                "dop.host_callback(fn), and record that op")
+    elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
+        what = ("which is host data, not work: copy it into a device buffer before the scope (dop.from_numpy) and record "
+                "api.memcpy(dst, src) to copy it at every replay")
+    else:
+        what = "which is no op, so there is nothing to record: record a kernel launch, api.memcpy, dop.foreign(...), " \
+               "dop.host_callback(...), or a value made an op with dop.value(x)"
+    return LaunchError(f"scope.record() takes an op; got a {type(x).__name__}, {what}")

@@ -17,9 +17,10 @@ from __future__ import annotations
 import threading
 
 from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
-from ..execution import SCOPE
-from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, warn_if_unexecuted
-from .capture import Capture, ReplayCheck, preload
+from ..execution import SCOPE, _running, executing_now, refuse_reentry
+from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
+from ..runtime.stream import capturing, refuse_if_captured_elsewhere, stream_key
+from .capture import Capture, ReplayCheck, not_recordable, preload
 from .nodes import KernelNode, Node
 from .render import render_dot
 
@@ -75,7 +76,7 @@ class CudaGraph:
                     raise CaptureError(f"capturing {op.describe()} failed: {exc}") from exc
                 raise  # deviceop errors name their op; user errors and interrupts go on unchanged
             try:
-                return cls._end(stream, cap), output, cap
+                return cls._end_capture(stream, cap), output, cap
             except BaseException:
                 cap.undo()
                 raise
@@ -89,10 +90,24 @@ class CudaGraph:
     @staticmethod
     def _begin_or_abort(stream, cap: Capture):
         """``_begin``, ending the capture again if anything interrupts it — also a
-        KeyboardInterrupt that lands after the driver began it, before it returned."""
+        KeyboardInterrupt that lands after the driver began it, before it returned.
+
+        While the capture is open the stream notes which thread captures it
+        (runtime.stream.capturing): eager work other threads enqueue on it is refused instead of
+        being recorded into this graph (execution.executing).  A capture does not begin
+        while another thread is enqueueing work on the stream."""
         if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
             raise CaptureError("this stream is already capturing; end that capture first")
         cap.before = stream.record_event(timing=False)
+        me, key = threading.current_thread(), stream_key(stream)
+        capturing[key] = (me.ident, me.name, cap.label)  # first, then look: see execution.executing
+        busy = [i for i, e in _running.copy().items() if e.stream is not None and stream_key(e.stream) == key
+                and i != me.ident]
+        if busy:
+            capturing.pop(key, None)
+            raise CaptureError(f"capturing {cap.label}: another thread is executing work on this stream now "
+                               "(sync_on / async_on), which the capture would record into the graph. Capture on a "
+                               "stream of your own (device.new_stream()), or once that work is enqueued")
         try:
             return CudaGraph._begin(stream)
         except BaseException:
@@ -102,7 +117,18 @@ class CudaGraph:
     @staticmethod
     def _abort(stream, graph) -> None:
         """End a failed capture and destroy whatever it recorded."""
-        stream.device.graphs.abort(stream)
+        try:
+            stream.device.graphs.abort(stream)
+        finally:
+            capturing.pop(stream_key(stream), None)
+
+    @staticmethod
+    def _end_capture(stream, cap: Capture):
+        """``_end``; then other threads may enqueue on the stream again."""
+        try:
+            return CudaGraph._end(stream, cap)
+        finally:
+            capturing.pop(stream_key(stream), None)
 
     @staticmethod
     def _end(stream, cap: Capture):
@@ -156,13 +182,19 @@ class CudaGraph:
 
     def replay(self, stream=None) -> None:
         """Enqueue one replay now on ``stream`` (default: the graph's own), without
-        building an op: the loop form of ``graph.launch().async_on(stream)``."""
+        building an op: the loop form of ``graph.launch().async_on(stream)``.  Refused
+        inside an execution (an op's callback, a capture scope), as ``sync_on`` there is."""
+        current = executing_now()
+        if current is not None:
+            raise refuse_reentry("graph.replay()", current)
         self._replay(stream if stream is not None else self._stream)
 
     def _replay(self, stream) -> None:
         self._check_open()
         for check in self._checks:  # (a collective's group closed: its communicator is gone)
             check.check_replay()
+        if capturing:
+            refuse_if_captured_elsewhere("graph.replay()", stream)
         self._graphs.launch(self._exec, stream)
 
     def _check_open(self) -> None:
@@ -196,6 +228,8 @@ class CudaGraph:
         topology or a node's kind changed) the graph is re-instantiated, or
         GraphUpdateError is raised with ``reinstantiate=False`` (the graph then
         keeps its old work).  Returns ``"updated"`` or ``"reinstantiated"``."""
+        if isinstance(work, DeviceOp):
+            work.discard()  # handed over: if it cannot be captured here, the error says so
         self._check_open()
         stream = self._stream
         if isinstance(work, DeviceOp):
@@ -309,11 +343,17 @@ class CudaGraph:
         return f"<CudaGraph {state}>"
 
 
+_NOT_A_CHILD_GRAPH = ("it launches another graph, and deviceop does not record a graph launch as a node of "
+                      "another graph (child graph nodes are not supported yet): replay that graph before or after "
+                      "this capture (graph.replay()), or capture the ops it was made of into this graph")
+
+
 class GraphLaunch(DeviceOp):
     """One replay of a graph, as an op."""
 
     __slots__ = ("graph",)
     graph_safe = False  # a graph launch is not a node of another capture here
+    unsafe_reason = _NOT_A_CHILD_GRAPH
     op_name = "graph.launch"
 
     def __init__(self, graph: CudaGraph):
@@ -325,29 +365,19 @@ class GraphLaunch(DeviceOp):
 
     def _execute(self, ctx):
         if ctx.capture is not None:
-            raise GraphSafetyError("a graph launch cannot be recorded into another graph")
+            raise GraphSafetyError(f"graph.launch() cannot be recorded into a graph: {_NOT_A_CHILD_GRAPH}")
         self.graph._replay(ctx.stream)
         return None
 
 
-def not_recordable(x) -> LaunchError:
-    """The error of ``scope.record(x)`` for an ``x`` that is no op: it would record nothing."""
-    if callable(x):
-        what = ("which would run once, now, and never on a replay: put another library's GPU work "
-                "in dop.foreign(body, reads=[...], writes=[...]) and host work that must run at every replay in "
-                "dop.host_callback(fn), and record that op")
-    elif hasattr(x, "__array_interface__") or hasattr(x, "__array__"):
-        what = ("which is host data, not work: copy it into a device buffer before the scope (dop.from_numpy) and record "
-                "api.memcpy(dst, src) to copy it at every replay")
-    else:
-        what = "which is no op, so there is nothing to record: record a kernel launch, api.memcpy, dop.foreign(...), " \
-               "dop.host_callback(...), or a value made an op with dop.value(x)"
-    return LaunchError(f"scope.record() takes an op; got a {type(x).__name__}, {what}")
-
-
 class Scope:
     """The recorder of ``CudaGraph.scope``: ``record(op)`` runs a graph-safe op
-    on the capture stream at once (recording it) and returns its value."""
+    on the capture stream at once (recording it) and returns its value.
+
+    A scope entered by hand (``__enter__``) and collected without ``__exit__`` ends
+    its capture as a failed one (nothing of it is kept, every op it ran is handed
+    back) and releases its thread's execution lock, as cuda.core does for a
+    GraphBuilder collected mid-capture."""
 
     def __init__(self, stream, instantiate: bool = True):
         self.stream, self.graph = stream, None
@@ -373,6 +403,7 @@ class Scope:
     def __enter__(self) -> "Scope":
         self._lock_cm = executing(SCOPE)
         self._lock_cm.__enter__()
+        self._lock_cm.thread = threading.current_thread()  # its ident may be reused once it ends
         try:
             self._cap = Capture("CudaGraph.scope")
             self._graph_handle = CudaGraph._begin_or_abort(self.stream, self._cap)
@@ -383,6 +414,18 @@ class Scope:
             raise
         return self
 
+    def __del__(self):
+        try:
+            if self._ctx is not None:  # entered, never exited: end the capture as a failed one
+                self._ctx = None
+                try:
+                    CudaGraph._abort(self.stream, self._graph_handle)
+                    self._cap.undo()
+                finally:
+                    self._lock_cm.release_from_anywhere()  # the lock of the thread that entered it
+        except Exception:
+            pass
+
     def __exit__(self, exc_type, exc, tb):
         self._ctx = None
         try:
@@ -391,7 +434,7 @@ class Scope:
                 self._cap.undo()
                 return False
             try:
-                graph = CudaGraph._end(self.stream, self._cap)
+                graph = CudaGraph._end_capture(self.stream, self._cap)
                 if not self._instantiate:
                     self.recorded = (graph, self._cap)
                     return False

@@ -34,10 +34,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..compile import compile_cubin
-from ..errors import CapabilityError, DTypeError, GraphSafetyError, LaunchError, ShapeError
+from ..errors import CapabilityError, DTypeError, LaunchError, ShapeError
+from ..execution import BodyGuard
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
+from ..memory import read_only_error
 from ..tensor import SharedTensor, Tensor
 
 _CONTROL_SOURCE = r"""
@@ -148,24 +150,38 @@ class _Loop(DeviceOp):
     def _keep(self) -> tuple:
         return ()
 
+    def _borrowed(self) -> tuple:
+        """``(tensor, whose)`` pairs the body may read and not write (the count and index)."""
+        return ()
+
+    def writes(self) -> tuple:
+        """The tensors the loop itself writes (not its body): a ``loop``'s index."""
+        return ()
+
     # -- execution ----------------------------------------------------------------------
-    def _build_body(self, capture=None) -> DeviceOp:
-        """The body op, checked; ``capture``: the capture it is recorded into (which
-        notes the ops it runs, to hand them back if it fails)."""
+    def _build_body(self, guard, capture=None) -> DeviceOp:
+        """The body op, checked by ``guard`` (BodyGuard.check_op); ``capture``: the capture
+        it is recorded into (which notes the ops it runs, to hand them back if it fails)."""
         op = value(self._body(*self._body_args()))
-        capturing = capture is not None
-        bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
-        if bad is not None:
-            where = "captured" if capturing else "run"
-            raise GraphSafetyError(f"the body of {self._label} contains {bad.describe()}, which allocates or "
-                                   f"synchronizes; a loop body may only launch kernels and copy (it is {where} "
-                                   "as one conditional graph node): allocate before the loop and pass buffers in")
+        guard.check_op(op, capture.fresh if capture is not None else None, "captured" if capture else "run")
         return op
 
     def _execute(self, ctx: ExecutionContext):
+        outer = ctx.guard
+        if outer is not None:  # a loop inside another's body: it must not write what that one borrows
+            for t in self.writes():
+                outer.check(t, self._label)
+        guard = BodyGuard(self._label, self._borrowed(), outer)
         if ctx.capture is None:
+            op = self._build_body(guard)  # the first iteration's, checked before the loop begins
+            body_ctx = ExecutionContext(ctx.stream, None, guard)
             for _ in self._eager_iterations(ctx):
-                self._build_body()._run(ctx)
+                if op is None:
+                    op = self._build_body(guard)
+                op._run(body_ctx)
+                op = None
+            if op is not None:
+                op.discard()  # no iteration ran: built to be checked, as a captured loop's body is
         else:
             supported, why = ctx.device.conditional_nodes()
             if not supported:
@@ -175,7 +191,7 @@ class _Loop(DeviceOp):
             capture = ctx.capture
             ctx.device.graphs.capture_while(
                 ctx.stream, self._label, self._launch_control, self._host_control,
-                lambda body_stream: self._build_body(capture)._run(ExecutionContext(body_stream, capture)))
+                lambda body_stream: self._build_body(guard, capture)._run(ExecutionContext(body_stream, capture, guard)))
             capture.keep.append(self._keep())  # the body stream is only needed while capturing
         return None
 
@@ -189,6 +205,8 @@ class Loop(_Loop):
         if isinstance(index, SharedTensor):  # the loop writes the index: a shared one must be ours alone
             index.check_writable("dop.loop's index")
         self.index = _int32_cell(index, "the loop index", "dop.from_numpy(np.zeros(1, np.int32))")
+        if self.index._alloc.read_only:
+            raise read_only_error("dop.loop's index (the loop writes it)", self.index)
         if isinstance(count, (int, np.integer)) and not isinstance(count, bool):
             if count < 0 or count > 2**31 - 1:
                 raise ShapeError(f"a loop count must be in [0, 2^31), got {count}")
@@ -202,6 +220,12 @@ class Loop(_Loop):
         super().__init__(body, label)
 
     def _body_args(self) -> tuple:
+        return (self.index,)
+
+    def _borrowed(self) -> tuple:
+        return ((self.index, "its index"), (self.count_tensor, "its count"))
+
+    def writes(self) -> tuple:
         return (self.index,)
 
     def _count_now(self, ctx) -> int:

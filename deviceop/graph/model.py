@@ -3,7 +3,8 @@ captured forward pass behind it."""
 from __future__ import annotations
 
 from ..errors import KernelFaultError
-from ..execution import _tls
+from ..execution import executing_now
+from ..runtime.stream import capturing, stream_key
 from ..tensor import SharedTensor, Tensor
 from .. import api
 from .cudagraph import CudaGraph
@@ -49,7 +50,8 @@ class GraphModel(Module):
         graph, inp = self.graph, self.input
         stream = graph._stream
         if (type(x) is Tensor and x._sig[1:] == self._in_sig and x._contig
-                and x._alloc is not inp._alloc and not getattr(_tls, "executing", None) and not graph._closed):
+                and x._alloc is not inp._alloc and executing_now() is None and not graph._closed
+                and not (capturing and stream_key(stream) in capturing)):
             stream.memcpy(inp._ptr, x._ptr, inp.nbytes)
             graph._replay(stream)
             return self.output

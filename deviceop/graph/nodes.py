@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import DTypeError, LaunchError, StateError
 from ..kernel import checked_launch
+from ..tensor import SharedTensor
 
 
 class Node:
@@ -93,7 +94,7 @@ class KernelNode(Node):
         self.kernel, self.generics = kernel, generics
         self._head = head  # the launch key's (device, generics, pdl, cooperative): see kernel.checked_launch
         self.mutable = mutable
-        self.values, self.launch_args = list(values), list(launch_args)
+        self.values, self.launch_args = _kept(kernel.params, values, launch_args), list(launch_args)
         self._function, self._config = function, config
         self._params = self._buf = self._ptrs = self._fast = None
 
@@ -148,7 +149,7 @@ class KernelNode(Node):
                 raise LaunchError(f"{self.label} takes {len(params)} arguments "
                                   f"({', '.join(p.describe() for p in params)}), got {len(args)}")
             new = list(args)
-            changed = [i for i in range(len(params)) if new[i] is not self.values[i]]
+            changed = [i for i in range(len(params)) if not _same(new[i], self.values[i])]
         else:
             new, changed = list(self.values), []
             index = kernel.param_index
@@ -192,7 +193,7 @@ class KernelNode(Node):
             except BaseException:
                 self._params, self._config = old
                 raise
-        self.values, self.launch_args = new, launch_args  # the graph keeps the new buffers alive
+        self.values, self.launch_args = _kept(self.kernel.params, new, launch_args), launch_args  # the graph keeps the buffers alive
 
     def _set_fast(self, graph, fast, changes) -> bool:
         """Scalars only, each a float (int) for a float (int) parameter: pack them and
@@ -251,6 +252,18 @@ class KernelNode(Node):
         except BaseException:
             self._buf[:len(saved)] = saved  # the node keeps its previous arguments
             raise
+
+
+def _kept(params, values, launch_args) -> list:
+    """The arguments a node keeps: the output partitions (the grid comes from one), and for
+    the rest what the kernel reads (a SharedTensor's tensor, not the handle: releasing a handle
+    given to the node must not make its later updates fail; the node keeps the buffer alive)."""
+    return [v if p.role == "out" else a for p, v, a in zip(params, values, launch_args)]
+
+
+def _same(given, kept) -> bool:
+    """Is an argument given to ``set`` the one the node has (a live handle to its tensor counts)?"""
+    return given is kept or (type(given) is SharedTensor and given._live and given._tensor is kept)
 
 
 def _coerce(param, value, label):

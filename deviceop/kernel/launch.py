@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..errors import DeviceOpError, LaunchError
 from ..op import DeviceOp, stats, warn_if_unexecuted
+from ..tensor import Partition
 from .plan import check_launch, checked_launch
 from .signature import Param, check_arg
 
@@ -128,6 +129,11 @@ class KernelLaunch(DeviceOp):
     def children(self):
         return tuple(a for a in self.args if isinstance(a, DeviceOp))
 
+    def writes(self) -> tuple:
+        """The tensors this launch writes, as far as they are known before it runs."""
+        out = self.args[0]
+        return (out.tensor,) if type(out) is Partition else ()
+
     def describe(self) -> str:
         return self.kernel.name_expression(self._generics) if self._generics is not None else self.kernel.name
 
@@ -165,6 +171,8 @@ class KernelLaunch(DeviceOp):
         (``_fast_launch_type``) instead; ``key`` is the launch key when that
         path has built it already."""
         launch_args, plan, head = self._check(ctx, values, key)
+        if ctx.guard is not None:  # inside a loop's body: not into the loop's index or count
+            ctx.guard.check(launch_args[0], self.describe)
         if ctx.capture is None:
             plan.launcher(ctx.stream, plan.config, *launch_args)
         else:  # the capture records it, and decides what node it becomes

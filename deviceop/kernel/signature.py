@@ -23,6 +23,7 @@ import numpy as np
 
 from ..dtypes import DType, dtype as as_dtype
 from ..errors import DeviceOpError, DTypeError, LaunchError, ShapeError
+from ..memory import read_only_error
 from ..tensor import Partition, SharedTensor, Tensor
 
 LAYOUTS = ("dense", "strided")
@@ -277,8 +278,12 @@ def check_arg(kernel, p: Param, a) -> None:
                 if isinstance(a, (Tensor, SharedTensor)) else ""
             raise LaunchError(f"argument {p.name} of {k} must be a Partition{hint}, got {type(a).__name__}")
         t = a.tensor
+        if t._alloc.read_only:  # checked as the launch is built (and whenever a new key is checked)
+            raise read_only_error(f"{k} writes {p.name}", t)
     elif p.role == "inout":
         t = writable_arg(kernel, p, a)
+        if t._alloc.read_only:
+            raise read_only_error(f"{k} writes {p.name}", t)
     elif p.role == "in":
         t = _as_tensor_arg(a)
         if not isinstance(t, Tensor):

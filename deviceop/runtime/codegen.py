@@ -62,7 +62,7 @@ def _run(self, ctx):
     {op}
     {args}, = op.args
     {run_ops}
-    if ctx.capture is None:
+    if ctx.plain:  # eager, no capture, no read-only borrows to check
         try:
             {unwrap}
             key = {key}

@@ -20,7 +20,8 @@ from . import driver, graphs
 from . import foreign as foreign_work
 from .driver import check
 from .module import CudaModule
-from .stream import _CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, sync_failed
+from .stream import (_CLOSED, CudaEvent, CudaStream, closed_stream, not_a_stream, refuse_if_captured_elsewhere,
+                     sync_failed)
 
 _instances: dict[tuple[type, int], "Device"] = {}
 _loaded: dict[tuple[int, str], CudaModule] = {}  # (ordinal, program key) -> the module loaded once
@@ -308,6 +309,7 @@ def placed(what: str, device, stream):
             raise not_a_stream(what, stream)
         if home is _CLOSED:
             raise closed_stream(what)
+        refuse_if_captured_elsewhere(what, stream)  # another thread captures it: not into its graph
         if device is None:
             return home, stream
         if device_key(home) != device_key(device):

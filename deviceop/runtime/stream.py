@@ -7,6 +7,7 @@ interoperability, but it is refused for graph capture: CUDA cannot capture it.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -52,6 +53,34 @@ def sync_failed(code, call: str, what: str, whose: str = "the stream is") -> Non
 def not_a_stream(what: str, stream) -> LaunchError:
     return LaunchError(f"{what} needs a deviceop stream (device.new_stream(), or CudaStream.from_handle(...) for "
                        f"another library's), got {'None' if stream is None else type(stream).__name__}")
+
+
+# The streams deviceop's graph layer is capturing: stream_key -> (thread ident, thread name,
+# label), while the capture is open.  Eager work other threads enqueue on them is refused.
+capturing: dict = {}
+
+
+def stream_key(stream):
+    """What names a stream's queue: its CUDA handle (two wrappers of one stream agree), else the object."""
+    return getattr(stream, "ptr", None) or id(stream)
+
+
+def captured_elsewhere(what: str, owner) -> CaptureError:
+    """The error of work enqueued on a stream that another thread is capturing (``owner``:
+    its entry in ``capturing``)."""
+    _, thread, label = owner
+    return CaptureError(f"{what} on a stream that another thread ({thread}) is capturing into a graph "
+                        f"({label}): its work would be recorded into that graph, never run now and run at every "
+                        "replay. Enqueue it on a stream of its own (device.new_stream()), or once that capture "
+                        "has ended")
+
+
+def refuse_if_captured_elsewhere(what: str, stream) -> None:
+    """Refuse work from this thread on ``stream`` while another thread captures it (nothing is enqueued)."""
+    if capturing:
+        owner = capturing.get(stream_key(stream))
+        if owner is not None and owner[0] != threading.get_ident():
+            raise captured_elsewhere(what, owner)
 
 
 def closed_stream(what: str) -> StateError:
