@@ -269,13 +269,18 @@ def test_a_signature_that_disagrees_with_the_kernel_is_refused_without_a_driver(
         fewer(dop.empty(64).partition([32]), dop.empty(64)).generics([32]).sync_on(stream)
 
 
-def test_an_entry_the_cubin_lacks_is_refused(stream, rng):
-    """An entry name with C++ linkage (mangled) or misspelt: no GPU could load it."""
+def test_an_entry_the_source_or_the_cubin_lacks_is_refused(stream, rng):
+    """A misspelt entry (C++ or extern "C": NVRTC cannot resolve its name expression), an
+    overloaded one, or a mangled symbol the CUBIN lacks: no GPU could load it."""
     source = "__global__ void fill(float* out) { out[threadIdx.x] = 1.0f; }"
-    for entry, src in (("fill", source), ("fil", 'extern "C" ' + source)):
+    for src, entry, error, match in (
+            (source, "fil", dop.CompileError, "fill: the source defines no kernel fil: pass entry= the __global__"),
+            ('extern "C" ' + source, "fil", dop.CompileError, "the source defines no kernel fil"),
+            (source + "__global__ void fill(int* out) {}", "fill", dop.CompileError, "the source overloads fill"),
+            (source, "_Z4fillPi", dop.LaunchError, "no kernel '_Z4fillPi'.*or its exact mangled symbol")):
         k = Kernel("fill", src, [Out("out", "float32", rank=1)], block=32,
                    reference=lambda g, out: out.fill(1.0), entry=entry)
-        with pytest.raises(dop.LaunchError, match=rf"no kernel '{entry}'.*extern \"C\""):
+        with pytest.raises(error, match=match):
             k(dop.empty(32).partition([32])).sync_on(stream)
 
 
