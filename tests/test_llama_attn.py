@@ -171,8 +171,11 @@ def _attn_try(stream, **over):
     (dict(cap=128), "cap=128"),
     (dict(ws=dop.empty([100])), "ws \\(100,\\) must hold"),
     (dict(counters=dop.from_numpy(np.zeros(1, np.int32))), "counters"),
-    (dict(q=dop.empty([256])), "q \\(256,\\)"),
-    (dict(v=dop.empty([2, 32, 64], "bfloat16")), "v \\(2, 32, 64\\) must match"),
+    (dict(q=dop.empty([256])), r"argument q has shape \[256\], but its axis 0 is HKV\*G\*HD = 2\*4\*64 = 512 \(HKV "
+                               r"from k's shape; G, HD from \.generics\(\)\), 256 here; pass a q of shape \[512\]"),
+    (dict(v=dop.empty([2, 32, 64], "bfloat16")), r"argument v has shape \[2, 32, 64\], but its axis 1 is cap: 64 "
+                                                 r"from the scalar argument cap and k's shape, 32 here; pass a v of "
+                                                 r"shape \[2, 64, 64\]"),
 ])
 def test_attn_refuses_what_it_cannot_serve(stream, over, match):
     with pytest.raises(dop.ShapeError, match=match):

@@ -136,7 +136,7 @@ def test_an_int_scalar_named_by_a_shape_is_checked_against_it(stream, rng):
     a = _heads_args(rng, stream)  # x [16]
     a["k"] = 12
     with pytest.raises(dop.ShapeError, match=r"heads<k=12>: argument x has shape \[16\], but its axis 0 is k: 12 from "
-                                             r"the scalar argument k, 16 here; pass k=16 \(x\.shape\[0\]\), or a x of "
+                                             r"the scalar argument k, 16 here; pass k=16 \(x\.shape\[0\]\), or an x of "
                                              r"shape \[12\]"):
         _heads(a).sync_on(stream)
 
@@ -219,3 +219,19 @@ def test_an_in_out_tensor_shaped_by_an_expression(stream, rng):
     with pytest.raises(dop.ShapeError, match=r"put_row<H=2, HD=8>: argument row has shape \[12\], but its axis 0 is "
                                              r"H\*HD = 2\*8 = 16 \(H from done's shape; HD from cache's shape\)"):
         put_row(dop.empty(2, stream=stream).partition([1]), cache, put(rng, 12, stream), 5, 3).sync_on(stream)
+
+
+def test_a_captured_node_cannot_set_a_scalar_that_disagrees_with_a_shape(stream, rng):
+    """k names x's length: setting it in a graph is checked like a launch (a kernel
+    without rules of its own would otherwise take a scalar unchecked)."""
+    put_k = Kernel("sum_k", "extern \"C\" __global__ void sum_k(float* y, const float* x, int k) {}",
+                   [Out("y", "float32", shape=(1,), tile=(1,)), In("x", "float32", shape=("k",)), Scalar("k", "int32")],
+                   block=32, reference=lambda g, y, x, k: y.__setitem__(..., x[:k].sum()))
+    x = put(rng, 16, stream)
+    launch = put_k(dop.empty(1, stream=stream).partition([1]), x, 16).dynamic("k")
+    graph = launch.graph_on(stream)
+    with pytest.raises(dop.ShapeError, match=r"sum_k<k=8>: argument x has shape \[16\], but its axis 0 is k: 8 from "
+                                             r"the scalar argument k"):
+        graph.node(launch).set(k=8)
+    graph.node(launch).set(k=16)
+    graph.launch().sync_on(stream)

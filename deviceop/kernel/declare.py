@@ -16,6 +16,9 @@ A kernel is CUDA C++ (a ``.cu`` file or a string) plus a declaration:
   ints, shape expressions or functions of the generics (the cluster's also of
   the grid); a kernel that does not follow the output-tile convention declares
   ``grid=`` (geometry.py),
+* its rules: ``limits(g)`` on the generics alone (ranges), checked before the
+  shapes, and ``validate(g, *args)`` on the arguments (alignment, ranges of
+  sizes, what shapes cannot say), after them,
 * a NumPy reference that computes the same output — what the reference
   device runs, and what tests compare the GPU against.
 
@@ -47,11 +50,16 @@ from .shapes import dim_names
 from .signature import _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
 
 
+def _shapes_name_scalars(g, *args) -> None:
+    """The rule of a kernel whose shapes name scalars: bind checked them already."""
+
+
 class Kernel:
     """A CUDA C++ kernel and its declaration (see the module docstring)."""
 
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
-                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None):
+                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None,
+                 limits=None):
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
@@ -80,11 +88,18 @@ class Kernel:
         check_names(name, self.params, self.generic_names)
         # may a launch omit .generics()?  (when the parameters' shapes determine every generic)
         self.infers_generics = bool(self.generic_names) and inferable(self.params, self.generic_names)
-        self.reference, self.validate = reference, validate
+        # validate(g, *args): the kernel's rules on its arguments, after the shapes; limits(g): its
+        # rules on the generics alone (ranges), before the shapes, which an out-of-range generic
+        # would make name the wrong fix ("pass a q of shape [2048]" for G=16, not "G is in [1, 8]")
+        self.reference, self.validate, self.limits = reference, validate, limits
         self.block = geometry.parse_part(name, "block", block)
         self.shared_mem = geometry.parse_part(name, "shared_mem", shared_mem)
         self.cluster = geometry.parse_part(name, "cluster", cluster)
         self._check_geometry_names()
+        if self.validate is None and self._named_scalars:
+            # a scalar a shape names is a rule: a captured node sets a scalar unchecked only for
+            # kernels without rules (graph/nodes.py reads .validate), so give this one a rule
+            self.validate = _shapes_name_scalars
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
         self._functions: dict = {}

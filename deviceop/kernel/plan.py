@@ -98,8 +98,9 @@ def _launch_key_function(kernel):
 
 
 def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
-    """Every check of a launch: roles, dtypes, shapes (against the generics, which
-    are inferred when ``gen`` is None), layouts, aliasing, the kernel's own rules.
+    """Every check of a launch: roles, dtypes, the kernel's limits on its generics,
+    shapes (against the generics, which are inferred when ``gen`` is None; the
+    limits then follow), layouts, aliasing, the kernel's own rules.
     Returns the launch arguments (tensors for partitions and shared handles) and
     the generics."""
     return _check_launch(kernel, values, gen, label)[:2]
@@ -111,7 +112,12 @@ def _check_launch(kernel, values, gen, label: str) -> tuple[list, tuple, dict]:
     for p, v in zip(params, values):
         check_arg(kernel, p, v)
     launch_args = [v.tensor if p.role == "out" else _as_tensor_arg(v) for p, v in zip(params, values)]
+    inferred = gen is None
+    if kernel.limits is not None and not inferred:
+        run_rule(kernel, kernel.limits, gen, dict(zip(kernel.generic_names, gen)))
     gen, env = bind(kernel, values, launch_args, gen)
+    if kernel.limits is not None and inferred:
+        run_rule(kernel, kernel.limits, gen, dict(zip(kernel.generic_names, gen)))
     written = [(p, t) for p, t in zip(params, launch_args) if p.writes]
     read = [(p, t) for p, t in zip(params, launch_args) if p.role == "in"]
     for i, (w, t) in enumerate(written):

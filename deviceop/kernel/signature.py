@@ -193,6 +193,8 @@ def bind(kernel, values, launch_args, gen) -> tuple[tuple, dict]:
                         env[d], source[d] = n, f"{p.name}'s {what}"
                     elif n != env[d]:
                         raise _mismatch(kernel, p, what, dims, actual, axis, env[d], env, source)
+                    elif source[d] == _SCALAR:  # a scalar an argument agrees with: the other is wrong
+                        source[d] = f"{_SCALAR} {d} and {p.name}'s {what}"
                 else:
                     deferred.append((p, what, dims, actual, axis))
     while deferred:
@@ -236,8 +238,13 @@ def _sources(names, source) -> str:
     """``"HQ, HD from .generics(); HKV from k's shape"``."""
     by = {}
     for n in names:
-        by.setdefault(source[n], []).append(n)
-    return "; ".join(f"{', '.join(ns)} from {'the scalar arguments' if s == _SCALAR else s}" for s, ns in by.items())
+        by.setdefault("the scalar arguments" if source[n].startswith(_SCALAR) else source[n], []).append(n)
+    return "; ".join(f"{', '.join(ns)} from {s}" for s, ns in by.items())
+
+
+def _a(name: str) -> str:
+    """``"a w"``, ``"an x"``: the article as the name is read."""
+    return f"{'an' if name[0].lower() in 'aeiox' else 'a'} {name}"
 
 
 def _mismatch(kernel, p, what, dims, actual, axis, expected, env, source) -> ShapeError:
@@ -245,14 +252,16 @@ def _mismatch(kernel, p, what, dims, actual, axis, expected, env, source) -> Sha
     fits = _fits(dims, actual, env)
     fits[axis] = expected
     d, n = dims[axis], actual[axis]
-    fix = f"pass a {p.name} of shape {_dims_text(fits)}"
+    fix = f"pass {_a(p.name)} of shape {_dims_text(fits)}"
     if type(d) is int:
         head, why = kernel.name, f"axis {axis} must be {d}"
     elif type(d) is str:
         head = f"{kernel.name}<{d}={expected}>"
-        if source[d] == _SCALAR:
+        if source[d].startswith(_SCALAR + " "):  # confirmed by another argument: this one is wrong
+            why = f"axis {axis} is {d}: {expected} from {source[d]}, {n} here"
+        elif source[d] == _SCALAR:
             why = f"axis {axis} is {d}: {expected} from the scalar argument {d}, {n} here"
-            fix = f"pass {d}={n} ({p.name}.shape[{axis}]), or a {p.name} of shape {_dims_text(fits)}"
+            fix = f"pass {d}={n} ({p.name}.shape[{axis}]), or {_a(p.name)} of shape {_dims_text(fits)}"
         else:
             why = f"axis {axis} is {d}: {expected} from {source[d]}, {n} here"
     else:
@@ -273,8 +282,8 @@ def _unsolvable(kernel, p, what, dims, actual, axis, unknown, env, source) -> Sh
     generic = " (or give .generics())" if unknown in kernel.generic_names else ""
     where = f"argument {p.name} has shape" if what == "shape" else f"partition {p.name} has tile"
     return ShapeError(f"{head}: {where} {_dims_text(actual)}, but its {'tile ' if what == 'tile' else ''}axis "
-                      f"{axis} is {d}{sources}, and no {unknown} >= 0 makes {d.substituted(env)} = {n}; pass a "
-                      f"{p.name} whose {'tile' if what == 'tile' else 'axis'} {axis} is {d.substituted(env)} for the "
+                      f"{axis} is {d}{sources}, and no {unknown} >= 0 makes {d.substituted(env)} = {n}; pass "
+                      f"{_a(p.name)} whose {'tile' if what == 'tile' else 'axis'} {axis} is {d.substituted(env)} for the "
                       f"{unknown} you mean{generic}")
 
 
