@@ -160,8 +160,9 @@ def _attn_try(stream, **over):
 
 @pytest.mark.parametrize("over,match", [
     (dict(gen=[96, 4, 32, 64, 64, 0, 2]), "head dim 96 is not supported"),
-    (dict(gen=[64, 16, 32, 64, 64, 0, 2], tile=64 * 16 // 32), "G=16"),
-    (dict(gen=[64, 4, 48, 64, 64, 0, 2]), "S=48"),
+    (dict(gen=[64, 16, 32, 64, 64, 0, 2], tile=64 * 16 // 32),   # the limits run before the shapes
+     "G=16 query heads per KV head is not supported; G must be in \\[1, 8\\]"),
+    (dict(gen=[64, 4, 48, 64, 64, 0, 2]), "S=48 splits must be in \\[1, 64\\] and divide G\\*HD=256"),
     (dict(gen=[64, 4, 32, 64, 48, 0, 2]), "LMAX=48 must be a multiple of 16, at least MINL=64"),
     (dict(gen=[64, 4, 32, 64, 64, 2, 2]), "PREFETCH=2 must be 0 or 1"),
     (dict(gen=[64, 4, 32, 64, 64, 0, 9]), "G\\*RG = 36 warps"),

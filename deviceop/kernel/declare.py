@@ -42,9 +42,9 @@ from ..errors import CompileError, LaunchError
 from ..op import DeviceOp
 from ..runtime.device import device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
+from . import geometry
 from .fast import _fast_launch_type
 from .launch import KernelLaunch
-from . import geometry
 from .plan import _launch_key_function
 from .shapes import dim_names
 from .signature import _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
