@@ -6,9 +6,9 @@ parameter is dense (the declaration's default layout): deviceop refuses a
 strided view before any of these kernels sees it.  Shapes are declared in
 terms of the generics (deviceop/kernel/signature.py), which deviceop checks
 and, where they name every generic (``add``, ``affine``, ``load_row``,
-``store_row``), infers: such a launch needs no ``.generics()``.  The
-``_check`` functions say only what shapes cannot: divisibility, ranges,
-alignment, scalars that must agree with a shape.
+``store_row``), infers: such a launch needs no ``.generics()``.  A scalar
+that must agree with a shape is named by it (``rows``).  The ``_check``
+functions say only what shapes cannot: divisibility, ranges, alignment.
 
 * ``rms_norm<D, BS>(out [R, D] tile [1, D], x [R, D], w [D], eps)``
 * ``matvec<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K])``: one warp per output row
@@ -19,8 +19,8 @@ alignment, scalars that must agree with a shape.
 * ``matvec_add<BN, BK, K>(out [N] tile [BN], x [1, K], w [N, K], residual [N])``: matvec + residual
   (both also ``_bf16``: bfloat16 weights, fp32 everything else; both PDL-ready: ``.pdl()``)
 * ``add_f16(out [N] tile [2048], a [N], b [N])``: fp16 out = a + b (kernels/gn_act.cu)
-* ``load_row<B>(out [D] tile [B], table [R, D], index int32 [1], rows)``: out = table[index]
-* ``store_row<B>(table [R, D] tile [R, B], x [D], index int32 [1], rows)``: table[index] = x
+* ``load_row<B>(out [D] tile [B], table [rows, D], index int32 [1], rows)``: out = table[index]
+* ``store_row<B>(table [rows, D] tile [rows, B], x [D], index int32 [1], rows)``: table[index] = x
   (the row number is read on the device: a device loop's index, see ``dop.loop``; PDL-ready)
 """
 from pathlib import Path
@@ -202,8 +202,6 @@ def _rows_check(name, load):
     def check(g, out, a, index, rows):
         B = g["B"]
         table, vec = (a, out.tensor) if load else (out.tensor, a)
-        _need(rows == table.shape[0], f"{name}: rows={rows} but the table has {table.shape[0]} rows; pass "
-                                      f"table.shape[0]")
         _need(B % 128 == 0 and B <= 4096, f"{name}: B={B} must be a multiple of 128, at most 4096")
         _aligned(table, vec)
     return check
@@ -211,13 +209,13 @@ def _rows_check(name, load):
 
 load_row = Kernel(
     "load_row", HERE / "rows.cu",
-    [Out("out", "float32", shape=("D",), tile=("B",)), In("table", "float32", shape=("R", "D")),
+    [Out("out", "float32", shape=("D",), tile=("B",)), In("table", "float32", shape=("rows", "D")),
      In("index", "int32", rank=1), Scalar("rows", "int32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_load_row_ref, validate=_rows_check("load_row", True))
 
 store_row = Kernel(
     "store_row", HERE / "rows.cu",
-    [Out("table", "float32", shape=("R", "D"), tile=("R", "B")), In("x", "float32", shape=("D",)),
+    [Out("table", "float32", shape=("rows", "D"), tile=("rows", "B")), In("x", "float32", shape=("D",)),
      In("index", "int32", rank=1), Scalar("rows", "int32")],
     generics=["B"], block=lambda g: g["B"] // 4, reference=_store_row_ref, validate=_rows_check("store_row", False))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import deviceop as dop
 from deviceop.compile import normalize_arch
 from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.runtime.tma import TENSOR_MAP_BYTES
 
 from ._checks import _need
 from .conv_reference import (ACTS, _apply_inplace_ref, _apply_ref, _conv_ref, _conv_wgmma_ref,
@@ -94,14 +95,45 @@ class CutlassKernel(Kernel):
         return super().compile(values, arch)
 
 
+def _tiles(n: str, h: str, w: str, k: str) -> tuple[str, str]:
+    """The conv's tiles per axis as shape expressions: (MT, NT) = (ceil(N*H*W / TM), ceil(K / TN))."""
+    return f"(({n}*{h}*{w}+TM-1)//TM)", f"({k}+TN-1)//TN"
+
+
+def _stats(mt: str, nt: str) -> Out:
+    """The GroupNorm partials [MT, NT, SK*4*gs], a [1, 1, 4*gs] tile a CTA: the grid is
+    (MT, NT, SK), SK the split-K slices; gs groups an n-tile can touch."""
+    return Out("stats", "float32", shape=(mt, nt, "SK*4*gs"), tile=(1, 1, "4*gs"))
+
+
+def _conv_params(y_dtype: str, n: str, h: str, w: str, c: str, k: str, r: str) -> list:
+    """stats, y [N, H, W, K], x [N, H, W, C], w [K, R, R, C], bias [K]: the conv's operands,
+    the sizes named ``n`` ... ``r`` (sizes the shapes bind, or the kernel's int scalars)."""
+    mt, nt = _tiles(n, h, w, k)
+    return [_stats(mt, nt), In("y", y_dtype, shape=(n, h, w, k)), In("x", "float16", shape=(n, h, w, c)),
+            In("w", "float16", shape=(k, r, r, c)), In("bias", y_dtype, shape=(k,))]
+
+
+def _semaphore(name: str, n: str, h: str, w: str, k: str) -> In:
+    """The split-K counters, one a tile, then the one-launch kernel's grid barrier (2 words)."""
+    mt, nt = _tiles(n, h, w, k)
+    return In(name, "int32", shape=(f"{mt}*({nt})+2",))
+
+
+def _tmaps(n: str, h: str, w: str, k: str) -> In:
+    """The WGMMA kernel's tensor maps: two templates, then two maps and two tags a CTA."""
+    mt, nt = _tiles(n, h, w, k)
+    ctas = f"{mt}*({nt})*SK"
+    return In("tmaps", "uint8", shape=(f"{2 * TENSOR_MAP_BYTES}*(1+{ctas})+16*{ctas}",))
+
+
 def _conv_kernel(y_dtype: str) -> Kernel:
     suffix = "f16" if y_dtype == "float16" else "f32"
     return CutlassKernel(
         f"conv2d_gn_stats_{suffix}", HERE / "conv2d_gn.cu",
-        [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
-         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("blob", "uint8", rank=1),
-         In("semaphore", "int32", rank=1), Scalar("hw", "int32"), Scalar("cpg", "int32"), Scalar("gs", "int32"),
-         Scalar("with_stats", "int32")],
+        [*_conv_params(y_dtype, "N", "H", "W", "C", "K", "R"), In("blob", "uint8", shape=(BLOB_BYTES,)),
+         _semaphore("semaphore", "N", "H", "W", "K"), Scalar("hw", "int32"), Scalar("cpg", "int32"),
+         Scalar("gs", "int32"), Scalar("with_stats", "int32")],
         entry="conv2d_gn_stats", generics=["YT", "TM", "TN", "TK", "WM", "WN", "STAGES"],
         block=lambda g: 32 * (g["TM"] // g["WM"]) * (g["TN"] // g["WN"]),
         shared_mem=lambda g: g["STAGES"] * (g["TM"] * g["TK"] + g["TK"] * g["TN"]) * 2,
@@ -120,6 +152,10 @@ class HopperKernel(CutlassKernel):
         return super().compile(values, "sm_90a")
 
 
+# the WGMMA kernels' size scalars, which their shapes name (wd: the image width, beside the weight w)
+_SIZES = ("n", "h", "wd", "c", "k", "r")
+
+
 def _wgmma_kernel(y_dtype: str, split_in_cluster: bool = True) -> Kernel:
     """The two-launch conv as declared for split-K in a cluster per tile (the grid's z
     slices one cluster), or, ``split_in_cluster=False``, for split-K through the global
@@ -128,11 +164,9 @@ def _wgmma_kernel(y_dtype: str, split_in_cluster: bool = True) -> Kernel:
     suffix = "f16" if y_dtype == "float16" else "f32"
     return HopperKernel(
         f"conv2d_gn_stats_wgmma{'' if split_in_cluster else '_workspace'}_{suffix}", HERE / "conv_wgmma.cu",
-        [Out("stats", "float32", rank=3), In("y", y_dtype, rank=4), In("x", "float16", rank=4),
-         In("w", "float16", rank=4), In("bias", y_dtype, rank=1), In("tmaps", "uint8", rank=1),
-         In("partials", "float32", rank=1), In("counters", "int32", rank=1)]
-        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "with_stats",
-                                        "workspace_split")],
+        [*_conv_params(y_dtype, *_SIZES), _tmaps("n", "h", "wd", "k"), In("partials", "float32", rank=1),
+         _semaphore("counters", "n", "h", "wd", "k")]
+        + [Scalar(n, "int32") for n in (*_SIZES, "pad", "cpg", "gs", "with_stats", "workspace_split")],
         entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES", "LOADS"],
         # two warpgroups of consumers, and the producer warp when A and B come by TMA
         block=lambda g: 2 * g["TM"] + (32 if g["LOADS"] == 2 else 0),
@@ -146,11 +180,10 @@ def _one_launch_kernel(bias_dtype: str, out_dtype: str) -> Kernel:
     sb, so = ("f16" if d == "float16" else "f32" for d in (bias_dtype, out_dtype))
     return HopperKernel(
         f"conv2d_gn_act_wgmma_{sb}_{so}", HERE / "conv_wgmma.cu",
-        [Out("stats", "float32", rank=3), In("out", out_dtype, rank=4), In("x", "float16", rank=4),
-         In("w", "float16", rank=4), In("bias", bias_dtype, rank=1), In("gamma", "float32", rank=1),
-         In("beta", "float32", rank=1), In("partials", "float32", rank=1), In("counters", "int32", rank=1),
-         In("tmaps", "uint8", rank=1)]
-        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "pad", "cpg", "gs", "groups")]
+        [*_conv_params(bias_dtype, *_SIZES), In("gamma", "float32", shape=("k",)),
+         In("beta", "float32", shape=("k",)), In("partials", "float32", rank=1),
+         _semaphore("counters", "n", "h", "wd", "k"), _tmaps("n", "h", "wd", "k")]
+        + [Scalar(n, "int32") for n in (*_SIZES, "pad", "cpg", "gs", "groups")]
         + [Scalar("eps", "float32"), Scalar("act", "int32")],
         entry="conv2d_gn_act_wgmma", generics=["OT", "BT", "TM", "TN", "STAGES", "LOADS"],
         block=lambda g: 2 * g["TM"],
@@ -162,8 +195,8 @@ def _params_kernel(y_dtype: str) -> Kernel:
     suffix = "f16" if y_dtype == "float16" else "f32"
     return CutlassKernel(
         f"conv2d_params_{suffix}", HERE / "conv2d_gn.cu",
-        [Out("blob", "uint8", rank=1)] + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "s", "pad",
-                                                                       "split_k")],
+        [Out("blob", "uint8", shape=(BLOB_BYTES,), tile=(BLOB_BYTES,))]   # one thread builds the Params
+        + [Scalar(n, "int32") for n in ("n", "h", "w", "c", "k", "r", "s", "pad", "split_k")],
         entry="conv2d_params", generics=["YT", "TM", "TN", "TK", "WM", "WN", "STAGES"], block=32,
         options=CUTLASS_OPTIONS)
 
@@ -181,17 +214,21 @@ def _apply_padding(generics: dict) -> int:
 
 
 def _apply_kernel(y_dtype: str, out_dtype: str | None) -> Kernel:
-    common = [In("stats", "float32", rank=3), In("gamma", "float32", rank=1), In("beta", "float32", rank=1)]
+    # the output as [N, hw/rows_per, rows_per*c]: chunks of rows_per pixels, one a CTA
+    chunks = dict(shape=("N", "hw//rows_per", "rows_per*c"), tile=(1, 1, "rows_per*c"))
+    common = [In("stats", "float32", shape=("MT", "ntiles", "ks*4*gs")), In("gamma", "float32", shape=("c",)),
+              In("beta", "float32", shape=("c",))]
     sy = "f16" if y_dtype == "float16" else "f32"
     pad = _apply_padding
     if out_dtype is None:   # in place
         return Kernel(f"gn_act_apply_inplace_{sy}", HERE / "gn_act.cu",
-                      [Out("y", y_dtype, rank=3), *common, *_APPLY_SCALARS], entry="gn_act_apply_inplace",
+                      [Out("y", y_dtype, **chunks), *common, *_APPLY_SCALARS], entry="gn_act_apply_inplace",
                       generics=["ACT", "YT", "CTAS"], block=APPLY_THREADS, shared_mem=pad,
                       reference=_apply_inplace_ref)
     so = "f16" if out_dtype == "float16" else "f32"
     return Kernel(f"gn_act_apply_{sy}_{so}", HERE / "gn_act.cu",
-                  [Out("z", out_dtype, rank=3), In("y", y_dtype, rank=4), *common, *_APPLY_SCALARS],
+                  [Out("z", out_dtype, **chunks), In("y", y_dtype, shape=("N", "H", "W", "c")), *common,
+                   *_APPLY_SCALARS],
                   entry="gn_act_apply", generics=["ACT", "YT", "OT", "CTAS"], block=APPLY_THREADS,
                   shared_mem=pad, reference=_apply_ref)
 

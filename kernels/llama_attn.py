@@ -148,9 +148,13 @@ def _attn_ref(g, out, q, k, v, pos, ws, counters, cap):
             acc[:, c] = np.einsum("hgt,htd->hgd", e, v64[:, c * length: min(n, (c + 1) * length)])
 
 
-def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
+def _attn_name(g) -> str:
+    return "attn_decode<" + ", ".join(f"{n}={g[n]}" for n in ("HD", "G", "S", "MINL", "LMAX", "PREFETCH", "RG")) + ">"
+
+
+def _attn_limits(g):
     HD, G, S, MINL, LMAX, PF, RG = g["HD"], g["G"], g["S"], g["MINL"], g["LMAX"], g["PREFETCH"], g["RG"]
-    name = f"attn_decode<HD={HD}, G={G}, S={S}, MINL={MINL}, LMAX={LMAX}, PREFETCH={PF}, RG={RG}>"
+    name = _attn_name(g)
     _need(HD in (64, 128), f"{name}: head dim {HD} is not supported; HD must be 64 or 128")
     _need(1 <= G <= 8, f"{name}: G={G} query heads per KV head is not supported; G must be in [1, 8]")
     _need(1 <= S <= 64 and (G * HD) % S == 0,
@@ -164,24 +168,16 @@ def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
     _need(need_smem <= SMEM_LIMIT, f"{name}: a chunk of LMAX={LMAX} rows needs {need_smem} bytes of shared "
                                    f"memory, more than the {SMEM_LIMIT} a CTA may have; use more splits "
                                    f"(attn_plan picks them)")
-    _need(k.ndim == 3 and k.shape[2] == HD,
-          f"{name}: k {k.shape} must be [kv_heads, cap, {HD}] (the layer's cache slice)")
-    _need(v.shape == k.shape, f"{name}: v {v.shape} must match k {k.shape}")
-    hkv, kcap = k.shape[0], k.shape[1]
-    _need(cap == kcap, f"{name}: cap={cap} but the cache slices hold {kcap} entries; pass k.shape[1]")
+
+
+def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
+    HD, G, S, LMAX = g["HD"], g["G"], g["S"], g["LMAX"]
+    name, hkv = _attn_name(g), k.shape[0]
     _need(S * LMAX >= cap, f"{name}: S*LMAX = {S * LMAX} rows cannot cover a capacity of {cap}; LMAX must be "
                            f"at least {_round16(-(-cap // S))} (attn_plan(cap, ...) picks it)")
-    t = out.tensor
-    _need(q.shape == (hkv * G * HD,) and t.shape == q.shape,
-          f"{name}: q {q.shape} and out {t.shape} must be [{hkv * G * HD}] = kv_heads {hkv} * G {G} * HD {HD}")
-    _need(out.tile_shape == (G * HD // S,),
-          f"{name}: partition out with [{G * HD // S}] (G*HD/S: one tile per CTA, Hkv*S CTAs), "
-          f"not {list(out.tile_shape)}")
-    _need(pos.shape == (1,), f"{name}: pos {pos.shape} must be one int32 [1]")
     need = attn_ws_size(hkv, HD, G, S)
-    _need(ws.ndim == 1 and ws.shape[0] >= need,
-          f"{name}: ws {ws.shape} must hold {need} floats; make it with attn_buffers(...)")
-    _need(counters.ndim == 1 and counters.shape[0] >= hkv,
+    _need(ws.shape[0] >= need, f"{name}: ws {ws.shape} must hold {need} floats; make it with attn_buffers(...)")
+    _need(counters.shape[0] >= hkv,
           f"{name}: counters {counters.shape} must hold {hkv} int32 (one per KV head), zero initially")
     for a, an in ((ws, "ws"), (counters, "counters")):
         for b, bn in ((q, "q"), (k, "k"), (v, "v"), (pos, "pos")):
@@ -190,17 +186,17 @@ def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
                                         f"give {an} its own buffer")
     if ws.overlaps(counters):
         raise dop.AliasingError(f"{name}: ws and counters overlap; give each its own buffer")
-    _aligned(name, t, q, k, v)
+    _aligned(name, out.tensor, q, k, v)
 
 
-attn_decode = Kernel(
+attn_decode = Kernel(  # out and q: Hq*HD = HKV*G*HD; a tile per CTA, Hkv*S CTAs; k, v: the layer's cache slices
     "attn_decode", HERE / "llama_attn.cu",
-    [Out("out", "float32", rank=1), In("q", "float32", rank=1), In("k", "bfloat16", rank=3),
-     In("v", "bfloat16", rank=3), In("pos", "int32", rank=1), In("ws", "float32", rank=1),
-     In("counters", "int32", rank=1), Scalar("cap", "int32")],
-    generics=["HD", "G", "S", "MINL", "LMAX", "PREFETCH", "RG"], block=lambda g: 32 * g["G"] * g["RG"],
-    shared_mem=lambda g: _smem(g["LMAX"], g["HD"]),
-    reference=_attn_ref, validate=_attn_check)
+    [Out("out", "float32", shape=("HKV*G*HD",), tile=("G*HD//S",)), In("q", "float32", shape=("HKV*G*HD",)),
+     In("k", "bfloat16", shape=("HKV", "cap", "HD")), In("v", "bfloat16", shape=("HKV", "cap", "HD")),
+     In("pos", "int32", shape=(1,)), In("ws", "float32", rank=1), In("counters", "int32", rank=1),
+     Scalar("cap", "int32")],
+    generics=["HD", "G", "S", "MINL", "LMAX", "PREFETCH", "RG"], block="32*G*RG", shared_mem="4*LMAX*HD",
+    reference=_attn_ref, limits=_attn_limits, validate=_attn_check)
 
 
 def attn_reference(q, k, v, pos: int) -> np.ndarray:
@@ -316,20 +312,14 @@ def _sample_ref(g, part, logits, token, state, step, vocab, temperature, top_k, 
 def _sample_check(g, part, logits, token, state, step, vocab, temperature, top_k, top_p, seed):
     C = g["C"]
     name = f"sample<C={C}>"
-    t = part.tensor
-    _need(1 <= C <= 1024, f"{name}: C={C} candidates per CTA must be in [1, 1024]")
-    _need(logits.shape == (vocab,), f"{name}: logits {logits.shape} must be [vocab={vocab}]; pass logits.shape[0]")
-    _need(t.ndim == 2 and t.shape[1] == 2 * C + 4 and part.tile_shape == (1, 2 * C + 4),
-          f"{name}: part {t.shape} must be [B, {2 * C + 4}] partitioned with [1, {2 * C + 4}]; "
-          f"make it with sample_buffers(vocab, {C})")
-    B = t.shape[0]
+    B = part.tensor.shape[0]
     _need(-(-vocab // B) <= 1024, f"{name}: {B} CTAs leave {-(-vocab // B)} logits to one; at most 1024: "
                                   f"part needs at least {-(-vocab // 1024)} rows (sample_rows(vocab))")
     _need(B * C <= 4096 and B <= 1024,
           f"{name}: {B} rows * C={C} candidates = {B * C} > 4096 (the finishing CTA's shared memory); "
           f"lower C or use fewer rows")
     for a, an in ((token, "token"), (state, "state"), (step, "step")):
-        _need(a.ndim == 1 and a.shape[0] >= 1, f"{name}: {an} {a.shape} must be an int32 [1]")
+        _need(a.shape[0] >= 1, f"{name}: {an} {a.shape} must be an int32 [1]")
     for a, an in ((token, "token"), (state, "state")):
         for b, bn in ((logits, "logits"), (step, "step")):
             if a.overlaps(b):
@@ -345,13 +335,18 @@ def _sample_check(g, part, logits, token, state, step, vocab, temperature, top_k
         raise dop.LaunchError(f"{name}: top_p={top_p} must be in [0, 1] (1 = off)")
 
 
-sample = Kernel(
+def _sample_limits(g):
+    C = g["C"]
+    _need(1 <= C <= 1024, f"sample<C={C}>: C={C} candidates per CTA must be in [1, 1024]")
+
+
+sample = Kernel(  # part: B rows of 2C+4, one a CTA (sample_buffers(vocab, C) makes it)
     "sample", HERE / "llama_sample.cu",
-    [Out("part", "float32", rank=2), In("logits", "float32", rank=1), In("token", "int32", rank=1),
-     In("state", "int32", rank=1), In("step", "int32", rank=1), Scalar("vocab", "int32"),
-     Scalar("temperature", "float32"), Scalar("top_k", "int32"), Scalar("top_p", "float32"),
-     Scalar("seed", "uint64")],
-    generics=["C"], block=1024, reference=_sample_ref, validate=_sample_check)
+    [Out("part", "float32", shape=("B", "2*C+4"), tile=(1, "2*C+4")), In("logits", "float32", shape=("vocab",)),
+     In("token", "int32", rank=1), In("state", "int32", rank=1), In("step", "int32", rank=1),
+     Scalar("vocab", "int32"), Scalar("temperature", "float32"), Scalar("top_k", "int32"),
+     Scalar("top_p", "float32"), Scalar("seed", "uint64")],
+    generics=["C"], block=1024, reference=_sample_ref, limits=_sample_limits, validate=_sample_check)
 
 __all__ = ["attn_decode", "attn_plan", "attn_buffers", "attn_ws_size", "attn_chunks", "attn_reference",
            "sample", "sample_buffers", "sample_rows", "sample_candidates", "MAX_VOCAB", "check_heads",

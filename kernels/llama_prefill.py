@@ -38,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
-from deviceop.kernel import In, InOut, Kernel, Out, Scalar
+from deviceop.kernel import In, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
 from .llama_attn import LOG2E
-from .llama_proj import ERR_POS, ERR_TOKEN, _bf16, _rope, _silu, qkv_cache_checks, rope_angles
+from .llama_proj import ERR_POS, ERR_TOKEN, _bf16, _rope, _silu, heads_limits, qkv_params, rope_angles
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_prefill.cu"
@@ -58,8 +58,9 @@ def _aligned(name: str, *tensors) -> None:
     _checks._aligned(*tensors, who=f"{name} uses")
 
 
-def _chunk_state(name: str, chunk) -> None:
-    _need(chunk.shape == (3,), f"{name}: chunk {chunk.shape} must be the int32 [3] chunk state [p0, n, cond]")
+def _chunk_state():
+    """The int32 [3] chunk state [p0, n, cond]."""
+    return In("chunk", "int32", shape=(3,))
 
 
 def _read_chunk(chunk, t: int) -> tuple[int, int]:
@@ -119,28 +120,19 @@ def _embed_ref(g, hidden, embed, tokens, chunk, error, vocab, ntok):
             error[0] |= ERR_TOKEN
 
 
-def _embed_check(g, hidden, embed, tokens, chunk, error, vocab, ntok):
+def _embed_limits(g):
     T, B, name = g["T"], g["B"], "pf_embed"
     _need_chunk(name, T)
-    h = hidden.tensor
-    _need(h.shape[0] == T, f"{name}<T={T}>: hidden {h.shape} must have T={T} rows")
-    d = h.shape[1]
-    _need(embed.ndim == 2 and embed.shape[1] == d, f"{name}: embed {embed.shape} must be [vocab, {d}]")
-    _need(vocab == embed.shape[0], f"{name}: vocab={vocab} but embed has {embed.shape[0]} rows; pass embed.shape[0]")
-    _need(ntok == tokens.shape[0], f"{name}: ntok={ntok} but tokens holds {tokens.shape[0]}; pass tokens.shape[0]")
     _need(B % 8 == 0 and 8 <= B <= 8192, f"{name}: B={B} must be a multiple of 8 in [8, 8192] (8 columns a thread)")
-    _need(hidden.tile_shape == (T, B), f"{name}<B={B}>: partition hidden with [{T}, {B}], not "
-                                       f"{list(hidden.tile_shape)}")
-    _chunk_state(name, chunk)
-    _need(error.shape == (1,), f"{name}: error must be an int32 [1] device word, got shape {error.shape}")
-    _aligned(name, h, embed)
 
 
 pf_embed = Kernel(
     "pf_embed", SOURCE,
-    [Out("hidden", "float32", rank=2), In("embed", "bfloat16", rank=2), In("tokens", "int32", rank=1),
-     In("chunk", "int32", rank=1), In("error", "int32", rank=1), Scalar("vocab", "int32"), Scalar("ntok", "int32")],
-    generics=["T", "B"], block=lambda g: g["B"] // 8, reference=_embed_ref, validate=_embed_check)
+    [Out("hidden", "float32", shape=("T", "D"), tile=("T", "B")), In("embed", "bfloat16", shape=("vocab", "D")),
+     In("tokens", "int32", shape=("ntok",)), _chunk_state(), In("error", "int32", shape=(1,)),
+     Scalar("vocab", "int32"), Scalar("ntok", "int32")],
+    generics=["T", "B"], block="B//8", reference=_embed_ref, limits=_embed_limits,
+    validate=lambda g, hidden, embed, *rest: _aligned("pf_embed", hidden.tensor, embed))
 
 
 def embed_plan(d: int, t: int) -> tuple[list, list]:
@@ -190,35 +182,23 @@ def _qkv_ref(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache, e
             v_cache[:, pos, :] = _bf16(vh)
 
 
-def _qkv_check(g, qkv, hidden, norm_w, w_qkv, inv_freq, chunk, k_cache, v_cache, error, eps, cap):
+def _qkv_limits(g):
     K, HD, HQ, HKV, T, PB, WR, WK, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"))
     name = "pf_qkv_rope"
     _need_chunk(name, T)
-    _need(HD in (64, 128) and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be 64 or 128 (RoPE pairs in tiles of "
-                                                    f"16), HQ={HQ} and HKV={HKV} positive")
-    width = qkv_width(HQ, HKV, HD)
-    t = qkv.tensor
-    _need(t.shape == (T, width), f"{name}<T={T}, HQ={HQ}, HKV={HKV}, HD={HD}>: qkv {t.shape} must be [{T}, {width}]")
-    _need(qkv.tile_shape == (T, 32 * PB), f"{name}<PB={PB}>: partition qkv with [{T}, {32 * PB}] (PB blocks of 16 "
-                                          f"RoPE pairs a CTA), not {list(qkv.tile_shape)}")
-    _need(hidden.shape == (T, K) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} must be "
-                                                            f"[{T}, {K}] and norm_w {norm_w.shape} [{K}]")
-    qkv_cache_checks(name, w_qkv, inv_freq, k_cache, v_cache, cap, K, HD, HQ, HKV)
-    _chunk_state(name, chunk)
-    _need(error.shape == (1,), f"{name}: error must be an int32 [1] device word, got shape {error.shape}")
+    _need(HD in (64, 128), f"{name}: HD={HD} must be 64 or 128 (RoPE pairs in tiles of 16)")
+    heads_limits(name, HD, HQ, HKV)
     _gemm_checks(name, K, K, T, 2 * PB, WR, WK, NB)
-    _aligned(name, t, hidden, norm_w, w_qkv)
 
 
-pf_qkv_rope = Kernel(
+pf_qkv_rope = Kernel(  # qkv: PB blocks of 16 RoPE pairs a CTA
     "pf_qkv_rope", SOURCE,
-    [Out("qkv", "float32", rank=2), In("hidden", "float32", rank=2), In("norm_w", "bfloat16", rank=1),
-     In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("chunk", "int32", rank=1),
-     InOut("k_cache", "bfloat16", rank=3), InOut("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
-     Scalar("eps", "float32"), Scalar("cap", "int32")],
-    generics=["K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
+    qkv_params(Out("qkv", "float32", shape=("T", "(HQ+2*HKV)*HD"), tile=("T", "32*PB")), _chunk_state(),
+               rows=("T",)),
+    generics=["K", "HD", "HQ", "HKV", "T", "PB", "WR", "WK", "NB"], block="32*WR*WK",
     shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 32 * g["PB"], g["WR"] * g["WK"]),
-    reference=_qkv_ref, validate=_qkv_check)
+    reference=_qkv_ref, limits=_qkv_limits,
+    validate=lambda g, qkv, hidden, norm_w, w_qkv, *rest: _aligned("pf_qkv_rope", qkv.tensor, hidden, norm_w, w_qkv))
 
 
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, t: int, *, pb: int = 1, nb: int = 4) -> tuple[list, list]:
@@ -256,7 +236,7 @@ def _attn_ref(g, out, qkv, k, v, chunk, cap):
             out[t] = (np.einsum("hgs,hsd->hgd", w, v64) / w.sum(axis=-1, keepdims=True)).reshape(-1)
 
 
-def _attn_check(g, out, qkv, k, v, chunk, cap):
+def _attn_limits(g):
     HD, G, T, NW = g["HD"], g["G"], g["T"], g["NW"]
     name = f"pf_attn<HD={HD}, G={G}, T={T}, NW={NW}>"
     _need_chunk(name, T)
@@ -266,25 +246,15 @@ def _attn_check(g, out, qkv, k, v, chunk, cap):
     _need(attn_static_smem(HD, G, NW) <= STATIC_SMEM, f"{name}: NW={NW} warps' partial results need "
                                                       f"{attn_static_smem(HD, G, NW)} bytes of shared memory, more "
                                                       f"than {STATIC_SMEM}; use fewer warps (attn_plan picks them)")
-    _need(k.ndim == 3 and k.shape[2] == HD and v.shape == k.shape,
-          f"{name}: k {k.shape} and v {v.shape} must be the layer's [kv_heads, cap, {HD}] slices")
-    hkv = k.shape[0]
-    _need(cap == k.shape[1], f"{name}: cap={cap} but the cache slices hold {k.shape[1]} entries; pass k.shape[1]")
-    t = out.tensor
-    _need(t.shape == (T, hkv * G * HD), f"{name}: out {t.shape} must be [T, kv_heads*G*HD] = [{T}, {hkv * G * HD}]")
-    _need(qkv.shape == (T, (hkv * G + 2 * hkv) * HD),
-          f"{name}: qkv {qkv.shape} must be pf_qkv_rope's [{T}, {(hkv * G + 2 * hkv) * HD}]")
-    _need(out.tile_shape == (1, G * HD), f"{name}: partition out with [1, {G * HD}] (a CTA a token and KV head), "
-                                         f"not {list(out.tile_shape)}")
-    _chunk_state(name, chunk)
-    _aligned(name, t, qkv, k, v)
 
 
-pf_attn = Kernel(
+pf_attn = Kernel(  # a CTA a token and KV head; qkv: pf_qkv_rope's; k, v: the layer's cache slices
     "pf_attn", SOURCE,
-    [Out("out", "float32", rank=2), In("qkv", "float32", rank=2), In("k", "bfloat16", rank=3),
-     In("v", "bfloat16", rank=3), In("chunk", "int32", rank=1), Scalar("cap", "int32")],
-    generics=["HD", "G", "T", "NW"], block=lambda g: 32 * g["NW"], reference=_attn_ref, validate=_attn_check)
+    [Out("out", "float32", shape=("T", "HKV*G*HD"), tile=(1, "G*HD")),
+     In("qkv", "float32", shape=("T", "(HKV*G+2*HKV)*HD")), In("k", "bfloat16", shape=("HKV", "cap", "HD")),
+     In("v", "bfloat16", shape=("HKV", "cap", "HD")), _chunk_state(), Scalar("cap", "int32")],
+    generics=["HD", "G", "T", "NW"], block="32*NW", reference=_attn_ref, limits=_attn_limits,
+    validate=lambda g, out, qkv, k, v, *rest: _aligned("pf_attn", out.tensor, qkv, k, v))
 
 
 def attn_static_smem(head_dim: int, group: int, warps: int) -> int:
@@ -306,29 +276,15 @@ def _matmul_ref(g, out, x, w, residual):
     out[...] = residual.astype(np.float64) + x.astype(np.float64) @ w.astype(np.float64).T
 
 
-def _matmul_check(g, out, x, w, residual):
-    K, KC, T, RT, WR, WK, NB = (g[n] for n in ("K", "KC", "T", "RT", "WR", "WK", "NB"))
-    name = "pf_matmul_residual"
-    _need_chunk(name, T)
-    t = out.tensor
-    _need(t.ndim == 2 and t.shape[0] == T, f"{name}<T={T}>: out {t.shape} must be [{T}, N]")
-    n = t.shape[1]
-    _need(out.tile_shape == (T, 16 * RT), f"{name}<RT={RT}>: partition out with [{T}, {16 * RT}], not "
-                                          f"{list(out.tile_shape)}")
-    _need(x.shape == (T, K) and w.shape == (n, K), f"{name}<K={K}>: x {x.shape} must be [{T}, {K}] and w {w.shape} "
-                                                   f"[{n}, {K}]")
-    _need(residual.shape == (T, n), f"{name}: residual {residual.shape} must match out {t.shape}")
-    _gemm_checks(name, K, KC, T, RT, WR, WK, NB)
-    _aligned(name, t, x, w)
-
-
 pf_matmul_residual = Kernel(
     "pf_matmul_residual", SOURCE,
-    [Out("out", "float32", rank=2), In("x", "float32", rank=2), In("w", "bfloat16", rank=2),
-     In("residual", "float32", rank=2)],
-    generics=["K", "KC", "T", "RT", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
+    [Out("out", "float32", shape=("T", "N"), tile=("T", "16*RT")), In("x", "float32", shape=("T", "K")),
+     In("w", "bfloat16", shape=("N", "K")), In("residual", "float32", shape=("T", "N"))],
+    generics=["K", "KC", "T", "RT", "WR", "WK", "NB"], block="32*WR*WK",
     shared_mem=lambda g: gemm_smem(g["KC"], g["T"], g["WK"], 16 * g["RT"], g["WR"] * g["WK"]),
-    reference=_matmul_ref, validate=_matmul_check)
+    reference=_matmul_ref, limits=lambda g: _gemm_checks("pf_matmul_residual", *(g[n] for n in (
+        "K", "KC", "T", "RT", "WR", "WK", "NB"))),
+    validate=lambda g, out, x, w, residual: _aligned("pf_matmul_residual", out.tensor, x, w))
 
 
 def matmul_residual_plan(n: int, k: int, t: int, *, kc: int | None = None, nb: int = 4) -> tuple[list, list]:
@@ -353,31 +309,23 @@ def _gate_up_ref(g, act, hidden, norm_w, w_gate_up, eps):
     act[...] = _silu(y[:, :inter]) * y[:, inter:]
 
 
-def _gate_up_check(g, act, hidden, norm_w, w_gate_up, eps):
+def _gate_up_limits(g):
     K, T, RT, WR, WK, NB = (g[n] for n in ("K", "T", "RT", "WR", "WK", "NB"))
     name = "pf_gate_up_silu"
     _need_chunk(name, T)
-    t = act.tensor
-    _need(t.ndim == 2 and t.shape[0] == T, f"{name}<T={T}>: act {t.shape} must be [{T}, I]")
-    inter = t.shape[1]
     _need(RT % 2 == 0, f"{name}: RT={RT} must be even (gate tiles, then as many up tiles)")
-    _need(act.tile_shape == (T, 8 * RT), f"{name}<RT={RT}>: partition act with [{T}, {8 * RT}], not "
-                                         f"{list(act.tile_shape)}")
-    _need(hidden.shape == (T, K) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} must be "
-                                                            f"[{T}, {K}] and norm_w {norm_w.shape} [{K}]")
-    _need(w_gate_up.shape == (2 * inter, K), f"{name}: w_gate_up {w_gate_up.shape} must be [2*I, K] = "
-                                             f"[{2 * inter}, {K}] (cat of gate_proj and up_proj)")
     _gemm_checks(name, K, K, T, RT, WR, WK, NB)
-    _aligned(name, t, hidden, norm_w, w_gate_up)
 
 
-pf_gate_up_silu = Kernel(
+pf_gate_up_silu = Kernel(  # w_gate_up: the cat of gate_proj and up_proj
     "pf_gate_up_silu", SOURCE,
-    [Out("act", "float32", rank=2), In("hidden", "float32", rank=2), In("norm_w", "bfloat16", rank=1),
-     In("w_gate_up", "bfloat16", rank=2), Scalar("eps", "float32")],
-    generics=["K", "T", "RT", "WR", "WK", "NB"], block=lambda g: 32 * g["WR"] * g["WK"],
+    [Out("act", "float32", shape=("T", "I"), tile=("T", "8*RT")), In("hidden", "float32", shape=("T", "K")),
+     In("norm_w", "bfloat16", shape=("K",)), In("w_gate_up", "bfloat16", shape=("2*I", "K")),
+     Scalar("eps", "float32")],
+    generics=["K", "T", "RT", "WR", "WK", "NB"], block="32*WR*WK",
     shared_mem=lambda g: gemm_smem(g["K"], g["T"], g["WK"], 16 * g["RT"], g["WR"] * g["WK"]),
-    reference=_gate_up_ref, validate=_gate_up_check)
+    reference=_gate_up_ref, limits=_gate_up_limits,
+    validate=lambda g, act, hidden, norm_w, w, eps: _aligned("pf_gate_up_silu", act.tensor, hidden, norm_w, w))
 
 
 def gate_up_plan(d: int, inter: int, t: int, *, nb: int = 2) -> tuple[list, list]:
@@ -411,22 +359,19 @@ def _step_ref(g, chunk, prompt_len, chunk_len):
 
 def _control_check(name):
     def check(g, chunk, prompt_len, chunk_len):
-        _need(chunk.tile_shape == (3,) and chunk.tensor.shape == (3,),
-              f"{name}: partition the int32 [3] chunk state with [3] (one thread)")
         _need(prompt_len >= 1 and chunk_len >= 1, f"{name}: prompt_len={prompt_len} and chunk_len={chunk_len} must "
                                                   "be at least 1")
     return check
 
 
-prefill_start = Kernel(
-    "prefill_start", SOURCE, [Out("chunk", "int32", rank=1), Scalar("prompt_len", "int32"),
-                              Scalar("chunk_len", "int32")],
-    block=1, reference=_start_ref, validate=_control_check("prefill_start"))
+def _control(name, reference):  # one thread: the int32 [3] chunk state partitioned whole
+    return Kernel(name, SOURCE, [Out("chunk", "int32", shape=(3,), tile=(3,)), Scalar("prompt_len", "int32"),
+                                 Scalar("chunk_len", "int32")],
+                  block=1, reference=reference, validate=_control_check(name))
 
-prefill_step = Kernel(
-    "prefill_step", SOURCE, [Out("chunk", "int32", rank=1), Scalar("prompt_len", "int32"),
-                             Scalar("chunk_len", "int32")],
-    block=1, reference=_step_ref, validate=_control_check("prefill_step"))
+
+prefill_start = _control("prefill_start", _start_ref)
+prefill_step = _control("prefill_step", _step_ref)
 
 
 def _finish_ref(g, h_last, hidden, chunk, state, tokens, prompt_len, d):
@@ -436,21 +381,15 @@ def _finish_ref(g, h_last, hidden, chunk, state, tokens, prompt_len, d):
 
 
 def _finish_check(g, h_last, hidden, chunk, state, tokens, prompt_len, d):
-    T, name = g["T"], "prefill_finish"
-    t = h_last.tensor
-    _need(t.shape == (d,) and h_last.tile_shape == (d,), f"{name}: h_last {t.shape} must be [d={d}], partitioned "
-                                                         f"whole ([{d}]: one CTA)")
-    _need(hidden.shape == (T, d), f"{name}<T={T}>: hidden {hidden.shape} must be [{T}, {d}]")
-    _chunk_state(name, chunk)
-    _need(state.shape == (4,), f"{name}: state {state.shape} must be the int32 [4] decode state")
-    _need(1 <= prompt_len <= tokens.shape[0], f"{name}: prompt_len={prompt_len} must be in [1, {tokens.shape[0]}] "
-                                              "(the token buffer)")
+    _need(1 <= prompt_len <= tokens.shape[0], f"prefill_finish: prompt_len={prompt_len} must be in "
+                                              f"[1, {tokens.shape[0]}] (the token buffer)")
 
 
-prefill_finish = Kernel(
+prefill_finish = Kernel(  # one CTA: h_last partitioned whole; state: the int32 [4] decode state
     "prefill_finish", SOURCE,
-    [Out("h_last", "float32", rank=1), In("hidden", "float32", rank=2), In("chunk", "int32", rank=1),
-     In("state", "int32", rank=1), In("tokens", "int32", rank=1), Scalar("prompt_len", "int32"), Scalar("d", "int32")],
+    [Out("h_last", "float32", shape=("d",), tile=("d",)), In("hidden", "float32", shape=("T", "d")),
+     _chunk_state(), In("state", "int32", shape=(4,)), In("tokens", "int32", rank=1), Scalar("prompt_len", "int32"),
+     Scalar("d", "int32")],
     generics=["T"], block=256, reference=_finish_ref, validate=_finish_check)
 
 

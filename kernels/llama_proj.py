@@ -61,11 +61,6 @@ def _aligned(name: str, *tensors) -> None:
 
 
 
-def _one(name: str, **tensors) -> None:
-    for label, t in tensors.items():
-        _need(t.shape == (1,), f"{name}: {label} must be a [1] device scalar, got shape {t.shape}")
-
-
 def x_shared(k: int) -> int:
     """Dynamic shared memory of a projection of input width K: x's stage (4*K bytes) once it
     is past X_STATIC_MAX, else 0 (x is static)."""
@@ -117,24 +112,18 @@ def _embed_gather_ref(g, hidden, embed, token, error, vocab):
         error[0] |= ERR_TOKEN
 
 
-def _embed_gather_check(g, hidden, embed, token, error, vocab):
-    B, name = g["B"], "embed_gather"
-    t = hidden.tensor
-    d = t.shape[0]
-    _need(embed.ndim == 2 and embed.shape[1] == d, f"{name}: embed {embed.shape} must be [vocab, {d}] for hidden "
-                                                   f"{t.shape}")
-    _need(vocab == embed.shape[0], f"{name}: vocab={vocab} but embed has {embed.shape[0]} rows; pass embed.shape[0]")
-    _need(B % 8 == 0 and 8 <= B <= 8192, f"{name}: B={B} must be a multiple of 8 in [8, 8192] (8 elements a thread)")
-    _need(hidden.tile_shape == (B,), f"{name}<B={B}>: partition hidden with [{B}], not {list(hidden.tile_shape)}")
-    _one(name, token=token, error=error)
-    _aligned(name, t, embed)
+def _embed_gather_limits(g):
+    B = g["B"]
+    _need(B % 8 == 0 and 8 <= B <= 8192, f"embed_gather: B={B} must be a multiple of 8 in [8, 8192] (8 elements a "
+                                         "thread)")
 
 
 embed_gather = Kernel(
     "embed_gather", SOURCE,
-    [Out("hidden", "float32", rank=1), In("embed", "bfloat16", rank=2), In("token", "int32", rank=1),
-     In("error", "int32", rank=1), Scalar("vocab", "int32")],
-    generics=["B"], block=lambda g: g["B"] // 8, reference=_embed_gather_ref, validate=_embed_gather_check)
+    [Out("hidden", "float32", shape=("D",), tile=("B",)), In("embed", "bfloat16", shape=("vocab", "D")),
+     In("token", "int32", shape=(1,)), In("error", "int32", shape=(1,)), Scalar("vocab", "int32")],
+    generics=["B"], block="B//8", reference=_embed_gather_ref, limits=_embed_gather_limits,
+    validate=lambda g, hidden, embed, *rest: _aligned("embed_gather", hidden.tensor, embed))
 
 
 def embed_plan(d: int) -> tuple[int, list]:
@@ -181,54 +170,45 @@ def qkv_pairs(hq: int, hkv: int, hd: int) -> int:
     return (hq + 2 * hkv) * hd // 2
 
 
-def qkv_cache_checks(name: str, w_qkv, inv_freq, k_cache, v_cache, cap: int, K: int, HD: int, HQ: int,
-                     HKV: int) -> None:
-    """The operands a QKV + RoPE + cache-append kernel shares with the others of its kind
-    (rms_qkv_rope here, pf_qkv_rope in llama_prefill.py): the concatenated weight, the
-    RoPE table, this layer's K and V cache slices (separate memory) and their capacity."""
-    rows = (HQ + 2 * HKV) * HD
-    _need(w_qkv.shape == (rows, K), f"{name}: w_qkv {w_qkv.shape} must be [(HQ + 2*HKV)*HD, K] = [{rows}, {K}] "
-                                    "(cat of q_proj, k_proj, v_proj)")
-    _need(inv_freq.shape == (HD // 2,), f"{name}: inv_freq {inv_freq.shape} must be [HD/2] = [{HD // 2}]")
-    _need(k_cache.ndim == 3 and k_cache.shape[0] == HKV and k_cache.shape[2] == HD and k_cache.shape == v_cache.shape,
-          f"{name}: k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be this layer's [HKV={HKV}, cap, "
-          f"HD={HD}] slices")
-    _need(cap == k_cache.shape[1], f"{name}: cap={cap} but the cache holds {k_cache.shape[1]} rows; pass "
-                                   "k_cache.shape[1]")
-    if k_cache.overlaps(v_cache):
-        raise dop.AliasingError(f"{name}: k_cache and v_cache overlap; give each its own memory")
+def heads_limits(name: str, HD: int, HQ: int, HKV: int) -> None:
+    """The heads a QKV + RoPE kernel serves (rms_qkv_rope here, pf_qkv_rope in llama_prefill.py)."""
+    _need(HD % 2 == 0 and HD >= 2 and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be even, HQ={HQ} and HKV={HKV} "
+                                                            "positive")
+
+
+def qkv_params(first, position, rows=()) -> list:
+    """The parameters of a QKV + RoPE + cache-append kernel (rms_qkv_rope here, pf_qkv_rope in
+    llama_prefill.py), its output ``first`` and position ``position`` given, its activations
+    ``[*rows, K]``: the concatenated weight (cat of q_proj, k_proj, v_proj), the RoPE table,
+    this layer's K and V cache slices (in-out: separate memory) and their capacity."""
+    return [first, In("hidden", "float32", shape=(*rows, "K")), In("norm_w", "bfloat16", shape=("K",)),
+            In("w_qkv", "bfloat16", shape=("(HQ+2*HKV)*HD", "K")), In("inv_freq", "float32", shape=("HD//2",)),
+            position, InOut("k_cache", "bfloat16", shape=("HKV", "cap", "HD")),
+            InOut("v_cache", "bfloat16", shape=("HKV", "cap", "HD")), In("error", "int32", shape=(1,)),
+            Scalar("eps", "float32"), Scalar("cap", "int32")]
 
 
 def _qkv_limits(K, CH, W, NB):
     _stream_checks("rms_qkv_rope", K, CH, 2, W, 4 * W, NB)
 
 
-def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
-    K, HD, HQ, HKV, W, CH, NB = (g[n] for n in ("K", "HD", "HQ", "HKV", "W", "CH", "NB"))
-    name = "rms_qkv_rope"
-    t = q.tensor
-    _need(HD % 2 == 0 and HD >= 2 and HQ >= 1 and HKV >= 1, f"{name}: HD={HD} must be even, HQ={HQ} and HKV={HKV} "
-                                                            "positive")
-    _need(t.shape == (HQ * HD,), f"{name}<HQ={HQ}, HD={HD}>: q {t.shape} must be [{HQ * HD}]")
-    _need(hidden.shape == (K,) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} and norm_w "
-                                                          f"{norm_w.shape} must be [{K}]")
-    qkv_cache_checks(name, w_qkv, inv_freq, k_cache, v_cache, cap, K, HD, HQ, HKV)
-    _one(name, pos=pos, error=error)
-    _qkv_limits(K, CH, W, NB)
-    pairs, grid = qkv_pairs(HQ, HKV, HD), q.num_tiles
-    _need(pairs % grid == 0, f"{name}: q's partition makes {grid} CTAs, which must divide the {pairs} RoPE pairs; "
-                             f"use qkv_plan(...) for the tile")
-    _aligned(name, hidden, norm_w, w_qkv)
+def _rms_qkv_rope_limits(g):
+    heads_limits("rms_qkv_rope", g["HD"], g["HQ"], g["HKV"])
+    _qkv_limits(g["K"], g["CH"], g["W"], g["NB"])
+
+
+def _rms_qkv_rope_check(g, q, hidden, norm_w, w_qkv, *rest):
+    pairs, grid = qkv_pairs(g["HQ"], g["HKV"], g["HD"]), q.num_tiles
+    _need(pairs % grid == 0, f"rms_qkv_rope: q's partition makes {grid} CTAs, which must divide the {pairs} RoPE "
+                             "pairs; use qkv_plan(...) for the tile")
+    _aligned("rms_qkv_rope", hidden, norm_w, w_qkv)
 
 
 rms_qkv_rope = Kernel(
     "rms_qkv_rope", SOURCE,
-    [Out("q", "float32", rank=1), In("hidden", "float32", rank=1), In("norm_w", "bfloat16", rank=1),
-     In("w_qkv", "bfloat16", rank=2), In("inv_freq", "float32", rank=1), In("pos", "int32", rank=1),
-     InOut("k_cache", "bfloat16", rank=3), InOut("v_cache", "bfloat16", rank=3), In("error", "int32", rank=1),
-     Scalar("eps", "float32"), Scalar("cap", "int32")],
-    generics=["K", "HD", "HQ", "HKV", "W", "CH", "NB"], block=lambda g: 32 * g["W"],
-    shared_mem=lambda g: x_shared(g["K"]), reference=_rms_qkv_rope_ref, validate=_rms_qkv_rope_check)
+    qkv_params(Out("q", "float32", shape=("HQ*HD",)), In("pos", "int32", shape=(1,))),
+    generics=["K", "HD", "HQ", "HKV", "W", "CH", "NB"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
+    reference=_rms_qkv_rope_ref, limits=_rms_qkv_rope_limits, validate=_rms_qkv_rope_check)
 
 
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, *, sms: int = H100_SMS, ctas: int | None = None,
@@ -268,26 +248,19 @@ def _matvec_limits(K, NR, CH, W, RPC, KS, NB):
     _stream_checks("matvec_residual", K, CH, NR, W, 4 * RPC * (1 + (KS if KS > 1 else 0)), NB, KS)
 
 
-def _matvec_residual_check(g, out, x, w, residual):
+def _matvec_residual_limits(g):
     K, NR, CH, W, RPC, KS, NB = (g[n] for n in ("K", "NR", "CH", "W", "RPC", "KS", "NB"))
-    name = "matvec_residual"
-    t = out.tensor
-    n = t.shape[0]
-    _need(out.tile_shape == (RPC,), f"{name}<RPC={RPC}>: partition out with [{RPC}], not {list(out.tile_shape)}")
-    _need(x.shape == (K,) and w.shape == (n, K), f"{name}<K={K}>: x {x.shape} must be [{K}] and w {w.shape} "
-                                                 f"[{n}, {K}]")
-    _need(residual.shape == (n,), f"{name}: residual {residual.shape} must match out {t.shape}")
-    _need(1 <= NR <= 32 and RPC % NR == 0, f"{name}: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
+    _need(1 <= NR <= 32 and RPC % NR == 0, f"matvec_residual: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
     _matvec_limits(K, NR, CH, W, RPC, KS, NB)
-    _aligned(name, x, w)
 
 
 matvec_residual = Kernel(
     "matvec_residual", SOURCE,
-    [Out("out", "float32", rank=1), In("x", "float32", rank=1), In("w", "bfloat16", rank=2),
-     In("residual", "float32", rank=1)],
-    generics=["K", "NR", "CH", "W", "RPC", "KS", "NB"], block=lambda g: 32 * g["W"],
-    shared_mem=lambda g: x_shared(g["K"]), reference=_matvec_residual_ref, validate=_matvec_residual_check)
+    [Out("out", "float32", shape=("N",), tile=("RPC",)), In("x", "float32", shape=("K",)),
+     In("w", "bfloat16", shape=("N", "K")), In("residual", "float32", shape=("N",))],
+    generics=["K", "NR", "CH", "W", "RPC", "KS", "NB"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
+    reference=_matvec_residual_ref, limits=_matvec_residual_limits,
+    validate=lambda g, out, x, w, residual: _aligned("matvec_residual", x, w))
 
 
 def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int | None = None,
@@ -335,26 +308,14 @@ def _gate_up_limits(K, CH, W):
     _stream_checks("rms_gate_up_silu", K, CH, 2, W, 4 * W)
 
 
-def _rms_gate_up_silu_check(g, act, hidden, norm_w, w_gate_up, eps):
-    K, CH, W, PPC = (g[n] for n in ("K", "CH", "W", "PPC"))
-    name = "rms_gate_up_silu"
-    t = act.tensor
-    inter = t.shape[0]
-    _need(act.tile_shape == (PPC,), f"{name}<PPC={PPC}>: partition act with [{PPC}], not {list(act.tile_shape)}")
-    _need(hidden.shape == (K,) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} and norm_w "
-                                                          f"{norm_w.shape} must be [{K}]")
-    _need(w_gate_up.shape == (2 * inter, K), f"{name}: w_gate_up {w_gate_up.shape} must be [2*I, K] = "
-                                             f"[{2 * inter}, {K}] (cat of gate_proj and up_proj)")
-    _gate_up_limits(K, CH, W)
-    _aligned(name, hidden, norm_w, w_gate_up)
-
-
-rms_gate_up_silu = Kernel(
+rms_gate_up_silu = Kernel(  # w_gate_up: the cat of gate_proj and up_proj
     "rms_gate_up_silu", SOURCE,
-    [Out("act", "float32", rank=1), In("hidden", "float32", rank=1), In("norm_w", "bfloat16", rank=1),
-     In("w_gate_up", "bfloat16", rank=2), Scalar("eps", "float32")],
-    generics=["K", "CH", "W", "PPC"], block=lambda g: 32 * g["W"], shared_mem=lambda g: x_shared(g["K"]),
-    reference=_rms_gate_up_silu_ref, validate=_rms_gate_up_silu_check)
+    [Out("act", "float32", shape=("I",), tile=("PPC",)), In("hidden", "float32", shape=("K",)),
+     In("norm_w", "bfloat16", shape=("K",)), In("w_gate_up", "bfloat16", shape=("2*I", "K")),
+     Scalar("eps", "float32")],
+    generics=["K", "CH", "W", "PPC"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
+    reference=_rms_gate_up_silu_ref, limits=lambda g: _gate_up_limits(g["K"], g["CH"], g["W"]),
+    validate=lambda g, act, hidden, norm_w, w, eps: _aligned("rms_gate_up_silu", hidden, norm_w, w))
 
 
 def gate_up_plan(d: int, inter: int, *, sms: int = H100_SMS, ctas: int | None = None, ch: int | None = None,
@@ -383,23 +344,18 @@ def _lm_head_limits(K, NR, CH, W):
     _stream_checks("rms_lm_head_argmax", K, CH, NR, W, 12 * W)
 
 
-def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
+def _rms_lm_head_argmax_limits(g):
     K, NR, CH, W, RPC = (g[n] for n in ("K", "NR", "CH", "W", "RPC"))
-    name = "rms_lm_head_argmax"
-    t = logits.tensor
-    vp = t.shape[0]
-    _need(logits.tile_shape == (RPC,), f"{name}<RPC={RPC}>: partition logits with [{RPC}], "
-                                       f"not {list(logits.tile_shape)}")
-    _need(hidden.shape == (K,) and norm_w.shape == (K,), f"{name}<K={K}>: hidden {hidden.shape} and norm_w "
-                                                          f"{norm_w.shape} must be [{K}]")
-    _need(w.ndim == 2 and w.shape[1] == K, f"{name}<K={K}>: w {w.shape} must be [vocab, {K}]")
-    _need(vocab == w.shape[0] and vocab >= 1, f"{name}: vocab={vocab} but w has {w.shape[0]} rows; pass w.shape[0]")
+    _need(1 <= NR <= 32 and RPC % NR == 0, f"rms_lm_head_argmax: RPC={RPC} must be a multiple of NR={NR} (NR in "
+                                           "[1, 32])")
+    _lm_head_limits(K, NR, CH, W)
+
+
+def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
+    name, RPC, vp = "rms_lm_head_argmax", g["RPC"], logits.tensor.shape[0]
+    _need(vocab >= 1, f"{name}: vocab={vocab} must be at least 1")
     _need(vocab <= vp < vocab + RPC, f"{name}: logits has {vp} rows; it needs vocab={vocab} rows padded to a "
                                      f"multiple of RPC={RPC}, less than one tile more ({lm_head_rows(vocab, RPC)})")
-    _need(1 <= NR <= 32 and RPC % NR == 0, f"{name}: RPC={RPC} must be a multiple of NR={NR} (NR in [1, 32])")
-    _one(name, token=token, error=error)
-    _need(work.shape == (2,), f"{name}: work must be a uint64 [2] workspace (zeroed once), got shape {work.shape}")
-    _lm_head_limits(K, NR, CH, W)
     for a, an, b, bn in ((work, "work", token, "token"), (error, "error", token, "token"),
                          (error, "error", work, "work")):
         if a.overlaps(b):
@@ -407,13 +363,14 @@ def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, 
     _aligned(name, hidden, norm_w, w, work)
 
 
-rms_lm_head_argmax = Kernel(
+rms_lm_head_argmax = Kernel(  # work: a uint64 [2] workspace, zeroed once
     "rms_lm_head_argmax", SOURCE,
-    [Out("logits", "float32", rank=1), In("hidden", "float32", rank=1), In("norm_w", "bfloat16", rank=1),
-     In("w", "bfloat16", rank=2), In("token", "int32", rank=1), In("work", "uint64", rank=1),
-     In("error", "int32", rank=1), Scalar("eps", "float32"), Scalar("vocab", "int32")],
-    generics=["K", "NR", "CH", "W", "RPC"], block=lambda g: 32 * g["W"], shared_mem=lambda g: x_shared(g["K"]),
-    reference=_rms_lm_head_argmax_ref, validate=_rms_lm_head_argmax_check)
+    [Out("logits", "float32", shape=("VP",), tile=("RPC",)), In("hidden", "float32", shape=("K",)),
+     In("norm_w", "bfloat16", shape=("K",)), In("w", "bfloat16", shape=("vocab", "K")),
+     In("token", "int32", shape=(1,)), In("work", "uint64", shape=(2,)), In("error", "int32", shape=(1,)),
+     Scalar("eps", "float32"), Scalar("vocab", "int32")],
+    generics=["K", "NR", "CH", "W", "RPC"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
+    reference=_rms_lm_head_argmax_ref, limits=_rms_lm_head_argmax_limits, validate=_rms_lm_head_argmax_check)
 
 
 def lm_head_rows(vocab: int, rpc: int) -> int:
@@ -453,4 +410,4 @@ def check_decode_shapes(d: int, inter: int, hq: int, hkv: int, hd: int, vocab: i
 
 __all__ = ["embed_gather", "rms_qkv_rope", "matvec_residual", "rms_gate_up_silu", "rms_lm_head_argmax",
            "embed_plan", "qkv_plan", "matvec_residual_plan", "gate_up_plan", "lm_head_plan", "lm_head_rows",
-           "rope_angles", "qkv_pairs", "qkv_cache_checks", "x_shared", "check_decode_shapes", "ERR_TOKEN", "ERR_POS", "ERR_LOGITS"]
+           "rope_angles", "qkv_pairs", "qkv_params", "heads_limits", "x_shared", "check_decode_shapes", "ERR_TOKEN", "ERR_POS", "ERR_LOGITS"]

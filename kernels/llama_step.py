@@ -32,13 +32,7 @@ def _step_ref(g, tokens, state, sampled, eos, n_eos, prompt_len, max_new, cap):
 
 
 def _step_check(g, tokens, state, sampled, eos, n_eos, prompt_len, max_new, cap):
-    t = tokens.tensor
-    _need(tokens.tile_shape == t.shape, "llama_step runs one thread: partition tokens whole, "
-                                        f"[{t.shape[0]}]")
-    _need(state.shape == (4,) and sampled.shape == (1,), f"llama_step: state {state.shape} must be [4] and "
-                                                         f"sampled {sampled.shape} [1]")
     _need(0 <= n_eos <= eos.shape[0], f"llama_step: n_eos={n_eos} but eos holds {eos.shape[0]} ids")
-    _need(cap == t.shape[0], f"llama_step: cap={cap} but tokens holds {t.shape[0]}; pass tokens.shape[0]")
     _need(1 <= prompt_len and max_new >= 1 and prompt_len + max_new <= cap,
           f"llama_step: a prompt of {prompt_len} and {max_new} new tokens must fit the capacity {cap}")
 
@@ -47,21 +41,16 @@ def _start_ref(g, state, tokens):
     state[:] = [0, 1, tokens[0], 0]
 
 
-def _start_check(g, state, tokens):
-    _need(state.tile_shape == (4,) and state.tensor.shape == (4,), "llama_step_start: partition state [4] "
-                                                                   "with [4]")
-
-
-llama_step = Kernel(
+llama_step = Kernel(  # one thread: tokens is partitioned whole, [cap]
     "llama_step", HERE / "llama_step.cu",
-    [Out("tokens", "int32", rank=1), In("state", "int32", rank=1), In("sampled", "int32", rank=1),
-     In("eos", "int32", rank=1), Scalar("n_eos", "int32"), Scalar("prompt_len", "int32"),
-     Scalar("max_new", "int32"), Scalar("cap", "int32")],
+    [Out("tokens", "int32", shape=("cap",), tile=("cap",)), In("state", "int32", shape=(4,)),
+     In("sampled", "int32", shape=(1,)), In("eos", "int32", rank=1), Scalar("n_eos", "int32"),
+     Scalar("prompt_len", "int32"), Scalar("max_new", "int32"), Scalar("cap", "int32")],
     block=1, reference=_step_ref, validate=_step_check)
 
-llama_step_start = Kernel(
+llama_step_start = Kernel(  # one thread
     "llama_step_start", HERE / "llama_step.cu",
-    [Out("state", "int32", rank=1), In("tokens", "int32", rank=1)],
-    block=1, reference=_start_ref, validate=_start_check)
+    [Out("state", "int32", shape=(4,), tile=(4,)), In("tokens", "int32", rank=1)],
+    block=1, reference=_start_ref)
 
 __all__ = ["llama_step", "llama_step_start"]

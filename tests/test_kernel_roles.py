@@ -44,18 +44,13 @@ def _layernorm_ref(g, out, mean, rstd, inp, weight, bias, n, c):
     mean[...], rstd[...] = m, s
 
 
-def _layernorm_check(g, out, mean, rstd, inp, weight, bias, n, c):
-    if (n, c) != inp.shape:
-        raise dop.ShapeError(f"layernorm_forward: N={n}, C={c} must be inp's shape {inp.shape}")
-
-
 layernorm = Kernel(
     "layernorm_forward", LAYERNORM,
     [Out("out", "float32", shape=("N", "C"), tile=(32, "C")), Out("mean", "float32", shape=("N",), tile=(32,)),
      Out("rstd", "float32", shape=("N",), tile=(32,)), In("inp", "float32", shape=("N", "C")),
      In("weight", "float32", shape=("C",)), In("bias", "float32", shape=("C",)),
      Scalar("N", "int32"), Scalar("C", "int32")],
-    block=32, reference=_layernorm_ref, validate=_layernorm_check)
+    block=32, reference=_layernorm_ref)   # the scalars N and C are the sizes its shapes name
 
 GEMM = r"""
 template <int T>
@@ -75,9 +70,9 @@ def _gemm_ref(g, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
 
 
 def _gemm_check(g, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-    if (m, k, n) != (*a.shape, b.shape[1]) or (lda, ldb, ldc) != (k, n, n):
-        raise dop.ShapeError(f"reference_gemm: M, N, K = {m}, {n}, {k} and lda, ldb, ldc = {lda}, {ldb}, {ldc} must "
-                             f"match A {a.shape} and B {b.shape} (row-major, unpadded)")
+    if (lda, ldb, ldc) != (k, n, n):   # M, N, K: the sizes its shapes name
+        raise dop.ShapeError(f"reference_gemm: lda, ldb, ldc = {lda}, {ldb}, {ldc} must be K, N, N = {k}, {n}, {n} "
+                             "(row-major, unpadded)")
 
 
 reference_gemm = Kernel(
@@ -237,3 +232,19 @@ def test_a_shared_in_out_tensor_must_be_held_alone_at_every_launch(stream, rng):
 def test_a_kernel_needs_an_output_to_cut_its_grid_from():
     with pytest.raises(dop.LaunchError, match="declares no Out.*the launch grid is an output partition's tiles"):
         Kernel("k", "extern \"C\" __global__ void k(float* a) {}", [InOut("a", "float32")])
+
+
+def test_the_scalars_a_kernel_takes_are_the_sizes_its_shapes_name(stream, rng):
+    """llm.c's N and C, CUTLASS's M, N, K: a scalar that disagrees with the tensors is
+    refused naming both, with no hand-written check."""
+    n, c = 64, 48
+    inp, weight, bias = put(rng, (n, c), stream), put(rng, c, stream), put(rng, c, stream)
+    out, mean, rstd = dop.empty((n, c), stream=stream), dop.empty(n, stream=stream), dop.empty(n, stream=stream)
+    with pytest.raises(dop.ShapeError, match=r"layernorm_forward<C=40>: argument out has shape \[64, 48\], but its "
+                                             r"axis 1 is C: 40 from the scalar argument C, 48 here; pass C=48"):
+        layernorm(out.partition([32, c]), mean.partition([32]), rstd.partition([32]), inp, weight, bias, n,
+                  40).sync_on(stream)
+    a, b, cm = put(rng, (32, 16), stream), put(rng, (16, 32), stream), dop.empty((32, 32), stream=stream)
+    with pytest.raises(dop.ShapeError, match=r"reference_gemm<K=8>: argument A has shape \[32, 16\], but its axis 1 "
+                                             r"is K: 8 from the scalar argument K, 16 here; pass K=16"):
+        reference_gemm(32, 32, 8, 1.0, a, 16, b, 32, 0.0, cm.partition([16, 16]), 32).generics([16]).sync_on(stream)

@@ -160,8 +160,9 @@ def _attn_try(stream, **over):
 
 @pytest.mark.parametrize("over,match", [
     (dict(gen=[96, 4, 32, 64, 64, 0, 2]), "head dim 96 is not supported"),
-    (dict(gen=[64, 16, 32, 64, 64, 0, 2], tile=64 * 16 // 32), "G=16"),
-    (dict(gen=[64, 4, 48, 64, 64, 0, 2]), "S=48"),
+    (dict(gen=[64, 16, 32, 64, 64, 0, 2], tile=64 * 16 // 32),   # the limits run before the shapes
+     "G=16 query heads per KV head is not supported; G must be in \\[1, 8\\]"),
+    (dict(gen=[64, 4, 48, 64, 64, 0, 2]), "S=48 splits must be in \\[1, 64\\] and divide G\\*HD=256"),
     (dict(gen=[64, 4, 32, 64, 48, 0, 2]), "LMAX=48 must be a multiple of 16, at least MINL=64"),
     (dict(gen=[64, 4, 32, 64, 64, 2, 2]), "PREFETCH=2 must be 0 or 1"),
     (dict(gen=[64, 4, 32, 64, 64, 0, 9]), "G\\*RG = 36 warps"),
@@ -171,8 +172,11 @@ def _attn_try(stream, **over):
     (dict(cap=128), "cap=128"),
     (dict(ws=dop.empty([100])), "ws \\(100,\\) must hold"),
     (dict(counters=dop.from_numpy(np.zeros(1, np.int32))), "counters"),
-    (dict(q=dop.empty([256])), "q \\(256,\\)"),
-    (dict(v=dop.empty([2, 32, 64], "bfloat16")), "v \\(2, 32, 64\\) must match"),
+    (dict(q=dop.empty([256])), r"argument q has shape \[256\], but its axis 0 is HKV\*G\*HD = 2\*4\*64 = 512 \(HKV "
+                               r"from k's shape; G, HD from \.generics\(\)\), 256 here; pass a q of shape \[512\]"),
+    (dict(v=dop.empty([2, 32, 64], "bfloat16")), r"argument v has shape \[2, 32, 64\], but its axis 1 is cap: 64 "
+                                                 r"from the scalar argument cap and k's shape, 32 here; pass a v of "
+                                                 r"shape \[2, 64, 64\]"),
 ])
 def test_attn_refuses_what_it_cannot_serve(stream, over, match):
     with pytest.raises(dop.ShapeError, match=match):

@@ -230,9 +230,13 @@ def test_qkv_rope_refuses_bad_shapes_and_dtypes(stream, rng):
     def launch(*a, tile=case.tile, gen=case.gen):
         return lp.rms_qkv_rope(q.partition([tile]), *a).generics(gen).sync_on(s)
 
-    with pytest.raises(dop.ShapeError, match="cap=9 but the cache holds 8 rows"):
+    with pytest.raises(dop.ShapeError, match=r"rms_qkv_rope<cap=9>: argument k_cache has shape \[\d+, 8, \d+\], but "
+                                             r"its axis 1 is cap: 9 from the scalar argument cap, 8 here; pass cap=8 "
+                                             r"\(k_cache\.shape\[1\]\)"):
         launch(*args[:-1], 9)
-    with pytest.raises(dop.ShapeError, match="w_qkv .* must be"):
+    with pytest.raises(dop.ShapeError, match=r"argument w_qkv has shape \[\d+, \d+\], but its axis 0 is "
+                                             r"\(HQ\+2\*HKV\)\*HD = \(\d+\+2\*\d+\)\*\d+ = \d+ \(HQ, HKV, HD from "
+                                             r"\.generics\(\)\), \d+ here; pass a w_qkv of shape"):
         launch(*args[:2], t(case.w[:-2], s), *args[3:])
     odd = Qkv(rng, stream, hq=4, hkv=1)                  # 96 pairs, q of 128
     with pytest.raises(dop.ShapeError, match="128 CTAs, which must divide the 96 RoPE pairs"):
@@ -318,7 +322,9 @@ def test_gate_up_silu_vs_float64(stream, rng, inter, d, ctas):
 def test_gate_up_silu_refuses_a_weight_of_the_wrong_height(stream, rng):
     act, x = dop.empty([64], stream=stream), dop.empty([512], stream=stream)
     g, w = t(np.ones(512, BF16), stream), t(bf16(rng, 64, 512), stream)
-    with pytest.raises(dop.ShapeError, match="must be \\[2\\*I, K\\] = \\[128, 512\\]"):
+    with pytest.raises(dop.ShapeError, match=r"rms_gate_up_silu<I=64>: argument w_gate_up has shape \[64, 512\], "
+                                             r"but its axis 0 is 2\*I = 2\*64 = 128 \(I from act's shape\), 64 here; "
+                                             r"pass a w_gate_up of shape \[128, 512\]"):
         lp.rms_gate_up_silu(act.partition([8]), x, g, w, EPS).generics([512, 2, 8, 8]).sync_on(stream)
 
 
@@ -412,7 +418,8 @@ def test_lm_head_refuses_unpadded_or_mismatched_buffers(stream, rng):
     with pytest.raises(dop.ShapeError, match="padded to a multiple of RPC"):
         lp.rms_lm_head_argmax(too_long.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
                               case.token, case.work, case.error, EPS, case.vocab).generics(case.gen).sync_on(s)
-    with pytest.raises(dop.ShapeError, match="vocab=999 but w has 1000 rows"):
+    with pytest.raises(dop.ShapeError, match=r"argument w has shape \[1000, \d+\], but its axis 0 is vocab: 999 "
+                                             r"from the scalar argument vocab, 1000 here; pass vocab=1000 \(w\.shape\[0\]\)"):
         lp.rms_lm_head_argmax(case.logits.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
                               case.token, case.work, case.error, EPS, 999).generics(case.gen).sync_on(s)
     with pytest.raises(dop.DTypeError, match="uint64"):

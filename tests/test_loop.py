@@ -256,7 +256,7 @@ def test_row_kernels_refuse_a_table_that_does_not_fit(stream):
     with pytest.raises(dop.ShapeError, match=r"argument table has shape \[4, 256\], but its axis 1 is D: 128 "
                                              r"from out's shape, 256 here; pass a table of shape \[4, 128\]"):
         load_row(out.partition([128]), table, i, 4).generics([128]).sync_on(stream)
-    with pytest.raises(dop.ShapeError, match=r"store_row<R=4>: partition table with \[4, 128\], not \[1, 128\]"):
+    with pytest.raises(dop.ShapeError, match=r"store_row<rows=4>: partition table with \[4, 128\], not \[1, 128\]"):
         store_row(table.partition([1, 128]), x, i, 4).generics([128]).sync_on(stream)
     with pytest.raises(dop.DTypeError):
         store_row(table.partition([4, 128]), x, dop.empty([1], "float32", stream=stream), 4)

@@ -1,6 +1,9 @@
 """Kernel declarations and the launch plan (see declare.py for what a kernel is).
 
-* ``signature``: parameters (``Out``, ``InOut``, ``In``, ``Scalar``) and the check of one argument;
+* ``shapes``: shape expressions (``"HQ*HD"``), parsed once at declaration, and what they determine;
+* ``signature``: parameters (``Out``, ``InOut``, ``In``, ``Scalar``), the check of one argument, and
+  ``bind``: the arguments' dimensions against the shapes;
+* ``geometry``: a declared launch geometry (``grid=``, and block, shared memory, cluster as expressions);
 * ``plan``: the launch key, every check of a launch, the verdict cache;
 * ``launch``: the lazy launch op and its ``first()``;
 * ``fast``: the generated eager fast path;

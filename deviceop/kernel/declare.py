@@ -11,14 +11,26 @@ A kernel is CUDA C++ (a ``.cu`` file or a string) plus a declaration:
   tile), ``InOut`` (a tensor it reads and writes), ``In`` (a tensor it reads),
   ``Scalar``; any number of outputs and in-outs, at any position; a tensor
   parameter's layout is dense (C-contiguous) unless declared ``layout="strided"``,
-* its block shape and dynamic shared memory (functions of the generics), and
-  optionally its thread-block cluster (a function of the generics and the grid),
+* its launch geometry: by default the grid is the first Out's tiles per axis,
+  and the block, dynamic shared memory and optional thread-block cluster are
+  ints, shape expressions or functions of the generics (the cluster's also of
+  the grid); a kernel that does not follow the output-tile convention declares
+  ``grid=`` (geometry.py),
+* its rules: ``limits(g)`` on the generics alone (ranges), checked before the
+  shapes, and ``validate(g, *args)`` on the arguments (alignment, ranges of
+  sizes, what shapes cannot say), after them,
 * a NumPy reference that computes the same output — what the reference
   device runs, and what tests compare the GPU against.
 
 Calling the kernel builds a lazy launch op; its value is the tuple of all the
 arguments, ``first()`` its (first) output partition, its grid that partition's
 tiles per axis.
+
+The entry is the kernel's plain C++ name (``entry=`` when it differs from
+``name``): an ``extern "C"`` kernel, a C++ one (``scale``, ``ns::scale``) or a
+template, whose generics complete it (``scale<256>``).  Its NVRTC name
+expression is generated, and NVRTC gives the mangled symbol to load; an
+``entry`` that is already a mangled symbol (``_Z5scalePfPKff``) is loaded as it is.
 """
 from __future__ import annotations
 
@@ -26,21 +38,28 @@ import threading
 from pathlib import Path
 
 from ..compile import compile_cubin
-from ..errors import LaunchError
+from ..errors import CompileError, LaunchError
 from ..op import DeviceOp
 from ..runtime.device import device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
+from . import geometry
 from .fast import _fast_launch_type
 from .launch import KernelLaunch
 from .plan import _launch_key_function
-from .signature import _generic_text, check_generics, inferable, run_rule
+from .shapes import dim_names
+from .signature import _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
+
+
+def _shapes_name_scalars(g, *args) -> None:
+    """The rule of a kernel whose shapes name scalars: bind checked them already."""
 
 
 class Kernel:
     """A CUDA C++ kernel and its declaration (see the module docstring)."""
 
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
-                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None):
+                 entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None,
+                 limits=None):
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
@@ -50,18 +69,37 @@ class Kernel:
         else:
             self.source_path, self.source = None, source
         self.params = tuple(params)
+        self.generic_names = tuple(generics)
+        self.grid_spec = geometry.parse_part(name, "grid", grid)
         outs = [i for i, p in enumerate(self.params) if p.role == "out"]
-        if not outs:
+        written = [i for i, p in enumerate(self.params) if p.writes]
+        if not outs and self.grid_spec is None:
             raise LaunchError(f"kernel {name} declares no Out(...): the launch grid is an output partition's tiles, "
                               "so declare the output the grid is cut from as Out (at its position in the kernel's "
-                              "parameters); other outputs may be Out or InOut, anywhere")
-        self.grid_index = outs[0]  # the output partition the grid comes from (and launch.first())
+                              "parameters), or declare the grid (grid=...); other outputs may be Out or InOut, anywhere")
+        if not written:
+            raise LaunchError(f"kernel {name} declares nothing it writes: declare each tensor the kernel writes as "
+                              "Out (a partition) or InOut (a tensor read and written)")
+        # the output partition the grid comes from (and launch.first()); with a declared grid and no
+        # Out, the first InOut (launch.first() is that tensor)
+        self.grid_index = outs[0] if outs else written[0]
+        self.first_is_partition = bool(outs)
         self._out_positions = tuple(outs)
-        self.generic_names = tuple(generics)
-        # may a launch omit .generics()?  (when the parameters' shapes name every generic)
+        check_names(name, self.params, self.generic_names)
+        # may a launch omit .generics()?  (when the parameters' shapes determine every generic)
         self.infers_generics = bool(self.generic_names) and inferable(self.params, self.generic_names)
-        self.block, self.reference, self.validate = block, reference, validate
-        self.shared_mem, self.cluster = shared_mem, cluster
+        # validate(g, *args): the kernel's rules on its arguments, after the shapes; limits(g): its
+        # rules on the generics alone (ranges), before the shapes, which an out-of-range generic
+        # would make name the wrong fix ("pass a q of shape [2048]" for G=16, not "G is in [1, 8]")
+        self.reference, self.validate, self.limits = reference, validate, limits
+        self.block = geometry.parse_part(name, "block", block)
+        self.shared_mem = geometry.parse_part(name, "shared_mem", shared_mem)
+        self.cluster = geometry.parse_part(name, "cluster", cluster)
+        self._check_geometry_names()
+        if self.validate is None and self._named_scalars:
+            # a scalar a shape names is a rule: a captured node sets a scalar unchecked only for
+            # kernels without rules (graph/nodes.py reads .validate), so give this one a rule
+            self.validate = _shapes_name_scalars
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
         self._functions: dict = {}
@@ -76,6 +114,47 @@ class Kernel:
         self._lock = threading.Lock()
         self._launch_types: dict = {}  # positions of the arguments that are ops -> launch class
         self._launch_key = _launch_key_function(self)  # (device, generics, pdl, cooperative, *args) -> key
+
+    def _spec(self, what: str):
+        return self.grid_spec if what == "grid" else getattr(self, what)
+
+    def _shown(self, what: str) -> str:
+        spec = self._spec(what)
+        return getattr(spec, "__name__", "a function") if callable(spec) else \
+            _dims_text(spec) if isinstance(spec, tuple) else str(spec)
+
+    def _check_geometry_names(self) -> None:
+        """Refuse geometry expressions that read unknown names; find what the geometry reads:
+        the int scalars the shapes and geometry name (bind gives their values) and the
+        arguments a captured node may not change (``geometry_params``)."""
+        scalars, generics = scalar_names(self.params), set(self.generic_names)
+        named = {i: {n for dims in (p.shape, p.tile) for d in dims or () for n in dim_names(d)}
+                 for i, p in enumerate(self.params)}
+        sizes = set().union(*named.values())
+        read = set()  # the sizes and scalars the geometry reads
+        for what in geometry.PARTS:
+            used = geometry.names(self._spec(what))
+            if used is None:
+                continue
+            unknown = sorted(used - sizes - scalars - generics)
+            if unknown:
+                raise LaunchError(f"kernel {self.name}'s {what}={self._shown(what)} reads {', '.join(unknown)}: an "
+                                  "expression of the geometry names generics, sizes the shapes name, or int scalar "
+                                  "parameters")
+            read |= used - generics
+        self._named_scalars = tuple((i, p.name) for i, p in enumerate(self.params)
+                                    if p.name in scalars and p.name in read | sizes)
+        # Does the geometry read the arguments (not only the generics and the output's grid)?  Then
+        # each plan computes it (geometry.explicit_config), and a captured node cannot (.dynamic refuses
+        # those arguments): every tensor's for a declared grid, a grid function's every argument's
+        self._explicit_geometry = self.grid_spec is not None or bool(read)
+        if callable(self.grid_spec):
+            reads = set(range(len(self.params)))
+        elif self.grid_spec is not None:
+            reads = {i for i, p in enumerate(self.params) if p.role != "scalar"}
+        else:
+            reads = {i for i, ns in named.items() if ns & read}
+        self.geometry_params = frozenset(reads | {i for i, p in enumerate(self.params) if p.name in read})
 
     def __call__(self, *args) -> "KernelLaunch":
         if len(args) != len(self.params):
@@ -102,11 +181,33 @@ class Kernel:
 
     # -- compiled forms (cached) ----------------------------------------------------
     def compile(self, values=(), arch=None):
-        """NVRTC → CUBIN for one set of generics (no GPU needed)."""
+        """NVRTC → CUBIN for one set of generics (no GPU needed).  The entry's name
+        expression is always generated (NVRTC mangles a C++ name, leaves an extern "C"
+        one), except for an entry that is a mangled symbol already."""
         expr = self.name_expression(values)
+        mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
         filename = self.source_path.name if self.source_path else f"{self.name}.cu"
-        return compile_cubin(self.source, arch=arch, name_expressions=[expr] if self.generic_names else [],
-                             options=self.options, include_dirs=self.include_dirs, filename=filename), expr
+        try:
+            prog = compile_cubin(self.source, arch=arch, name_expressions=[] if mangled else [expr],
+                                 options=self.options, include_dirs=self.include_dirs, filename=filename)
+        except CompileError as exc:
+            raise self._entry_hint(exc, expr) from None
+        return prog, expr
+
+    def _entry_hint(self, exc: CompileError, expr: str) -> CompileError:
+        """``exc`` with the fix added where NVRTC could not resolve the entry's name expression."""
+        log = exc.log or ""
+        if "__nv_name_map" not in log:
+            return exc
+        if "overloaded function" in log:
+            fix = (f"the source overloads {self.entry}: give the overload to launch its own name, or pass entry= "
+                   "its mangled symbol (cuobjdump -symbols lists them)")
+        elif "is undefined" in log:
+            fix = (f"the source defines no kernel {self.entry}: pass entry= the __global__ function's C++ name "
+                   "(ns::name for one in a namespace), or rename the Kernel")
+        else:
+            fix = f"NVRTC could not resolve the name expression {expr!r}: check entry= and the generics"
+        return CompileError(f"{self.name}: {fix}\n{exc}", log)
 
     def function(self, device, values=()):
         """The loaded kernel for ``device`` and these generics (compiled and loaded once)."""
@@ -143,20 +244,34 @@ class Kernel:
         if params is None:
             known = ", ".join(prog.lowered_names) or "none"
             raise LaunchError(f"{self.name}: the compiled CUBIN has no kernel {expr!r} (name expressions "
-                              f"compiled: {known}), so no GPU can load it; declare the kernel "
-                              f'extern "C" under its entry name, or give its template parameters as generics')
+                              f"compiled: {known}), so no GPU can load it; pass entry= the kernel's C++ name (its "
+                              "name expression is generated) or its exact mangled symbol")
         if layout:
             check_param_layout(expr, self.signature, params)
 
     def config(self, grid: tuple, values=()) -> LaunchConfig:
+        """The launch shape of the output-tile convention: ``grid`` (the output's tiles)
+        and the block, shared memory and cluster the generics ``values`` give."""
         key = (grid, values)
         cfg = self._configs.get(key)
         if cfg is None:
+            if self._explicit_geometry:
+                raise LaunchError(f"{self.name}'s launch geometry reads its arguments (grid={self._shown('grid')}, "
+                                  f"block={self._shown('block')}, shared_mem={self._shown('shared_mem')}): it has no "
+                                  "config from a grid and the generics alone; launch the kernel, whose plan has one")
             g = dict(zip(self.generic_names, values))
-            block = run_rule(self, self.block, values, g) if callable(self.block) else self.block
-            smem = run_rule(self, self.shared_mem, values, g) if callable(self.shared_mem) else self.shared_mem
+            block = run_rule(self, self.block, values, g) if callable(self.block) else geometry.evaluate(self.block, g)
+            smem = run_rule(self, self.shared_mem, values, g) if callable(self.shared_mem) else \
+                geometry.evaluate(self.shared_mem, g)
             if len(grid) > 3:
                 raise LaunchError(f"{self.name}: an output partition of rank {len(grid)} has no CUDA grid (max 3 axes)")
-            cluster = run_rule(self, self.cluster, values, g, grid) if callable(self.cluster) else self.cluster
+            cluster = run_rule(self, self.cluster, values, g, grid) if callable(self.cluster) else \
+                geometry.evaluate(self.cluster, g)
             cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
         return cfg
+
+    def launch_config(self, values, launch_args, gen: tuple, env: dict) -> LaunchConfig:
+        """The launch shape of one checked launch (``env``: the values bind found)."""
+        if self._explicit_geometry:
+            return geometry.explicit_config(self, values, launch_args, gen, env)
+        return self.config(values[self.grid_index].grid, gen)

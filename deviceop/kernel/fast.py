@@ -21,6 +21,7 @@ def _fast_launch_type(kernel, dynamic: tuple) -> type:
     argument) takes the general ``KernelLaunch._launch``, which checks
     everything the key has not been checked for and names what is wrong."""
     args = ", ".join(f"a{i}" for i in range(len(kernel.params)))
+    first = f"a{kernel.grid_index}"  # first(): the output partition (.tensor unpartitioned), or an in-out tensor
     unwrap, key = _launch_key_code(kernel, ("ctx.device", "op._generics", "op._pdl", "op._cooperative"))
     env = {**_KEY_ENV, "stats": stats, "plans": kernel._plans}
     common = dict(args=args, run_ops=[f"a{i} = a{i}._run(ctx)" for i in dynamic], unwrap=unwrap, key=key)
@@ -30,7 +31,8 @@ def _fast_launch_type(kernel, dynamic: tuple) -> type:
     output_run = codegen.generate(codegen.KERNEL_RUN, "_run", env, label,
                                   op=["op = self.launch", "if op._consumed:", "    op._already_executed()",
                                       "op._consumed = True"],
-                                  result=f"a{kernel.grid_index}.tensor if self.as_tensor else a{kernel.grid_index}",
+                                  result=f"{first}.tensor if self.as_tensor else {first}" if kernel.first_is_partition
+                                  else first,
                                   **common)
     output = type("_Output", (_Output,), {"__slots__": (), "_run": output_run, "_execute": output_run,
                                           "__module__": __name__, "__doc__": _Output.__doc__})

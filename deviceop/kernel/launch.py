@@ -39,8 +39,9 @@ class _Output(DeviceOp):
         if self._consumed:
             self._already_executed()
         self._consumed = True
-        part = self.launch._run(ctx)[self.launch.kernel.grid_index]
-        return part.tensor if self.as_tensor else part
+        kernel = self.launch.kernel
+        part = self.launch._run(ctx)[kernel.grid_index]
+        return part.tensor if self.as_tensor and kernel.first_is_partition else part
 
     def describe(self):
         return f"{self.launch.describe()}.first(){'.unpartition()' if self.as_tensor else ''}"
@@ -102,7 +103,14 @@ class KernelLaunch(DeviceOp):
             self._armed = False
             raise LaunchError(f"{self.kernel.name} has no argument(s) {', '.join(map(repr, unknown))}; "
                               f"its arguments are {', '.join(index)}")
-        self._mutable = frozenset(index[n] for n in names) if names else frozenset(index.values())
+        mutable = frozenset(index[n] for n in names) if names else frozenset(index.values())
+        fixed = [self.kernel.params[i].name for i in sorted(mutable & self.kernel.geometry_params)]
+        if fixed:
+            self._armed = False
+            raise LaunchError(f"{self.kernel.name}'s launch geometry reads {', '.join(fixed)} (its declared grid=, "
+                              "block=, shared_mem= or cluster=), which a captured node cannot recompute: mark only "
+                              "the other arguments dynamic, and recapture for new values of these")
+        self._mutable = mutable
         return self
 
     def pdl(self, enabled: bool = True) -> "KernelLaunch":

@@ -98,15 +98,26 @@ def _launch_key_function(kernel):
 
 
 def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
-    """Every check of a launch: roles, dtypes, shapes (against the generics, which
-    are inferred when ``gen`` is None), layouts, aliasing, the kernel's own rules.
+    """Every check of a launch: roles, dtypes, the kernel's limits on its generics,
+    shapes (against the generics, which are inferred when ``gen`` is None; the
+    limits then follow), layouts, aliasing, the kernel's own rules.
     Returns the launch arguments (tensors for partitions and shared handles) and
     the generics."""
+    return _check_launch(kernel, values, gen, label)[:2]
+
+
+def _check_launch(kernel, values, gen, label: str) -> tuple[list, tuple, dict]:
+    """check_launch, and the values of the names the shapes bound (for the geometry)."""
     params = kernel.params
     for p, v in zip(params, values):
         check_arg(kernel, p, v)
     launch_args = [v.tensor if p.role == "out" else _as_tensor_arg(v) for p, v in zip(params, values)]
-    gen = bind(kernel, values, launch_args, gen)
+    inferred = gen is None
+    if kernel.limits is not None and not inferred:
+        run_rule(kernel, kernel.limits, gen, dict(zip(kernel.generic_names, gen)))
+    gen, env = bind(kernel, values, launch_args, gen)
+    if kernel.limits is not None and inferred:
+        run_rule(kernel, kernel.limits, gen, dict(zip(kernel.generic_names, gen)))
     written = [(p, t) for p, t in zip(params, launch_args) if p.writes]
     read = [(p, t) for p, t in zip(params, launch_args) if p.role == "in"]
     for i, (w, t) in enumerate(written):
@@ -121,7 +132,7 @@ def check_launch(kernel, values, gen, label: str) -> tuple[list, tuple]:
     if kernel.validate is not None:  # partitions for outputs, tensors for the rest
         run_rule(kernel, kernel.validate, gen, dict(zip(kernel.generic_names, gen)),
                  *[v if p.role == "out" else t for p, v, t in zip(params, values, launch_args)])
-    return launch_args, gen
+    return launch_args, gen, env
 
 
 def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[list, LaunchPlan]:
@@ -148,9 +159,10 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
                 launch_args[i] = t._tensor
         return launch_args, plan
     device, gen, pdl, cooperative = head
-    launch_args, gen = check_launch(kernel, values, gen, describe())
+    launch_args, gen, env = _check_launch(kernel, values, gen, describe())
+    config = kernel.launch_config(values, launch_args, gen, env)  # before compiling: a refused geometry is cheap
     fn = kernel.function(device, gen)  # compiled, loaded and checked against the CUBIN once
-    plan = LaunchPlan(fn, pdl, cooperative, kernel.config(values[kernel.grid_index].grid, gen), gen)
+    plan = LaunchPlan(fn, pdl, cooperative, config, gen)
     if key is not None:
         if len(plans) > 65536:
             plans.clear()

@@ -7,11 +7,14 @@ of the kernel's generics, as cuTile writes ``out: &mut Tensor<f32, {[B]}>``,
     Out("out", "float32", tile=("B",))          # the output's tile is [B]
     In("x", "float32", shape=(-1, "K"))         # any rows, K columns
     In("w", "float32", shape=("N", "K"))        # N: a size the arguments must agree on
+    In("w_qkv", "bfloat16", shape=("(HQ+2*HKV)*HD", "K"))   # arithmetic (shapes.py)
+    InOut("cache", "bfloat16", shape=("HKV", "cap", "HD"))  # cap: an int Scalar parameter
 
-A dimension is an int (exactly that), -1 (any) or a name: a generic of the
-kernel, or a size shared by the parameters that name it.  ``bind`` checks a
-launch's arguments against them, infers the generics they determine and checks
-the ones given, naming the parameter, the generic and the two values.
+A dimension is an int (exactly that), -1 (any), a name (a generic of the
+kernel, a size shared by the parameters that name it, or an int Scalar
+parameter: its argument's value) or arithmetic on them (shapes.py).  ``bind``
+checks a launch's arguments against them, infers the generics they determine
+and checks the ones given, naming the parameter, the generic and the values.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from ..dtypes import DType, dtype as as_dtype
 from ..errors import DeviceOpError, DTypeError, LaunchError, ShapeError
 from ..memory import read_only_error
 from ..tensor import Partition, SharedTensor, Tensor
+from .shapes import GRAMMAR, Expr, determined, dim_names, parse
 
 LAYOUTS = ("dense", "strided")
 WRITTEN = ("out", "inout")  # the roles of the parameters a kernel writes
@@ -64,14 +68,21 @@ def _dims_text(dims) -> str:
 
 
 def _dims(name: str, what: str, dims) -> tuple | None:
+    """The dimensions of parameter ``name``'s ``what``: ints, bare names (str) and parsed Exprs."""
     if dims is None:
         return None
-    dims = tuple(dims)
-    for d in dims:
-        if not (isinstance(d, str) and d.isidentifier()) and not (type(d) is int and d >= -1):
-            raise LaunchError(f"parameter {name}: each dimension of its {what} is an int, -1 (any) or the name "
-                              f"of a generic or size, got {d!r} in {dims}")
-    return dims
+    if isinstance(dims, (str, int)):
+        raise LaunchError(f"parameter {name}: its {what} is a list of dimensions, one per axis, got {dims!r}: "
+                          f"write [{dims!r}]")
+    out = []
+    for d in tuple(dims):
+        if isinstance(d, str):
+            d = parse(d, f"parameter {name}'s {what}")
+        if not isinstance(d, (str, Expr)) and not (type(d) is int and d >= -1):
+            raise LaunchError(f"parameter {name}: each dimension of its {what} is an int, -1 (any), the name "
+                              f"of a generic or size, or arithmetic on them ({GRAMMAR}), got {d!r} in {tuple(dims)}")
+        out.append(d)
+    return tuple(out)
 
 
 def _tensor_param(name: str, role: str, dtype, rank, layout, shape=None, tile=None) -> Param:
@@ -114,61 +125,167 @@ def Scalar(name: str, dtype) -> Param:
     return Param(name, "scalar", as_dtype(dtype))
 
 
+def shape_dims(params) -> list[tuple]:
+    """Every declared shape and tile of ``params``."""
+    return [dims for p in params for dims in (p.shape, p.tile) if dims]
+
+
+def scalar_names(params) -> set:
+    """The int Scalar parameters, by name: a shape or the geometry may name them (their argument's value)."""
+    return {p.name for p in params if p.role == "scalar" and p.dtype.kind in "iu"}
+
+
 def inferable(params, generic_names) -> bool:
-    """Do the parameters' shapes name every generic (so a launch may omit ``.generics()``)?"""
-    named = {d for p in params for dims in (p.shape, p.tile) if dims for d in dims if isinstance(d, str)}
-    return all(g in named for g in generic_names)
+    """Do the parameters' shapes determine every generic (so a launch may omit ``.generics()``)?"""
+    known = determined(shape_dims(params), scalar_names(params))
+    return all(g in known for g in generic_names)
 
 
-def bind(kernel, values, launch_args, gen) -> tuple:
+def check_names(kernel_name: str, params, generic_names) -> None:
+    """Refuse a declaration whose shapes read a name nothing gives a value: neither a generic,
+    an int scalar, a bare dimension, nor solvable from one (shapes.py's rule)."""
+    scalars = scalar_names(params)
+    clash = scalars & set(generic_names)
+    if clash:
+        raise LaunchError(f"kernel {kernel_name}: {', '.join(sorted(clash))} is both a generic and a scalar "
+                          "parameter; rename one")
+    floats = {p.name for p in params if p.role == "scalar"} - scalars
+    known = determined(shape_dims(params), scalars | set(generic_names))
+    for p in params:
+        for what, dims in (("shape", p.shape), ("tile", p.tile)):
+            for d in dims or ():
+                for n in dim_names(d):
+                    if n in floats:
+                        raise LaunchError(f"kernel {kernel_name}: {p.name}'s {what} {_dims_text(dims)} names the "
+                                          f"float scalar {n}; a dimension is an int: declare {n} an int scalar")
+                    if n not in known:
+                        raise LaunchError(f"kernel {kernel_name}: {p.name}'s {what} {_dims_text(dims)} reads {n}, "
+                                          f"which no argument determines: name {n} alone as a dimension of some "
+                                          f"parameter, or declare it a generic")
+
+
+_SCALAR = "the scalar argument"  # where a value bound from an int Scalar came from
+
+
+def bind(kernel, values, launch_args, gen) -> tuple[tuple, dict]:
     """Check the arguments' dimensions against the declared shapes and tiles; return
-    the generics (``gen``, checked, or inferred when None)."""
-    given = dict(zip(kernel.generic_names, gen)) if gen is not None else {}
-    bound = {}  # name -> (value, where it came from)
-
-    def check(p, what, dims, actual):
-        for axis, (d, n) in enumerate(zip(dims, actual)):
-            if d == -1:
-                continue
-            if type(d) is int:
-                expected, source = d, "the declaration"
-            elif d in given:
-                expected, source = given[d], ".generics()"
-            elif d in bound:
-                expected, source = bound[d]
-            else:
-                bound[d] = (n, f"{p.name}'s {what}")
-                continue
-            if n != expected:
-                raise _mismatch(kernel, p, what, dims, actual, axis, expected, source, given, bound)
-
-    for p, a, t in zip(kernel.params, values, launch_args):
-        if p.shape is not None:
-            check(p, "shape", p.shape, t.shape)
-        if p.tile is not None:
-            check(p, "tile", p.tile, a.tile_shape)
+    the generics (``gen``, checked, or inferred when None) and every name's value
+    (generics, sizes, the int scalars the shapes name): the geometry's expressions
+    read them.  Bare names bind first, parameter by parameter; expressions are then
+    checked, and their one unknown solved where shapes.py's rule allows."""
+    env, source = {}, {}
     if gen is not None:
-        return gen
-    missing = [g for g in kernel.generic_names if g not in bound]
-    if missing:  # pragma: no cover - refused before any check when the shapes cannot name them all
-        raise LaunchError(f"{kernel.name} needs generics <{', '.join(kernel.generic_names)}>: call .generics([...])")
-    return tuple(bound[g][0] for g in kernel.generic_names)
+        for n, v in zip(kernel.generic_names, gen):
+            env[n], source[n] = v, ".generics()"
+    for i, n in kernel._named_scalars:
+        env[n], source[n] = int(values[i]), _SCALAR
+    deferred = []
+    for p, a, t in zip(kernel.params, values, launch_args):
+        for what, dims in (("shape", p.shape), ("tile", p.tile)):
+            if dims is None:
+                continue
+            actual = t.shape if what == "shape" else a.tile_shape
+            for axis, (d, n) in enumerate(zip(dims, actual)):
+                if type(d) is int:
+                    if d != -1 and n != d:
+                        raise _mismatch(kernel, p, what, dims, actual, axis, d, env, source)
+                elif type(d) is str:
+                    if d not in env:
+                        env[d], source[d] = n, f"{p.name}'s {what}"
+                    elif n != env[d]:
+                        raise _mismatch(kernel, p, what, dims, actual, axis, env[d], env, source)
+                    elif source[d] == _SCALAR:  # a scalar an argument agrees with: the other is wrong
+                        source[d] = f"{_SCALAR} {d} and {p.name}'s {what}"
+                else:
+                    deferred.append((p, what, dims, actual, axis))
+    while deferred:
+        left = []
+        for p, what, dims, actual, axis in deferred:
+            e, n = dims[axis], actual[axis]
+            unknown = [x for x in e.names if x not in env]
+            if not unknown:
+                expected = e.eval(env)
+                if n != expected:
+                    raise _mismatch(kernel, p, what, dims, actual, axis, expected, env, source)
+            elif len(unknown) == 1 and e.solvable_for(unknown[0]):
+                v = e.solve(n, env)
+                if v is None:
+                    raise _unsolvable(kernel, p, what, dims, actual, axis, unknown[0], env, source)
+                env[unknown[0]], source[unknown[0]] = v, f"{p.name}'s {what} ({e.text})"
+            else:
+                left.append((p, what, dims, actual, axis))
+        if len(left) == len(deferred):  # pragma: no cover - check_names refuses such a declaration
+            raise LaunchError(f"{kernel.name}: {', '.join(str(x[2][x[4]]) for x in left)} cannot be evaluated")
+        deferred = left
+    if gen is None:
+        gen = tuple(env[g] for g in kernel.generic_names)
+    return gen, env
 
 
-def _mismatch(kernel, p, what, dims, actual, axis, expected, source, given, bound) -> ShapeError:
+def _fits(dims, actual, env) -> list:
+    """The dimensions ``dims`` take with the values known in ``env`` (``actual`` where none)."""
+    out = []
+    for d, n in zip(dims, actual):
+        if type(d) is int:
+            out.append(n if d == -1 else d)
+        elif type(d) is str:
+            out.append(env.get(d, n))
+        else:
+            out.append(d.eval(env) if all(x in env for x in d.names) else n)
+    return out
+
+
+def _sources(names, source) -> str:
+    """``"HQ, HD from .generics(); HKV from k's shape"``."""
+    by = {}
+    for n in names:
+        by.setdefault("the scalar arguments" if source[n].startswith(_SCALAR) else source[n], []).append(n)
+    return "; ".join(f"{', '.join(ns)} from {s}" for s, ns in by.items())
+
+
+def _a(name: str) -> str:
+    """``"a w"``, ``"an x"``: the article as the name is read."""
+    return f"{'an' if name[0].lower() in 'aeiox' else 'a'} {name}"
+
+
+def _mismatch(kernel, p, what, dims, actual, axis, expected, env, source) -> ShapeError:
     """The error of ``p``'s ``what`` disagreeing with ``expected`` on ``axis``."""
-    fits = [n if d == -1 or (isinstance(d, str) and d not in given and d not in bound) else
-            d if type(d) is int else given[d] if d in given else bound[d][0] for d, n in zip(dims, actual)]
+    fits = _fits(dims, actual, env)
     fits[axis] = expected
-    d = dims[axis]
-    head = f"{kernel.name}<{d}={expected}>" if isinstance(d, str) else kernel.name
-    why = (f"axis {axis} is {d}: {expected} from {source}, {actual[axis]} here" if isinstance(d, str)
-           else f"axis {axis} must be {d}")
+    d, n = dims[axis], actual[axis]
+    fix = f"pass {_a(p.name)} of shape {_dims_text(fits)}"
+    if type(d) is int:
+        head, why = kernel.name, f"axis {axis} must be {d}"
+    elif type(d) is str:
+        head = f"{kernel.name}<{d}={expected}>"
+        if source[d].startswith(_SCALAR + " "):  # confirmed by another argument: this one is wrong
+            why = f"axis {axis} is {d}: {expected} from {source[d]}, {n} here"
+        elif source[d] == _SCALAR:
+            why = f"axis {axis} is {d}: {expected} from the scalar argument {d}, {n} here"
+            fix = f"pass {d}={n} ({p.name}.shape[{axis}]), or {_a(p.name)} of shape {_dims_text(fits)}"
+        else:
+            why = f"axis {axis} is {d}: {expected} from {source[d]}, {n} here"
+    else:
+        head = f"{kernel.name}<{', '.join(f'{x}={env[x]}' for x in d.names)}>"
+        why = f"axis {axis} is {d} = {d.substituted(env)} = {expected} ({_sources(d.names, source)}), {n} here"
     if what == "tile":
         return ShapeError(f"{head}: partition {p.name} with {_dims_text(fits)}, not {_dims_text(actual)} "
                           f"({p.name}'s tile {why})")
-    return ShapeError(f"{head}: argument {p.name} has shape {_dims_text(actual)}, but its {why}; "
-                      f"pass a {p.name} of shape {_dims_text(fits)}")
+    return ShapeError(f"{head}: argument {p.name} has shape {_dims_text(actual)}, but its {why}; {fix}")
+
+
+def _unsolvable(kernel, p, what, dims, actual, axis, unknown, env, source) -> ShapeError:
+    """The error of an expression no value of its unknown name makes equal to the argument's dimension."""
+    d, n = dims[axis], actual[axis]
+    known = [x for x in d.names if x != unknown]
+    head = f"{kernel.name}<{', '.join(f'{x}={env[x]}' for x in known)}>" if known else kernel.name
+    sources = f" ({_sources(known, source)})" if known else ""
+    generic = " (or give .generics())" if unknown in kernel.generic_names else ""
+    where = f"argument {p.name} has shape" if what == "shape" else f"partition {p.name} has tile"
+    return ShapeError(f"{head}: {where} {_dims_text(actual)}, but its {'tile ' if what == 'tile' else ''}axis "
+                      f"{axis} is {d}{sources}, and no {unknown} >= 0 makes {d.substituted(env)} = {n}; pass "
+                      f"{_a(p.name)} whose {'tile' if what == 'tile' else 'axis'} {axis} is {d.substituted(env)} for the "
+                      f"{unknown} you mean{generic}")
 
 
 def _generic_text(v) -> str:

@@ -1,0 +1,166 @@
+"""Kernels that do not follow the output-tile convention declare their launch
+geometry (grid, block, dynamic shared memory, cluster) as shape expressions or a
+Python function, checked against CUDA's limits; and C++ kernels are declared by
+their plain name (the NVRTC name expression is generated).  Runs on Device(0):
+the references here, the CUDA (and so the geometry) on the H100."""
+import numpy as np
+import pytest
+
+import deviceop as dop
+from deviceop import In, InOut, Kernel, Out, Scalar
+
+# in place, no Out: a thread an element, (n + 255) / 256 blocks, the last one partial
+SCALE_INPLACE = r"""
+extern "C" __global__ void scale_inplace(float* x, float a, int n) {
+    int i = blockIdx.x * 256 + threadIdx.x;
+    if (i < n) x[i] *= a;
+}
+"""
+
+
+def _scale_ref(g, x, a, n):
+    x *= np.float32(a)
+
+
+scale_inplace = Kernel("scale_inplace", SCALE_INPLACE,
+                       [InOut("x", "float32", shape=("n",)), Scalar("a", "float32"), Scalar("n", "int32")],
+                       grid=("(n+255)//256",), block=256, reference=_scale_ref)
+
+# a block a row, W warps reducing through dynamic shared memory: the output is one tile
+ROW_SUMS = r"""
+template <int W>
+__global__ void row_sums(float* out, const float* x, int cols) {
+    extern __shared__ float partial[];
+    const float* row = x + (long long)blockIdx.x * cols;
+    float acc = 0.0f;
+    for (int i = threadIdx.x; i < cols; i += 32 * W) acc += row[i];
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int i = 0; i < 32 * W; i++) s += partial[i];
+        out[blockIdx.x] = s;
+    }
+}
+"""
+
+
+def _row_sums_ref(g, out, x, cols):
+    out[...] = x.astype(np.float64).sum(axis=1)
+
+
+row_sums = Kernel("row_sums", ROW_SUMS,
+                  [Out("out", "float32", shape=("R",), tile=("R",)), In("x", "float32", shape=("R", "cols")),
+                   Scalar("cols", "int32")],
+                  generics=["W"], grid=("R",), block="32*W", shared_mem="4*32*W", reference=_row_sums_ref)
+
+
+def put(rng, shape, stream):
+    return dop.from_numpy(rng.standard_normal(shape).astype(np.float32), stream=stream)
+
+
+def test_an_in_place_kernel_with_a_declared_grid_and_no_output_partition(stream, rng):
+    x = put(rng, 1000, stream)  # 4 blocks, the last one a quarter full
+    host = x.numpy(stream=stream)
+    launch = scale_inplace(x, 3.0, 1000)
+    assert launch.first().unpartition().sync_on(stream) is x  # first(): the in-out tensor
+    np.testing.assert_allclose(x.numpy(stream=stream), 3.0 * host, rtol=1e-6)
+    plan = next(iter(scale_inplace._plans.values()))
+    assert plan.config.grid == (4, 1, 1) and plan.config.block == (256, 1, 1)
+    graph = scale_inplace(x, 0.5, 1000).graph_on(stream)  # captured (nothing runs): every replay halves x
+    for _ in range(2):
+        graph.launch().sync_on(stream)
+    np.testing.assert_allclose(x.numpy(stream=stream), 0.75 * host, rtol=1e-6)
+
+
+def test_grid_block_and_shared_memory_from_expressions(stream, rng):
+    x = put(rng, (5, 300), stream)
+    out = dop.empty(5, stream=stream)
+    row_sums(out.partition([5]), x, 300).generics([4]).sync_on(stream)  # 5 blocks of 128, 512 bytes
+    np.testing.assert_allclose(out.numpy(stream=stream), x.numpy(stream=stream).astype(np.float64).sum(axis=1),
+                               rtol=1e-5, atol=1e-5)
+    (config,) = {p.config for p in row_sums._plans.values()}
+    assert (config.grid, config.block, config.shared_mem) == ((5, 1, 1), (128, 1, 1), 512)
+
+
+def test_a_grid_function_reads_the_arguments(stream, rng):
+    k = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], block=32, shared_mem=128,
+               grid=lambda g, out, x, cols: (x.shape[0],), reference=_row_sums_ref)
+    x, out = put(rng, (3, 64), stream), dop.empty(3, stream=stream)
+    k(out.partition([3]), x, 64).generics([1]).sync_on(stream)
+    np.testing.assert_allclose(out.numpy(stream=stream), x.numpy(stream=stream).astype(np.float64).sum(axis=1),
+                               rtol=1e-5, atol=1e-5)
+    assert {p.config.grid for p in k._plans.values()} == {(3, 1, 1)}
+
+
+def test_a_geometry_past_cudas_limits_is_refused_naming_the_declaration_and_the_values(stream, rng):
+    x, out = put(rng, (2, 64), stream), dop.empty(2, stream=stream)
+    with pytest.raises(dop.LaunchError, match=r"row_sums's launch geometry \(grid=\[R\], block=32\*W, "
+                                              r"shared_mem=4\*32\*W\) with R=2, W=64: block 2048 has 2048 "
+                                              r"threads; CUDA allows at most 1024"):
+        row_sums(out.partition([2]), x, 64).generics([64]).sync_on(stream)
+    with pytest.raises(dop.LaunchError, match=r"scale_inplace's launch geometry \(grid=\[\(n\+255\)//256\], "
+                                              r"block=256, shared_mem=0\) with n=0: grid must be 1 to 3 positive ints"):
+        scale_inplace(dop.empty(0, stream=stream), 2.0, 0).sync_on(stream)
+    clustered = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], grid=("R",), block=32,
+                       shared_mem=128, cluster=("W",), reference=_row_sums_ref)
+    with pytest.raises(dop.LaunchError, match=r"with R=2, W=4: cluster \(4, 1, 1\) does not divide grid \(2, 1, 1\)"):
+        clustered(out.partition([2]), x, 64).generics([4]).sync_on(stream)
+
+
+def test_a_captured_node_cannot_change_what_the_geometry_reads(stream, rng):
+    x = put(rng, 512, stream)
+    with pytest.raises(dop.LaunchError, match=r"scale_inplace's launch geometry reads x, n \(its declared grid=, "
+                                              r"block=, shared_mem= or cluster=\), which a captured node cannot "
+                                              r"recompute: mark only the other arguments dynamic"):
+        scale_inplace(x, 2.0, 512).dynamic()
+    launch = scale_inplace(x, 2.0, 512).dynamic("a")  # the factor does not move the grid
+    graph = launch.graph_on(stream)
+    host = x.numpy(stream=stream)
+    graph.node(launch).set(a=3.0)
+    graph.launch().sync_on(stream)
+    np.testing.assert_allclose(x.numpy(stream=stream), 3.0 * host, rtol=1e-6)  # the replay scales by the new a
+
+
+def test_geometry_declarations_are_checked():
+    with pytest.raises(dop.LaunchError, match=r"kernel k's grid=\[M\] reads M: an expression of the geometry names "
+                                              r"generics, sizes the shapes name, or int scalar parameters"):
+        Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=("M",))
+    with pytest.raises(dop.LaunchError, match=r"kernel k declares nothing it writes: declare each tensor the kernel "
+                                              r"writes as Out \(a partition\) or InOut"):
+        Kernel("k", SCALE_INPLACE, [In("x", "float32", shape=("n",)), Scalar("a", "float32"), Scalar("n", "int32")],
+               grid=("n",))
+    with pytest.raises(dop.LaunchError, match=r"kernel k declares no Out\(\.\.\.\).*or declare the grid \(grid=\.\.\.\)"):
+        Kernel("k", SCALE_INPLACE, scale_inplace.params)
+    with pytest.raises(dop.LaunchError, match=r"kernel k's grid: 1 to 3 dimensions or a function, got \(1, 1, 1, 1\)"):
+        Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=(1, 1, 1, 1))
+    with pytest.raises(dop.LaunchError, match=r"kernel k's block: cannot read '32\*'"):
+        Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=(1,), block="32*")
+
+
+# -- C++ kernels by their plain name ---------------------------------------------------------------------
+
+CPP = r"""
+__global__ void axpy(float* y, const float* x, float a) {      // C++ linkage: a mangled symbol
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    y[i] = a * x[i] + y[i];
+}
+namespace ops {
+__global__ void axpy(float* y, const float* x, float a) { int i = blockIdx.x * blockDim.x + threadIdx.x;
+                                                          y[i] = a * x[i] + 2.0f * y[i]; }
+}
+"""
+
+
+def test_a_cpp_kernel_is_declared_by_its_plain_name(stream, rng):
+    params = [InOut("y", "float32", shape=("N",)), In("x", "float32", shape=("N",)), Scalar("a", "float32")]
+    for entry, twice in (("axpy", 1.0), ("ops::axpy", 2.0), ("_Z4axpyPfPKff", 1.0)):  # a mangled entry works too
+        k = Kernel("axpy", CPP, params, entry=entry, grid=("N//128",), block=128,
+                   reference=lambda g, y, x, a, twice=twice: y.__setitem__(..., a * x + twice * y))
+        prog, expr = k.compile(arch="sm_90")
+        assert prog.symbol(expr).startswith("_Z") and prog.param_layout(expr) == [(0, 8), (8, 8), (16, 4)]
+        y, x = put(rng, 256, stream), put(rng, 256, stream)
+        before = y.numpy(stream=stream)
+        k(y, x, 2.0).sync_on(stream)
+        np.testing.assert_allclose(y.numpy(stream=stream), 2.0 * x.numpy(stream=stream) + twice * before, rtol=1e-5,
+                                   atol=1e-6)
