@@ -406,7 +406,8 @@ class LlamaDecoder:
                 f"the device reported error word {error} ({ERR_TOKEN}: a token outside the vocabulary, {ERR_POS}: a "
                 f"position outside the KV cache, {ERR_NONFINITE}: a NaN or infinite logit, as a NaN weight or an "
                 "overflow makes); the generation is not valid" + (f"; {NONFINITE}" if error & ERR_NONFINITE else ""))
-        if logits and not np.isfinite(self.logits[:self.cfg.vocab_size].numpy(stream=self.stream)).all():
+        # this rank's logits only: past its shard of the vocabulary the buffer is padding, never written
+        if logits and not np.isfinite(self.logits[:self.shard.vocab].numpy(stream=self.stream)).all():
             raise dop.StateError(NONFINITE)
 
     def read_generated(self, prompt_len: int) -> list:
