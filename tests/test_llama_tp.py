@@ -59,8 +59,10 @@ def test_tensor_parallel_sampling_and_teacher_forced_logits_are_tp1s(model, allr
         return llama.generate(model["prompt"], NEW, model["sampling"]), llama.logits_along(model["prompt"])
     for sampled, logits in dist.run_reference(2, rank):
         assert sampled == model["sampled"]
-        # the all-reduce adds float32 partial sums where TP=1 adds in one float64 dot product
-        np.testing.assert_allclose(logits, model["logits"], rtol=1e-4, atol=1e-4)
+        # the all-reduce adds float32 partial sums where TP=1 adds in one dot product: a last-bit
+        # difference that rounds a K or V entry to the neighbouring bf16 (2^-8 apart) moves the later
+        # logits by ~2^-8 of their scale (seen on an H200: 1.4e-3 of it), so compare at that resolution
+        assert np.max(np.abs(logits - model["logits"])) <= 2.0 ** -7 * np.max(np.abs(model["logits"]))
 
 
 def test_the_shards_of_every_rank_put_back_together_are_the_model(model):
