@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from .errors import AliasingError, LaunchError
+from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .tensor import Partition, SharedTensor, Tensor
 
@@ -60,12 +61,12 @@ def _write(label: str, name: str, v) -> Tensor:
     """The tensor behind a write: a SharedTensor only when nothing else can reach its
     buffer (as ``try_partition`` would claim it); a Tensor or Partition is a mutable
     borrow its caller vouches for, as ``tensor.partition`` is for a kernel."""
-    if isinstance(v, SharedTensor):
-        return v.check_writable(f"{label} writes {name}")
-    if isinstance(v, Partition):
-        return v.tensor
-    if isinstance(v, Tensor):
-        return v
+    t = v.check_writable(f"{label} writes {name}") if isinstance(v, SharedTensor) else \
+        v.tensor if isinstance(v, Partition) else v if isinstance(v, Tensor) else None
+    if t is not None:
+        if t._alloc.read_only:
+            raise read_only_error(f"{label} writes {name}", t)
+        return t
     hint = " (host data: copy it to the device with dop.from_numpy(array))" \
         if hasattr(v, "__array_interface__") else ""
     raise LaunchError(f"{label} writes {name}, which must be a Tensor, a Partition or a SharedTensor held alone, "
@@ -76,7 +77,7 @@ class ForeignOp(DeviceOp):
     """Another library's GPU work as an op (see :func:`foreign`); its value is the
     tuple of its writes, as given."""
 
-    __slots__ = ("body", "reads", "writes", "reference", "warmup", "name")
+    __slots__ = ("body", "declared_reads", "declared_writes", "reference", "warmup", "name")
     graph_safe = True
 
     def __init__(self, body, reads, writes, reference, warmup, name):
@@ -91,15 +92,15 @@ class ForeignOp(DeviceOp):
                 raise LaunchError(f"dop.foreign's {what}= is a function (or, for warmup, True), got {f!r}")
         self.body, self.reference, self.warmup = body, reference, warmup
         self.name = name if name is not None else getattr(body, "__name__", type(body).__name__)
-        self.reads, self.writes = _declared("reads", reads), _declared("writes", writes)
-        keys = [k for k, _ in self.reads + self.writes if isinstance(k, str)]
+        self.declared_reads, self.declared_writes = _declared("reads", reads), _declared("writes", writes)
+        keys = [k for k, _ in self.declared_reads + self.declared_writes if isinstance(k, str)]
         twice = sorted({k for k in keys if keys.count(k) > 1})
         if twice:
             raise LaunchError(f"{self.describe()} declares {twice[0]!r} in both reads= and writes=; a buffer the "
                               "body reads and writes (in place) is declared once, in writes=")
-        values = [v for _, v in self.reads + self.writes]
+        values = [v for _, v in self.declared_reads + self.declared_writes]
         if not any(isinstance(v, DeviceOp) for v in values):
-            self._tensors(values[:len(self.reads)], values[len(self.reads):])  # refused now, before anything runs
+            self._tensors(values[:len(self.declared_reads)], values[len(self.declared_reads):])  # refused now, before anything runs
         for v in values:
             if isinstance(v, DeviceOp):
                 v._armed = False  # run by this op
@@ -108,17 +109,22 @@ class ForeignOp(DeviceOp):
     __del__ = warn_if_unexecuted
 
     def children(self):
-        return tuple(v for _, v in self.reads + self.writes if isinstance(v, DeviceOp))
+        return tuple(v for _, v in self.declared_reads + self.declared_writes if isinstance(v, DeviceOp))
 
     def describe(self) -> str:
         return f"dop.foreign({self.name})"
+
+    def writes(self) -> tuple:
+        """The tensors this op writes that are known before it runs (a loop body's checks)."""
+        return tuple(v._tensor if isinstance(v, SharedTensor) else v.tensor if isinstance(v, Partition) else v
+                     for _, v in self.declared_writes if isinstance(v, (Tensor, SharedTensor, Partition)))
 
     def _tensors(self, reads, writes) -> list:
         """The tensors of the reads and writes, in order, checked: a write needs its
         buffer (a shared one alone), and no write overlaps another or a read."""
         label = self.describe()
-        rs = [(_name("reads", k), _read(label, _name("reads", k), v)) for (k, _), v in zip(self.reads, reads)]
-        ws = [(_name("writes", k), _write(label, _name("writes", k), v)) for (k, _), v in zip(self.writes, writes)]
+        rs = [(_name("reads", k), _read(label, _name("reads", k), v)) for (k, _), v in zip(self.declared_reads, reads)]
+        ws = [(_name("writes", k), _write(label, _name("writes", k), v)) for (k, _), v in zip(self.declared_writes, writes)]
         for i, (wname, w) in enumerate(ws):
             for how, others in (("writes", ws[i + 1:]), ("reads", rs)):
                 for other, t in others:
@@ -131,10 +137,13 @@ class ForeignOp(DeviceOp):
     def _execute(self, ctx):
         device = ctx.device
         runner = device.foreign(self.describe(), self.body, self.reference, self.warmup)
-        reads = [resolve(v, ctx) for _, v in self.reads]
-        writes = [resolve(v, ctx) for _, v in self.writes]
+        reads = [resolve(v, ctx) for _, v in self.declared_reads]
+        writes = [resolve(v, ctx) for _, v in self.declared_writes]
         tensors = self._tensors(reads, writes)  # checked again: clones may have been made since
-        keys = [k for k, _ in self.reads + self.writes]
+        if ctx.guard is not None:  # in a loop's body: not into the loop's index or count
+            for t in tensors[len(reads):]:
+                ctx.guard.check(t, self.describe)
+        keys = [k for k, _ in self.declared_reads + self.declared_writes]
 
         def arguments(values):
             args = [v for k, v in zip(keys, values) if isinstance(k, int)]

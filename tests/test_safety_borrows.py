@@ -223,3 +223,38 @@ def test_what_a_then_returns_in_a_loop_body_follows_the_body_rules_eagerly_as_ca
         _run(dop.while_(cond, body), mode, stream)
     assert not stream.is_capturing()
     assert sink.numpy(stream=stream)[0] == (1 if mode == "eager" else 0)  # eagerly, what came before it ran
+
+
+def _poke(s, t):  # a foreign body (its reference below runs on the reference device)
+    raise AssertionError("never runs: the write is refused first")
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph_on", "scope"])
+def test_a_foreign_op_in_a_loop_body_that_writes_the_index_is_refused(stream, mode):
+    """dop.foreign declares its writes: a loop body's foreign op writing the loop's index is
+    refused as a kernel output into it is, before the body runs."""
+    index, count = int32_cell(-5, stream), int32_cell(3, stream)
+    body = lambda i: dop.foreign(_poke, writes=[i], reference=lambda t: t.fill(7))  # noqa: E731
+    with pytest.raises(dop.OwnershipError, match=r"body writes its index \(dop.foreign\(_poke\) writes into it\)"):
+        _run(dop.loop(count, index, body), mode, stream)
+    assert not stream.is_capturing()
+    assert index.numpy(stream=stream)[0] in (-5, 0)  # an eager loop sets the index before its first body
+
+
+def test_a_collective_in_a_loop_body_that_writes_the_index_is_refused():
+    import deviceop.distributed as dist
+
+    def rank(group):
+        s = group.stream
+        index, count = int32_cell(0, s), int32_cell(2, s)
+        with pytest.raises(dop.OwnershipError, match=r"body writes its index \(dist.all_reduce"):
+            dop.loop(count, index, lambda i: dist.all_reduce(group, i)).sync_on(s)
+        return int(count.numpy(stream=s)[0])
+    assert dist.run_reference(2, rank) == [2, 2]
+
+
+def test_a_foreign_op_never_writes_a_read_only_import(rng):
+    x, host = read_only_import(rng.standard_normal(N).astype(np.float32))
+    with pytest.raises(dop.OwnershipError, match=r"dop.foreign\(_poke\) writes writes\[0\].*read-only memory"):
+        dop.foreign(_poke, writes=[x], reference=lambda t: t.fill(0))
+    np.testing.assert_array_equal(x.numpy(), host)

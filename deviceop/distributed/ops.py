@@ -114,6 +114,8 @@ class Collective(DeviceOp):
         x = resolve(self.x, ctx)
         out = x if self.out is self.x else resolve(self.out, ctx)
         call = self._check(x, out)
+        if ctx.guard is not None and call.recv is not None:  # in a loop's body: not into its index or count
+            ctx.guard.check(call.recv, self.describe)
         if ctx.device is not self.group.device:  # (thread-ranks' reference devices differ only in identity)
             raise DistributedError(f"{self.describe()} executed on a stream of {ctx.device.label}, but the group's "
                                    f"device is {self.group.device.label}; run it on the group's stream "
