@@ -293,3 +293,21 @@ def test_a_scope_dropped_by_another_thread_frees_that_threads_lock(device):
     t.join(60)
     assert done.get("value") == 5
     assert not stream.is_capturing()
+
+
+@pytest.mark.parametrize("how", ["scope", "loop"])
+def test_a_refused_graph_launch_leaves_no_unexecuted_warning_behind(stream, rng, how):
+    """The refusal says the launch never ran; collecting the refused op adds no UnexecutedOpWarning."""
+    inner, x, y = _inner_graph(stream, rng)
+    other = stream.device.new_stream()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(dop.GraphSafetyError, match="another graph"):
+            if how == "scope":
+                with CudaGraph.scope(other) as s:
+                    s.record(inner.launch())
+            else:
+                dop.loop(2, dop.from_numpy(np.zeros(1, np.int32), stream=stream),
+                         lambda i: inner.launch()).graph_on(other)
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, dop.UnexecutedOpWarning)]

@@ -393,6 +393,7 @@ class Scope:
                              "record on that thread, or open a scope (on a stream of its own) in this one")
         if not isinstance(op, DeviceOp):
             raise not_recordable(op)
+        op._armed = False  # taken in: recorded below, or refused with an error that says so
         self._cap.check_graph_safe(op)
         preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
         try:

@@ -163,7 +163,11 @@ class _Loop(DeviceOp):
         """The body op, checked by ``guard`` (BodyGuard.check_op); ``capture``: the capture
         it is recorded into (which notes the ops it runs, to hand them back if it fails)."""
         op = value(self._body(*self._body_args()))
-        guard.check_op(op, capture.fresh if capture is not None else None, "captured" if capture else "run")
+        try:
+            guard.check_op(op, capture.fresh if capture is not None else None, "captured" if capture else "run")
+        except BaseException:
+            op.discard()  # refused, so it never runs: that is the error's to say, not a warning's
+            raise
         return op
 
     def _execute(self, ctx: ExecutionContext):
