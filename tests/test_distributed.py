@@ -63,6 +63,62 @@ def test_reduce_scatter_send_recv_and_every_reduction(rng):
     assert np.array_equal(results[1][1], data[0])
 
 
+
+def test_a_ring_that_sends_before_it_receives_completes_with_what_each_send_held_when_it_ran(rng):
+    world, n = 3, 6
+    data = rng.standard_normal((world, n)).astype(np.float32)
+
+    def rank(group):  # legal on NCCL for small messages (it buffers them); the reference backend hung here
+        s, r = group.stream, group.rank
+        x = _upload(group, data[r])
+        dist.send(group, x, peer=(r + 1) % world).sync_on(s)
+        dist.all_reduce(group, x).sync_on(s)  # overwrites what was sent, before anyone receives it
+        got = dist.recv(group, dop.empty(n, stream=s), peer=(r - 1) % world).sync_on(s)
+        return got.numpy(stream=s), x.numpy(stream=s)
+
+    start = time.monotonic()
+    for r, (got, x) in enumerate(dist.run_reference(world, rank, timeout=1.0)):
+        assert np.array_equal(got, data[(r - 1) % world])  # the message was copied when the send ran
+        np.testing.assert_allclose(x, data.astype(np.float64).sum(0), rtol=1e-5, atol=1e-5)
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_recv_still_waits_bounded_naming_its_peer_and_checks_dtype_and_count(rng):
+    data = rng.standard_normal(4).astype(np.float32)
+
+    def hangs(group):  # rank 0 never sends (it is busy elsewhere): rank 1's recv times out naming it
+        if group.rank == 1:
+            dist.recv(group, dop.empty(4, stream=group.stream), peer=0).sync_on(group.stream)
+        else:
+            time.sleep(0.5)
+
+    with pytest.raises(dop.DistributedError, match=r"dist.recv\(4 x float32, peer=0\) timed out after 0.3 s on "
+                                                   r"rank 1: rank 0 never sent it"):
+        dist.run_reference(2, hangs, timeout=0.3)
+
+    def leaves(group):
+        if group.rank == 1:
+            dist.recv(group, dop.empty(4, stream=group.stream), peer=0).sync_on(group.stream)
+
+    start = time.monotonic()
+    with pytest.raises(dop.DistributedError, match="rank 0 closed its group without sending it"):
+        dist.run_reference(2, leaves, timeout=30)
+    assert time.monotonic() - start < 2  # at once, not after the timeout
+
+    def disagree(group):  # the sender goes on; the receiver refuses, and the sender learns at its next meeting
+        s = group.stream
+        if group.rank == 0:
+            dist.send(group, _upload(group, data), peer=1).sync_on(s)
+            with pytest.raises(dop.DistributedError, match="which expected 4 x float64"):
+                group.barrier()
+        else:
+            dist.recv(group, dop.empty(4, "float64", stream=s), peer=0).sync_on(s)
+
+    with pytest.raises(dop.DistributedError, match=r"rank 0 sent 4 x float32 to rank 1, which expected 4 x float64: "
+                                                   "a send and its recv must match in dtype and count"):
+        dist.run_reference(2, disagree, timeout=30)
+
+
 def test_exchange_and_barrier_meet_every_rank_in_rank_order(rng):
     tokens = rng.integers(0, 1 << 30, 4).tolist()
     results = dist.run_reference(4, lambda g: (g.barrier(), g.exchange({"rank": g.rank, "t": tokens[g.rank]}))[1])

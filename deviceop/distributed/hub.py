@@ -10,6 +10,12 @@ Every wait is bounded by the group's timeout; a timeout, a rank that failed
 waiting or arriving later gets a DistributedError naming the cause — a
 thread-rank never waits forever, as NCCL's ranks do not once the
 communicator is aborted.
+
+Point to point is a *mailbox* instead, as NCCL buffers a small send: ``post``
+leaves the sender's message (copied by the caller at send time) under its
+(src, dst, n) key and returns at once, so a ring in which every rank sends
+before it receives completes; ``take`` waits for it (bounded, naming the
+peer; at once if the peer closed its group without sending) and checks it.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ class Hub:
         self.world_size, self.timeout = world_size, timeout
         self._cond = threading.Condition()
         self._slots: dict = {}
+        self._mail: dict = {}            # (src, dst, n) -> a posted send's message, until its recv takes it
         self.aborted: str | None = None  # why the hub was aborted, once it is
         self.closed: set = set()         # ranks that closed their group (they will issue nothing more)
         self.first_failure = None        # (rank, exception) of the first rank that raised
@@ -107,6 +114,40 @@ class Hub:
             if slot.error is not None:  # each party raises its own copy (one object raised in many threads is not)
                 raise type(slot.error)(*slot.error.args)
             return slot.result
+
+    def post(self, key, message, what: str) -> None:
+        """Leave a send's ``message`` under ``key`` for its recv; returns without waiting for it."""
+        with self._cond:
+            self._check(what)
+            self._mail[key] = message
+            self._cond.notify_all()
+
+    def take(self, rank: int, key, peer: int, what: str, accept, timeout: float | None = None) -> None:
+        """Wait for the message posted under ``key`` by rank ``peer`` and hand it to ``accept``
+        (which checks it against the recv and writes the output); an exception it raises, a
+        timeout, or a peer that closed its group without sending aborts the hub."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._check(what)
+                if key in self._mail:
+                    message = self._mail.pop(key)
+                    try:
+                        return accept(message)
+                    except BaseException as exc:  # a send and recv that disagree: the group is done
+                        self._failed(rank, exc, f"{what}: {exc}")
+                        raise
+                left = deadline - time.monotonic()
+                if left <= 0 or peer in self.closed:
+                    why = (f"{what} on rank {rank}: rank {peer} closed its group without sending it" if left > 0 else
+                           f"{what} timed out after {timeout:g} s on rank {rank}: rank {peer} never sent it "
+                           "(it failed or hung, or the ranks' sends and receives do not pair up)")
+                    error = DistributedError(f"{why}. Every recv needs the peer's matching send, in the same order; "
+                                             "the group is aborted: make a new one")
+                    self._failed(rank, error, why)
+                    raise error
+                self._cond.wait(left)
 
     def _leave(self, key, slot: _Slot) -> None:
         slot.left += 1

@@ -8,7 +8,9 @@ stream.  A collective is a tape step: run at once eagerly, recorded while the
 stream captures, and run again by each replay; when it runs it meets the
 other ranks' same step in the hub (hub.py), where the last to arrive checks
 that every rank issued the same collective (kind, dtype, count, reduction,
-root) and computes every rank's output.
+root) and computes every rank's output.  A send is posted to the hub's
+mailbox (copied when it runs) and completes without its recv, as NCCL's small
+sends do; the recv waits for it, checks dtype and count, and copies it out.
 """
 from __future__ import annotations
 
@@ -84,14 +86,15 @@ class ReferenceBackend:
 
     def _meet(self, group, call) -> None:
         what = call.describe()
-        if call.kind in ("send", "recv"):
+        if call.kind in ("send", "recv"):  # a send does not wait for its recv (NCCL buffers small ones)
             src, dst = (self.rank, call.peer) if call.kind == "send" else (call.peer, self.rank)
             n = self._pairs.get((src, dst), 0)
             self._pairs[(src, dst)] = n + 1
-            entry = (call.kind, call.dtype.name, call.count,
-                     _host(call.send) if call.send is not None else _host(call.recv))
-            self.hub.meet(self.rank, ("p2p", src, dst, n), entry, what,
-                          lambda entries: _pair(entries, src, dst), parties=tuple(sorted((src, dst))))
+            if call.kind == "send":  # copied now: the sender may overwrite its buffer before the recv runs
+                self.hub.post((src, dst, n), (call.dtype.name, call.count, _host(call.send).copy()), what)
+            else:
+                self.hub.take(self.rank, (src, dst, n), src, what,
+                              lambda sent: _deliver(sent, (call.dtype.name, call.count), _host(call.recv), src, dst))
             return
         seq, self._collectives = self._collectives, self._collectives + 1
         entry = (call.signature, None if call.send is None else _host(call.send), _host(call.recv))
@@ -156,12 +159,12 @@ def _reduce(arrays: list, how: str, dtype) -> np.ndarray:
     return total.astype(dtype)
 
 
-def _pair(entries: dict, src: int, dst: int) -> None:
-    sent, received = entries[src], entries[dst]
-    if sent[0] != "send" or received[0] != "recv" or sent[1:3] != received[1:3]:
-        raise DistributedError(f"rank {src} sent {sent[2]} x {sent[1]} to rank {dst}, which expected "
-                               f"{received[2]} x {received[1]}: a send and its recv must match in dtype and count")
-    received[3][...] = sent[3]
+def _deliver(sent: tuple, expected: tuple, out: np.ndarray, src: int, dst: int) -> None:
+    """Write a posted send's message into its recv's output, once they agree on dtype and count."""
+    if sent[:2] != expected:
+        raise DistributedError(f"rank {src} sent {sent[1]} x {sent[0]} to rank {dst}, which expected "
+                               f"{expected[1]} x {expected[0]}: a send and its recv must match in dtype and count")
+    out[...] = sent[2]
 
 
 # -- run_reference ----------------------------------------------------------------------
