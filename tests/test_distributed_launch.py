@@ -12,7 +12,7 @@ import pytest
 import deviceop as dop
 import deviceop.distributed as dist
 from deviceop.distributed.launch import from_environment
-from deviceop.distributed.store import FileStore, StoreExchanger, TcpStore
+from deviceop.distributed.store import FileStore, StoreExchanger, TcpStore, open_store
 
 
 def test_the_launchers_environments_give_rank_world_size_and_local_rank():
@@ -100,6 +100,56 @@ def test_a_store_exchange_is_bounded_and_names_the_missing_rank(tmp_path):
     other.close(1)  # rank 1 left: a wait for it ends at once
     with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] closed their group"):
         ex.exchange(0, 1, "hello", "group.barrier()", 30)
+
+
+
+def _run_in(path, r, world, timeout):
+    """Rank r's exchanger over a file store directory, as dist.init(store=path) opens it."""
+    ex = StoreExchanger(open_store(str(path), "explicit", r, world, timeout), world, timeout)
+    ex.prefix = "deviceop/g0/"  # each process names its first group alike
+    return ex
+
+
+def _crashed_run(path, world, rng):
+    """Leave in ``path`` what a run that died mid-way leaves: its NCCL unique id, heartbeats, an abort, a rank that left."""
+    old = rng.integers(0, 1 << 62)
+
+    def rank(r):
+        ex = _run_in(path, r, world, 2.0)
+        ex.post(r, "init", ("uid", old))
+        ex.store.set(f"{ex.prefix}beat/{r}", b"7")
+        if r == 1:
+            ex.store.set(f"{ex.prefix}closed/{r}", b"1")
+        else:
+            ex.abort(r, "crashed")
+    assert _ranks(world, rank) == [None] * world
+    return old
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_a_file_store_reused_after_a_crash_never_gives_a_new_run_the_old_run_s_keys(late, tmp_path, rng):
+    world = 2
+    old = _crashed_run(tmp_path, world, rng)
+    new = old + 1 + rng.integers(0, 1 << 30)
+
+    def rank(r):  # one rank starts later than the other: a stale key was readable meanwhile
+        if r == late:
+            time.sleep(0.1)
+        ex = _run_in(tmp_path, r, world, 2.0)
+        return ex.problem(), ex.store.get(f"{ex.prefix}beat/{1 - r}"), ex.exchange(r, "init", ("uid", new), "dist.init", 2.0)
+
+    got = _ranks(world, rank)  # before: rank 0's old unique id, the old abort and heartbeats were read
+    assert got == [(None, None, [("uid", new), ("uid", new)])] * world
+
+
+def test_joining_a_run_in_a_file_store_is_bounded_and_names_who_is_missing(tmp_path, rng):
+    _crashed_run(tmp_path, 2, rng)  # its rendezvous files must not let a lone rank through
+    start = time.monotonic()
+    with pytest.raises(dop.DistributedError, match=r"rank 0 did not admit rank 1 to a new run within 0.2 s"):
+        open_store(str(tmp_path), "explicit", 1, 2, 0.2)
+    with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] did not join rank 0's run within 0.2 s"):
+        open_store(str(tmp_path), "explicit", 0, 2, 0.2)
+    assert time.monotonic() - start < 1
 
 
 def test_a_tcp_store_that_cannot_be_reached_says_where_it_looked():

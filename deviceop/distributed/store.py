@@ -10,11 +10,23 @@ outlives the group's timeout and a failure elsewhere ends it at once.
 Stores: ``FileStore`` (a directory every rank can reach: tests, one node, a
 shared file system), ``TcpStore`` (ours: rank 0 serves, the others connect),
 ``TorchStore`` (torch's TCPStore, the one torchrun's agent serves).
+
+A directory outlives its run: one reused after a crash still holds that run's
+keys (NCCL's unique id, an abort, heartbeats), which a new rank must never
+read.  So a FileStore opened for a rank (``dist.init(store=path)``) first
+joins a *run*: rank 0 draws a random token, and every other rank writes a
+random nonce (``rendezvous/hello/<rank>``), waits for rank 0's answer naming
+that nonce (``rendezvous/welcome/<rank>``: nonce and token) and acknowledges
+the token (``rendezvous/ack/<rank>``); rank 0 answers each new hello until
+every rank has acknowledged.  A stale file can hold neither this run's nonce
+nor its token, so ranks may start in any order (within the timeout), and
+every key after that is named under the token (``run-<token>__...``).
 """
 from __future__ import annotations
 
 import os
 import pickle
+import secrets
 import socket
 import struct
 import tempfile
@@ -44,14 +56,59 @@ class MemoryStore:
 
 
 class FileStore:
-    """Keys are files of a directory (written whole: a temporary file renamed)."""
+    """Keys are files of a directory (written whole: a temporary file renamed).  Given
+    ``rank`` (and ``world_size``), it first joins a new run (the module docstring) and
+    names its keys under that run's token; without, it is the directory as it is."""
 
-    def __init__(self, path):
+    def __init__(self, path, rank: int | None = None, world_size: int = 1, timeout: float = 120.0):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._prefix = ""  # the rendezvous files are outside any run's names
+        if rank is not None:
+            token = self._lead(world_size, timeout) if rank == 0 else self._join(rank, timeout)
+            self._prefix = f"run-{token}__"
+
+    def _lead(self, world_size: int, timeout: float) -> str:
+        """Rank 0: draw the run's token, answer each rank's hello until every rank acknowledged it."""
+        token = secrets.token_hex(8)
+        answered, waiting = {}, set(range(1, world_size))
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while waiting:
+            for r in sorted(waiting):
+                hello = self.get(f"rendezvous/hello/{r}")
+                if hello is not None and answered.get(r) != hello:  # (a stale hello's answer is never read)
+                    self.set(f"rendezvous/welcome/{r}", hello + b" " + token.encode())
+                    answered[r] = hello
+                if self.get(f"rendezvous/ack/{r}") == token.encode():
+                    waiting.discard(r)
+            if waiting and time.monotonic() > deadline:
+                raise DistributedError(f"the file store {self.path}: rank(s) {sorted(waiting)} did not join rank 0's "
+                                       f"run within {timeout:g} s: start every rank of world size {world_size} with "
+                                       "this same directory (a previous run's keys there are never read)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return token
+
+    def _join(self, rank: int, timeout: float) -> str:
+        """Rank > 0: post a fresh nonce; the token is in rank 0's answer that names it."""
+        nonce = secrets.token_hex(8).encode()
+        self.set(f"rendezvous/hello/{rank}", nonce)
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while True:
+            welcome = self.get(f"rendezvous/welcome/{rank}")
+            if welcome is not None and welcome.startswith(nonce + b" "):
+                token = welcome[len(nonce) + 1:]
+                self.set(f"rendezvous/ack/{rank}", token)
+                return token.decode()
+            if time.monotonic() > deadline:
+                raise DistributedError(f"the file store {self.path}: rank 0 did not admit rank {rank} to a new run "
+                                       f"within {timeout:g} s: is rank 0 running, with this same directory? (a "
+                                       "previous run's keys there are never read)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def _file(self, key: str) -> Path:
-        return self.path / key.replace("/", "__")
+        return self.path / (self._prefix + key.replace("/", "__"))
 
     def set(self, key: str, value: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp")
@@ -179,7 +236,7 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
                                    "1..65535 that rank 0 serves the store on)")
         return TcpStore(host, _port(port), serve=rank == 0, timeout=timeout)
     if store is not None:
-        return FileStore(store)
+        return FileStore(store, rank, world_size, timeout)
     if world_size == 1:
         return MemoryStore()
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
