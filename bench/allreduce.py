@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 SIZES_KB = (4, 8, 16, 64)
 TARGETS = {2: 3.0, 4: 5.0}  # us per 4-8 KB all-reduce in a graph (issue 35)
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from deviceop.distributed.launch import NO_MULTICAST  # noqa: E402 - after sys.path; loads no NCCL
 
 
 # -- correctness ------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from deviceop.distributed.launch import NO_MULTICAST  # noqa: E402 - after sys.path; loads no NCCL
 # NCCL's default graph-mixing support puts event nodes in a captured collective, which a conditional
 # (dop.while_) body refuses: the "NCCL all-reduces" row's cuGraphInstantiate failed with INVALID_VALUE
 # on 2x H200 (2026-11-27) and ran with this set to 0 (this benchmark never mixes graphs and eager NCCL)

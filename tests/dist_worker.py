@@ -11,9 +11,10 @@ import time
 import traceback
 from pathlib import Path
 
-for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ[key] = value  # multicast stays off (the project's rule), before NCCL loads
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deviceop.distributed.launch import NO_MULTICAST  # noqa: E402 - loads no NCCL (nccl4py comes at init)
+
+os.environ.update(NO_MULTICAST)  # multicast stays off (the project's rule), before NCCL loads
 
 import numpy as np  # noqa: E402
 

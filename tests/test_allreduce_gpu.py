@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from deviceop.distributed.launch import NO_MULTICAST  # loads no NCCL: nccl4py is imported at init
+
 ROOT = Path(__file__).resolve().parent.parent
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _gpu_count() -> int:

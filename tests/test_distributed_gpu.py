@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop.distributed.launch import NO_MULTICAST
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
@@ -38,7 +39,7 @@ def spawn(scenario: str, world: int, tmp_path, seed: int, timeout: float = 60, d
     _nccl4py()
     if _gpus() < world:
         pytest.skip(f"needs {world} GPUs, {_gpus()} visible: run on a multi-GPU machine (nvidia-h100-x{world})")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+    env = dict(os.environ, **NO_MULTICAST,
                DEVICEOP_DIST_TIMEOUT=str(timeout), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     store = tmp_path / f"store-{scenario}"
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(store), str(seed)],

@@ -1,13 +1,14 @@
 """The one-shot all-reduce kernels (allreduce.cu beside this file) and their NumPy
 references.
 
-Six declarations: three forms (``out = sum``, ``out += sum``, ``out = residual +
-sum``; the first also in place) times two dtypes (float32, bfloat16).  Every one
+Eight declarations: four forms (``out = sum``, ``out += sum``, ``out = residual +
+sum``, and ``out = sum`` in place) times two dtypes (float32, bfloat16).  Every one
 takes the peers' receive buffers as a table of addresses (``peers``, uint64
 ``[W]``), this rank's epochs and error word (``state``, uint32) and the scalars
 ``rank``, ``slot_lines`` (a slot's capacity in 16-byte lines) and
-``timeout_ns``.  The block is 64 threads, one 16-byte line each: 512 payload
-bytes per block, so the output's tile ``B`` is 512 bytes of its dtype.
+``timeout_ns``.  The block is 64 threads, one 16-byte line each (NCCL's "LL"
+format: 8 payload bytes and the epoch twice): 512 payload bytes per block, so the
+output's tile ``B`` is 512 bytes of its dtype.
 
 The references run the kernel's protocol itself on host memory (the reference
 device's "peer buffers" are NumPy arrays of the other thread-ranks, reached by
