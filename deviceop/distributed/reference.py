@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from ..errors import DistributedError
+from ..runtime import refcache
 from ..runtime.reference import ReferenceDevice
 from .group import Group, check_timeout, describe_ranks
 from .hub import Hub
@@ -109,6 +110,7 @@ class ReferenceBackend:
 
 
 def _host(t) -> np.ndarray:
+    refcache.disown(t._array)  # written by other ranks' threads: no float64 copy of it is kept
     return t._array.reshape(-1)  # the reference device's memory is this array
 
 

@@ -221,6 +221,9 @@ class Kernel:
                     self._check_program(prog, expr, layout=False)  # the layout is the loader's to check
                     fn = device.load_function(prog, expr, self.signature, self.reference,
                                               dict(zip(self.generic_names, values)))
+                    written = getattr(fn, "declare_written", None)  # the reference device's functions ask
+                    if written is not None:
+                        written(tuple(i for i, p in enumerate(self.params) if p.writes))
                     self._functions[key] = fn
         return fn
 

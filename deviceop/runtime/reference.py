@@ -21,7 +21,7 @@ import numpy as np
 
 from ..dtypes import host_array_from_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
-from . import driver
+from . import driver, refcache
 from .device import CTX_SYNC, Device
 from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, TapeGraphs
 from .params import ParamLayout, check_param_layout
@@ -141,10 +141,12 @@ class ReferenceDevice(Device):
     # -- memory: NumPy arrays -------------------------------------------------------
     def alloc(self, dims, dt, stream):
         try:
-            return np.empty(dims, dtype=dt.np)
+            array = np.empty(dims, dtype=dt.np)
         except (MemoryError, ValueError) as exc:
             raise OutOfMemoryError(f"allocating a {dt.name} tensor of shape {dims} on the reference device",
                                    2, "CUDA_ERROR_OUT_OF_MEMORY", str(exc), "allocate less") from None
+        refcache.own(array)  # its every write is the reference device's (until handed out)
+        return array
 
     @staticmethod
     def address(array) -> int:
@@ -162,7 +164,9 @@ class ReferenceDevice(Device):
         return np.asarray(_HostMemory(base, iface)).view(dtype)
 
     def from_host(self, host, dt, stream):
-        return host.copy()
+        array = host.copy()
+        refcache.own(array)
+        return array
 
     @staticmethod
     def import_dlpack(obj, stream):
@@ -173,6 +177,7 @@ class ReferenceDevice(Device):
         if consumer is not None:
             raise StateError(f"the reference device's memory is host memory: DLPack's stream={consumer!r} "
                              "names a CUDA stream; leave stream=None")
+        refcache.disown(array)  # the consumer may write it unseen
         return array.__dlpack__(**kwargs)
 
     @staticmethod
@@ -226,11 +231,7 @@ class HostPeerMemory:
             self.array = None
 
 
-class _HostMemory:
-    """Exposes a raw host view to NumPy while keeping its base array alive."""
-
-    def __init__(self, base, interface):
-        self.base, self.__array_interface__ = base, interface
+_HostMemory = refcache.HostView  # exposes a raw host view to NumPy, keeping its base array alive
 
 
 # -- streams and events --------------------------------------------------------------
@@ -314,9 +315,11 @@ class ReferenceStream(Stream):
 
     def fill(self, array, value) -> None:
         array.fill(value)
+        refcache.wrote(array)
 
     def upload(self, array, host) -> None:
         array[...] = host
+        refcache.wrote(array)
 
     def close(self) -> None:
         """Close the stream (idempotent); later work on it raises StateError, as on a GPU."""
@@ -364,6 +367,8 @@ class ReferenceForeign:
     def run(self, stream, bind, arrays, capture) -> None:
         """``arrays()``: the reference's arguments ``(args, kwargs)`` (see runtime/foreign.py's ``run``)."""
         args, kwargs = arrays()
+        for a in (*args, *kwargs.values()):  # handed to the user's reference, which may keep them
+            refcache.disown(a)
         if capture is not None and self.warmup is not None:  # the warm-up is the body run once: here, this
             self._call(args, kwargs)
         stream._run(_Host(lambda: self._call(args, kwargs), self.label, "graph"))
@@ -384,6 +389,7 @@ class ReferenceFunction(ParamLayout):
     Launches are never prepared: a prepared launch would keep its arrays alive."""
 
     preparable = False
+    written = None  # the indices of the arguments it writes, when declared (declare_written)
 
     def __init__(self, name: str, signature, reference, generics: dict):
         super().__init__(name, signature)
@@ -394,6 +400,11 @@ class ReferenceFunction(ParamLayout):
         if self.reference is None:
             raise LaunchError(f"{self.name} has no NumPy reference, so the reference device cannot run it")
         stream._run(_Kernel(self, [getattr(a, "_array", a) for a in args]))
+
+    def declare_written(self, indices) -> None:
+        """The arguments the kernel declares written (Out, InOut): after a launch, runtime/refcache.py
+        drops its float64 copies of those only; a kernel that declares nothing drops every argument's."""
+        self.written = tuple(indices)
 
     def node_params(self, config, ptrs):
         return None  # a recorded step reads its arguments, not a parameter buffer

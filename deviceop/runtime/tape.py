@@ -11,6 +11,7 @@ import ctypes
 
 import numpy as np
 
+from . import refcache
 from .graphs import capture_failed
 
 
@@ -35,6 +36,7 @@ class Kernel:
 
     def run(self) -> None:
         self.fn.reference(self.fn.generics, *self.args)
+        refcache.kernel_wrote(getattr(self.fn, "written", None), self.args)  # its float64 copies of what it wrote are stale
 
     def take(self, other: "Kernel") -> None:
         self.args = other.args
@@ -49,6 +51,7 @@ class Copy:
 
     def run(self) -> None:
         ctypes.memmove(self.dst, self.src, self.nbytes)
+        refcache.wrote_bytes(self.dst, self.nbytes)
 
     def take(self, other: "Copy") -> None:
         self.dst, self.src, self.nbytes = other.dst, other.src, other.nbytes
@@ -69,6 +72,7 @@ class Memset:
         if self.count:
             words = (ctypes.c_char * (self.size * self.count)).from_address(self.dst)
             np.frombuffer(words, dtype=_UINT[self.size]).fill(self.value)
+            refcache.wrote_bytes(self.dst, self.size * self.count)
 
     def take(self, other: "Memset") -> None:
         self.dst, self.value, self.size, self.count = other.dst, other.value, other.size, other.count
@@ -85,6 +89,7 @@ class Host:
 
     def run(self) -> None:
         self.fn()
+        refcache.wrote_anything()  # a host function may write any memory
 
     def take(self, other: "Host") -> None:
         self.fn = other.fn
