@@ -56,14 +56,8 @@ TARGETS = {"tp2_speedup_vs_tp1": 1.6, "tp2_speedup_vs_tp1_8b": 1.85, "tp4_speedu
 
 
 def configs():
-    from llama.config import LLAMA_3_2_1B, LlamaConfig
-    llama_3_1_8b = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=(128001, 128008, 128009))
-    return {"1b": LLAMA_3_2_1B, "8b": llama_3_1_8b}
+    from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B
+    return {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B}
 
 
 # -- the worker: one rank of one (model, TP) --------------------------------------------------------

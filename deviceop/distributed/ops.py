@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import operator
 
-from ..errors import AliasingError, DistributedError, DTypeError, OwnershipError, ShapeError
-from ..memory import Partition
+from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
 from ..op import DeviceOp, resolve, warn_if_unexecuted
-from ..runtime.reference import ReferenceDevice
 from ..tensor import SharedTensor, Tensor
+from .args import tensor_arg, written_arg
 from .group import Group
 from .peer import peer_buffers
 
@@ -129,7 +128,7 @@ class Collective(DeviceOp):
     # -- checks ------------------------------------------------------------------------
     def _check(self, x, out) -> Call:
         kind, ws = self.kind, self.group.world_size
-        read = None if kind == "recv" else _tensor(x, f"dist.{kind}'s input")
+        read = None if kind == "recv" else tensor_arg(x, f"dist.{kind}'s input")
         # a broadcast's root only reads its buffer (NCCL's in-place broadcast copies nothing there)
         reads_only = kind == "send" or (kind == "broadcast" and self.root == self.group.rank)
         written = None if reads_only else _written(out, f"dist.{kind}'s output")
@@ -193,31 +192,12 @@ def _rank(group, kind: str, what: str, r) -> int:
     return value
 
 
-def _tensor(x, what: str) -> Tensor:
-    if isinstance(x, SharedTensor):
-        return x.tensor
-    if isinstance(x, Tensor):
-        return x
-    if isinstance(x, Partition):  # a claim to write (handle.try_partition, a launch's .first()): its tensor
-        return x.tensor
-    raise DTypeError(f"{what} must be a deviceop Tensor or SharedTensor, got {type(x).__name__}"
-                     + ("; copy a host array to the device with dop.from_numpy(array)"
-                        if hasattr(x, "__array_interface__") else ""))
-
-
 def _written(x, what: str) -> Tensor:
-    """The tensor a collective writes: a SharedTensor only when nothing else reaches it,
-    never memory imported read-only."""
+    """The tensor a collective writes (args.written_arg); a collective allocates nothing."""
     if x is None:
         raise DTypeError(f"{what}: the collective needs an output tensor; allocate it before (dop.empty(shape, "
                          "dtype, stream=group.stream)): a collective allocates nothing, so that graphs can replay it")
-    t = x.check_writable(what) if isinstance(x, SharedTensor) else _tensor(x, what)
-    # the reference device's memory is NumPy's, which knows an import is read-only (CUDA memory does not say)
-    if isinstance(t.device, ReferenceDevice) and not t._array.flags.writeable:
-        raise OwnershipError(f"{what}: the buffer {list(t.shape)} is read-only memory (imported from a read-only "
-                             "array); a collective writes its output: copy it into a buffer you own (api.dup) or "
-                             "pass out=")
-    return t
+    return written_arg(x, what)
 
 
 # -- the public functions ---------------------------------------------------------------

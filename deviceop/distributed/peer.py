@@ -33,6 +33,7 @@ import numpy as np
 from ..errors import DistributedError, DTypeError, ShapeError
 from ..interop import from_numpy, zeros
 from ..tensor import SharedTensor, Tensor
+from .args import tensor_arg, written_arg
 from .group import check_timeout
 from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD
 
@@ -108,7 +109,7 @@ class PeerBuffers:
         across ranks through one host exchange."""
         if self._closed:
             raise DistributedError("PeerBuffers.all_reduce on closed buffers: make new ones (dist.PeerBuffers(group))")
-        xt = _tensor(x, "x")
+        xt = tensor_arg(x, "x")
         n, dt = xt.size, xt.dtype
         if dt.name not in CTYPES:
             raise DTypeError(f"one-shot all_reduce of {dt.name}: it sums float32 and bfloat16; "
@@ -121,10 +122,10 @@ class PeerBuffers:
         if out is None and residual is not None:
             raise ShapeError("one-shot all_reduce: a residual needs an out tensor (out=residual adds in place)")
         if out is None:
-            mode, target, inputs = "in_place", _written(x, "the in-place all_reduce's x"), ()
+            mode, target, inputs = "in_place", written_arg(x, "the in-place all_reduce's x"), ()
         else:
-            target = _written(out, "the all_reduce's out")
-            ins = [xt] if residual is None else [xt, _tensor(residual, "residual")]
+            target = written_arg(out, "the all_reduce's out")
+            ins = [xt] if residual is None else [xt, tensor_arg(residual, "residual")]
             for t in ins:
                 if t.dtype is not dt or t.size != n:
                     raise ShapeError(f"one-shot all_reduce: x is {n} x {dt.name} but out and residual must match "
@@ -197,15 +198,3 @@ class PeerBuffers:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
-
-
-def _tensor(x, what: str) -> Tensor:
-    if isinstance(x, SharedTensor):
-        return x.tensor
-    if isinstance(x, Tensor):
-        return x
-    raise DTypeError(f"one-shot all_reduce's {what} must be a deviceop Tensor or SharedTensor, got {type(x).__name__}")
-
-
-def _written(x, what: str) -> Tensor:
-    return x.check_writable(what) if isinstance(x, SharedTensor) else _tensor(x, what)

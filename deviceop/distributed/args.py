@@ -1,0 +1,30 @@
+"""The tensors behind a collective's arguments (ops.py and the one-shot all-reduce in
+peer.py take the same kinds): what it reads, and what it may write."""
+from __future__ import annotations
+
+from ..errors import DTypeError
+from ..memory import Partition, read_only_error
+from ..tensor import SharedTensor, Tensor
+
+
+def tensor_arg(x, what: str) -> Tensor:
+    """The tensor behind ``x``: a Tensor, a SharedTensor, or a Partition (a claim to write:
+    ``handle.try_partition``, a launch's ``.first()``)."""
+    if isinstance(x, SharedTensor):
+        return x.tensor
+    if isinstance(x, Tensor):
+        return x
+    if isinstance(x, Partition):
+        return x.tensor
+    raise DTypeError(f"{what} must be a deviceop Tensor or SharedTensor, got {type(x).__name__}"
+                     + ("; copy a host array to the device with dop.from_numpy(array)"
+                        if hasattr(x, "__array_interface__") else ""))
+
+
+def written_arg(x, what: str) -> Tensor:
+    """The tensor a collective writes: a SharedTensor only when nothing else reaches it,
+    never memory imported read-only."""
+    t = x.check_writable(what) if isinstance(x, SharedTensor) else tensor_arg(x, what)
+    if t._alloc.read_only:
+        raise read_only_error(what, t)
+    return t
