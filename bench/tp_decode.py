@@ -3,9 +3,11 @@ PyTorch user would write, and the latency of the all-reduce they both wait on; o
 
 * deviceop: ``Llama(cfg, weights, group=...)`` (examples/llama), one process per GPU; a whole
   generation (32-token prompt, 128 new tokens) is one graph launch per rank, the all-reduces and the
-  vocabulary-shard argmax inside its device loop; the all-reduces are the one-shot kernel over peer
-  memory (``allreduce="auto"``), and, as a second row, NCCL's (``allreduce="nccl"``); per token = (generation of 128 - generation of 1)
-  / 127, GPU time between CUDA events on rank 0, median of 5 (``Llama.time_generation``).
+  vocabulary-shard argmax inside its device loop; the O and down projections all-reduce in their
+  epilogue and the others are the one-shot kernel over peer memory (``allreduce="auto"``); as more
+  columns, the one-shot kernel after each projection, unfused (``"oneshot"``), and NCCL's
+  (``"nccl"``); per token = (generation of N - generation of 1) / (N - 1), GPU time between CUDA
+  events on rank 0, median of the reps (``Llama.time_generation``).
 * PyTorch: examples/llama/hf.py's plain decode step cut Megatron-style (q/k/v heads, gate/up rows,
   o/down columns, vocabulary rows), an NCCL all-reduce (torch.distributed) after the O and down
   projections, the argmax across vocabulary shards as an all-gather of each rank's (max, index);
@@ -246,16 +248,19 @@ def worker(args) -> int:
             log(f"deviceop: {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
             result["sampled_tokens"] = llama.generate(prompt, 16, SAMPLING)
             del llama
-            if size > 1:  # the same with NCCL's all-reduces (a failure is this row's: both ranks meet it alike)
+            for variant in ("oneshot", "nccl") if size > 1 else ():
+                # the same with unfused one-shot and with NCCL's all-reduces (a failure is this row's: every
+                # rank meets it alike)
+                key = "deviceop_" + variant
                 try:
-                    llama = Llama(cfg, weights, capacity=args.capacity, group=group, allreduce="nccl")
+                    llama = Llama(cfg, weights, capacity=args.capacity, group=group, allreduce=variant)
                     t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
-                    result["deviceop_nccl"] = {"us_per_token": round(t["us_per_token"], 1), "tokens": t["tokens"]}
-                    log(f"deviceop, NCCL all-reduces: {t['us_per_token']:.1f} us/token")
+                    result[key] = {"us_per_token": round(t["us_per_token"], 1), "tokens": t["tokens"]}
+                    log(f"deviceop, {variant} all-reduces: {t['us_per_token']:.1f} us/token")
                     del llama
                 except dop.DeviceOpError as exc:
-                    result["deviceop_nccl"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
-                    log(f"deviceop, NCCL all-reduces failed: {result['deviceop_nccl']['error']}")
+                    result[key] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+                    log(f"deviceop, {variant} all-reduces failed: {result[key]['error']}")
         except Exception as exc:  # e.g. a shape the kernels do not serve yet: reported, the rest still runs
             result["deviceop"] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
             log(f"deviceop failed: {result['deviceop']['error']}")
@@ -342,17 +347,19 @@ def main(argv=None) -> int:
     rows, failures = [], []
     for (model, tp), r in results.items():
         row = {"variant": f"{model}, TP={tp}", "deviceop_us_per_token": us(model, tp),
+               "deviceop_oneshot_unfused_us_per_token": r.get("deviceop_oneshot", {}).get("us_per_token"),
                "deviceop_nccl_allreduce_us_per_token": r.get("deviceop_nccl", {}).get("us_per_token"),
                "torch_graph_us_per_token": us(model, tp, "torch"),
                "deviceop_speedup_vs_tp1": ratio(us(model, 1), us(model, tp)) if tp > 1 else None,
                "torch_speedup_vs_tp1": ratio(us(model, 1, "torch"), us(model, tp, "torch")) if tp > 1 else None,
                "deviceop_vs_torch_graph": ratio(us(model, tp, "torch"), us(model, tp))}
-        if "error" in r.get("deviceop_nccl", {}):
-            row["deviceop_nccl_error"] = r["deviceop_nccl"]["error"]
+        for arm in ("deviceop_oneshot", "deviceop_nccl"):
+            if "error" in r.get(arm, {}):
+                row[f"{arm}_error"] = r[arm]["error"]
         if "error" in r or "error" in r.get("deviceop", {}):
             row["error"] = r.get("error") or r["deviceop"]["error"]
         base = results.get((model, 1), {}).get("deviceop", {}).get("tokens")
-        for arm in ("deviceop", "deviceop_nccl"):
+        for arm in ("deviceop", "deviceop_oneshot", "deviceop_nccl"):
             mine = r.get(arm, {}).get("tokens")
             if tp > 1 and base and mine:
                 mismatch = next((i for i, (a, b) in enumerate(zip(base, mine)) if a != b), None)
@@ -388,10 +395,11 @@ def main(argv=None) -> int:
                       "better": "lower", "met": False, "reason": "no 2-GPU run"})
     device = type("D", (), {"name": f"{gpus}x {torch.cuda.get_device_name(0)}"})()
     print_table(f"Tensor-parallel Llama decode, {args.prompt_len}-token prompt + {args.new} new, on {device.name}",
-                ["variant", "deviceop us/token (or us/op)", "deviceop, NCCL all-reduces", "torch graph us/token",
+                ["variant", "deviceop us/token (or us/op)", "unfused one-shot", "NCCL all-reduces",
+                 "torch graph us/token",
                  "deviceop vs TP=1", "torch vs TP=1", "note"],
                 [[r["variant"], r.get("deviceop_us_per_token", r.get("us_per_op")),
-                  r.get("deviceop_nccl_allreduce_us_per_token") or "", r.get("torch_graph_us_per_token", ""),
+                  r.get("deviceop_oneshot_unfused_us_per_token") or "", r.get("deviceop_nccl_allreduce_us_per_token") or "", r.get("torch_graph_us_per_token", ""),
                   r.get("deviceop_speedup_vs_tp1") or "", r.get("torch_speedup_vs_tp1") or "",
                   (r.get("error") or r.get("reason") or "")[:80]] for r in rows])
     for f in failures:
