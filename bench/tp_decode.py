@@ -20,6 +20,10 @@ PyTorch user would write, and the latency of the all-reduce they both wait on; o
 * Weights: random bf16 (normal(0, 0.02) matrices, norms 1 + 0.1 normal) made on each GPU from a
   seeded generator per tensor, so every rank and every TP holds the same model; each rank keeps
   its share.  Greedy tokens of every TP are compared with TP=1's.
+* Fidelity at every TP: bench/llama_decode.py's protocol (``--kl-prompts`` prompts, ``--kl-steps``
+  steps; examples/llama/hf.py's compare) on a Hugging Face model initialised from the seed: the
+  mean KL of deviceop's teacher-forced logits against the float32 model, beside Hugging Face
+  bf16's; headline ``tp_kl_excess_vs_hf_bf16`` (the largest over TP > 1) must be at most 0.
 
     python bench/tp_decode.py                                   # 1B and 8B at every TP the GPUs allow
     python bench/tp_decode.py --models 1b --tp 1 2 --new 32 --reps 3   # a short run
@@ -208,6 +212,29 @@ def allreduce_rows(group, size: int, reps: int) -> list:
     return rows
 
 
+def fidelity(cfg, group, args) -> dict:
+    """bench/llama_decode.py's protocol at this TP (examples/llama/hf.py's compare): a Hugging Face
+    model of ``cfg`` initialised from ``args.seed`` (the same on every rank), its float32 copy as the
+    reference; deviceop's teacher-forced logits on the reference's greedy tokens against it, beside
+    Hugging Face bf16's; every rank runs the same Hugging Face models on its GPU."""
+    import numpy as np
+    import torch
+
+    from llama import hf
+    from llama.generate import Llama
+    model = hf.build_hf_model(cfg, args.seed, device="cuda")
+    weights, _ = hf.deviceop_weights(model)
+    llama = Llama(cfg, weights, capacity=args.prompt_len + args.kl_steps + 1, group=group)
+    reference = hf.reference_copy(model)
+    prompts = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, (args.kl_prompts, args.prompt_len))
+    report = hf.compare(llama, reference, model, prompts, args.kl_steps)
+    del llama, reference, model, weights
+    torch.cuda.empty_cache()
+    return {"prompts": args.kl_prompts, "steps": args.kl_steps, "mean_kl": report["mean_kl"],
+            "kl_excess_vs_hf_bf16": report["kl_excess_vs_hf_bf16"],
+            "greedy_agrees": [hf.greedy_agrees(r) for r in report["per_prompt"]]}
+
+
 def worker(args) -> int:
     import numpy as np
     import torch
@@ -275,6 +302,11 @@ def worker(args) -> int:
             result["allreduce"] = allreduce_rows(group, size, args.reps)
             for r in result["allreduce"]:
                 log(f"{r['variant']}: {r['us_per_op']} us")
+        if args.kl_prompts:
+            del weights
+            torch.cuda.empty_cache()
+            result["fidelity"] = fidelity(cfg, group, args)
+            log(f"KL(float32 || .): {result['fidelity']['mean_kl']}")
     except Exception:
         traceback.print_exc()
         return 1
@@ -289,7 +321,7 @@ def launch(args, model: str, tp: int) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", __file__,
            "--worker", "--model", model, "--out", str(out), "--models", *args.models]
-    for flag in ("seed", "prompt_len", "new", "reps", "capacity"):
+    for flag in ("seed", "prompt_len", "new", "reps", "capacity", "kl_prompts", "kl_steps"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env={**os.environ, **NO_MULTICAST, **NCCL_IN_LOOPS, "PYTHONUNBUFFERED": "1"},
@@ -315,6 +347,8 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5, help="timed runs per variant (medians)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kl-prompts", type=int, default=2, help="prompts of the KL protocol at every TP (0: none)")
+    ap.add_argument("--kl-steps", type=int, default=16, help="decode steps a prompt of the KL protocol")
     ap.add_argument("--worker-timeout", type=float, default=900.0, help="seconds a worker group may take")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -353,6 +387,13 @@ def main(argv=None) -> int:
                "deviceop_speedup_vs_tp1": ratio(us(model, 1), us(model, tp)) if tp > 1 else None,
                "torch_speedup_vs_tp1": ratio(us(model, 1, "torch"), us(model, tp, "torch")) if tp > 1 else None,
                "deviceop_vs_torch_graph": ratio(us(model, tp, "torch"), us(model, tp))}
+        fid = r.get("fidelity")
+        if fid:
+            row.update(kl_deviceop=fid["mean_kl"]["deviceop"], kl_hf_bf16=fid["mean_kl"]["hf_bf16"],
+                       kl_excess_vs_hf_bf16=fid["kl_excess_vs_hf_bf16"], greedy_agrees=all(fid["greedy_agrees"]))
+            if not all(fid["greedy_agrees"]):
+                failures.append(f"{model} TP={tp}: greedy tokens differ from the float32 reference's before its "
+                                "first tie")
         for arm in ("deviceop_oneshot", "deviceop_nccl"):
             if "error" in r.get(arm, {}):
                 row[f"{arm}_error"] = r[arm]["error"]
@@ -385,6 +426,10 @@ def main(argv=None) -> int:
                 "reason": why if (model in args.models) else "not run (--models)"}
     heads = [head("tp2_speedup_vs_tp1", "1b", 2), head("tp2_speedup_vs_tp1_8b", "8b", 2),
              head("tp4_speedup_vs_tp1_8b", "8b", 4)]
+    excess = [r["kl_excess_vs_hf_bf16"] for r in rows if "kl_excess_vs_hf_bf16" in r and not r["variant"].endswith("TP=1")]
+    if excess:  # the issue's rule: at every TP, KL against float32 at most Hugging Face bf16's
+        heads.append({**headline("tp_kl_excess_vs_hf_bf16", max(excess), 0.0, "lower"),
+                      "note": "the largest over the models and TP > 1 run"})
     ar = [r for r in rows if r["variant"].startswith("all-reduce 8 KB fp32, 2 GPUs: deviceop") and r["us_per_op"]]
     if ar:
         best = min(ar, key=lambda r: r["us_per_op"])
@@ -396,11 +441,13 @@ def main(argv=None) -> int:
     device = type("D", (), {"name": f"{gpus}x {torch.cuda.get_device_name(0)}"})()
     print_table(f"Tensor-parallel Llama decode, {args.prompt_len}-token prompt + {args.new} new, on {device.name}",
                 ["variant", "deviceop us/token (or us/op)", "unfused one-shot", "NCCL all-reduces",
-                 "torch graph us/token",
-                 "deviceop vs TP=1", "torch vs TP=1", "note"],
+                 "torch graph us/token", "deviceop vs TP=1", "torch vs TP=1", "KL vs fp32: deviceop / HF bf16",
+                 "note"],
                 [[r["variant"], r.get("deviceop_us_per_token", r.get("us_per_op")),
-                  r.get("deviceop_oneshot_unfused_us_per_token") or "", r.get("deviceop_nccl_allreduce_us_per_token") or "", r.get("torch_graph_us_per_token", ""),
-                  r.get("deviceop_speedup_vs_tp1") or "", r.get("torch_speedup_vs_tp1") or "",
+                  r.get("deviceop_oneshot_unfused_us_per_token") or "", r.get("deviceop_nccl_allreduce_us_per_token") or "",
+                  r.get("torch_graph_us_per_token", ""), r.get("deviceop_speedup_vs_tp1") or "",
+                  r.get("torch_speedup_vs_tp1") or "",
+                  f"{r['kl_deviceop']:.3e} / {r['kl_hf_bf16']:.3e}" if "kl_deviceop" in r else "",
                   (r.get("error") or r.get("reason") or "")[:80]] for r in rows])
     for f in failures:
         print("FAILED:", f)
