@@ -244,6 +244,40 @@ def test_graph_model_refuses_a_wrong_input(stream, model):
     assert not stream.is_capturing()
 
 
+def _calls_from(function_name, run):
+    """The functions ``run()`` calls directly from a frame of ``function_name``, in order."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code.co_name == function_name:
+            calls.append(frame.f_code.co_name)
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_graph_model_forward_is_a_copy_and_a_replay_and_refuses_what_a_replay_refuses(stream, model, rng):
+    """The hot path (bench/token_loop.py holds it to the bare driver calls) makes the two
+    driver calls and nothing else; a forward inside an execution is still refused."""
+    weights, host = model
+    graph, x, out = capture_forward(stream, weights)
+    m = GraphModel(graph, x, out)
+    xs = rng.standard_normal(CFG.d).astype(np.float32)
+    x_in = dop.from_numpy(xs, stream=stream)
+    assert _calls_from("forward_async", lambda: m.forward_async(x_in)) == ["memcpy", "launch"]
+    ref = numpy_forward(CFG, host, xs)
+    assert np.linalg.norm(m.output.numpy(stream=stream) - ref) / np.linalg.norm(ref) < 1e-5
+    before = out.numpy(stream=stream)
+    other = dop.from_numpy(rng.standard_normal(CFG.d).astype(np.float32), stream=stream)
+    with pytest.raises(dop.ReentrancyError, match="non-reentrant"):
+        dop.value(None).inspect(lambda _: m.forward(other)).sync_on(stream)
+    np.testing.assert_array_equal(x.numpy(stream=stream), xs)  # refused before the input was copied
+    np.testing.assert_array_equal(out.numpy(stream=stream), before)
+
+
 def test_a_scope_body_that_raises_leaves_no_capture_open(stream):
     a, out = dop.empty(128, stream=stream), dop.empty(128, stream=stream)
 
