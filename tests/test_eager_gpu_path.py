@@ -29,6 +29,7 @@ from deviceop.kernels import add, matvec, rms_norm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from token_model import Config, LayerBuffers, LayerWeights, build_forward  # noqa: E402
+from helpers import calls_during  # noqa: E402
 
 
 class FakeGpu:
@@ -210,20 +211,13 @@ def _deviceop_calls(run) -> collections.Counter:
     """The deviceop functions deviceop's code calls in ``run()``, but the op tree's own walk
     (each op's ``_run``/``_execute``, a comprehension in one) and the generated launch code
     (the recording driver's own calls are not deviceop's)."""
-    calls = collections.Counter()
-
-    def profile(frame, event, arg):
+    def name(frame):
         code, caller = frame.f_code, frame.f_back.f_code.co_filename if frame.f_back else ""
-        if (event == "call" and code.co_filename.startswith(DEVICEOP)
-                and (caller.startswith(DEVICEOP) or caller.startswith("<deviceop"))
+        if (code.co_filename.startswith(DEVICEOP) and caller.startswith((DEVICEOP, "<deviceop"))
                 and code.co_name not in ("_run", "_execute", "<listcomp>")):
-            calls[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
-    sys.setprofile(profile)
-    try:
-        run()
-    finally:
-        sys.setprofile(None)
-    return calls
+            return f"{Path(code.co_filename).name}:{code.co_name}"
+        return None
+    return collections.Counter(calls_during(run, name))
 
 
 def test_a_warm_eager_launch_calls_no_check_and_nothing_per_launch_beyond_its_ops(gpu_path):
