@@ -18,21 +18,11 @@
 // rebuilt: a missing peer never hangs the GPU.
 #include <cuda_bf16.h>
 
+#include <deviceop/pdl.cuh>  // pdl_wait, pdl_launch_dependents: no-ops without PDL
+
 namespace oneshot {
 
 constexpr int LINES = 64;  // lines per block = threads per block; 512 payload bytes
-
-__device__ __forceinline__ void pdl_wait() {  // as kernels/pdl.cuh: a no-op without PDL
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 __device__ __forceinline__ void store_line(uint4* p, unsigned d0, unsigned d1, unsigned e) {
     asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};"
