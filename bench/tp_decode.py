@@ -86,65 +86,34 @@ def torch_tp_step(cfg, weights: dict, capacity: int, rank: int, size: int):
     """examples/llama/hf.py's TorchDecodeStep on this rank's Megatron share, with NCCL all-reduces."""
     import torch
     import torch.distributed as tdist
-    import torch.nn.functional as F
     from llama import hf
     from llama.tp import Shard, shard_weights
     from llama.weights import layer_names
 
     class TorchTPStep(hf.TorchDecodeStep):
+        """This rank's heads and vocabulary block; NCCL all-reduces after o and down; the argmax across ranks."""
+
         def __init__(self):
             sh = self.shard = Shard(cfg, rank, size)
             part = shard_weights(cfg, weights, sh, layer_names)
-            self.cfg, self.capacity = cfg, capacity
             self.embed, self.head, self.final_norm = part["embed"], part["head"], part["final_norm"]
-            self.layers = [(w["input_norm"], torch.cat([w["q"], w["k"], w["v"]]), w["o"], w["post_norm"],
-                            torch.cat([w["gate"], w["up"]]), w["down"]) for w in part["layers"]]
-            dev, bf16 = self.embed.device, self.embed.dtype
-            shape = (cfg.num_hidden_layers, 1, sh.kv_heads, capacity, cfg.head_dim)
-            self.k_cache = torch.zeros(shape, dtype=bf16, device=dev)
-            self.v_cache = torch.zeros(shape, dtype=bf16, device=dev)
-            self.inv_freq = torch.as_tensor(cfg.inv_freq(), device=dev)
-            self.slots = torch.arange(capacity, device=dev)
-            self.pos = torch.zeros(1, dtype=torch.long, device=dev)
-            self.tok = torch.zeros(1, dtype=torch.long, device=dev)
-            self.logits = torch.zeros(sh.vocab, dtype=torch.float32, device=dev)
-            self.pairs = torch.zeros(2 * size, dtype=torch.float32, device=dev)
-            self.graph = None
+            self.layers = [self._layer(w) for w in part["layers"]]
+            self._allocate(cfg, capacity, sh.heads, sh.kv_heads, sh.vocab)
+            self.pairs = torch.zeros(2 * size, dtype=torch.float32, device=self.embed.device)
 
         def _reduce(self, x):
             if size > 1:
                 tdist.all_reduce(x)
             return x
 
-        def step(self):
-            sh, hd = self.shard, cfg.head_dim
-            hq, hkv = sh.heads, sh.kv_heads
-            h = F.embedding(self.tok, self.embed)
-            freqs = self.pos.float()[:, None] * self.inv_freq[None]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-            mask = (self.slots <= self.pos)[None, None, None]
-            for layer, (n_in, w_qkv, w_o, n_post, w_gu, w_down) in enumerate(self.layers):
-                q, k, v = F.linear(self._rms(h, n_in), w_qkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-                q = self._rope(q.view(1, hq, 1, hd), cos, sin)
-                k = self._rope(k.view(1, hkv, 1, hd), cos, sin)
-                self.k_cache[layer].index_copy_(2, self.pos, k)
-                self.v_cache[layer].index_copy_(2, self.pos, v.view(1, hkv, 1, hd))
-                a = F.scaled_dot_product_attention(q, self.k_cache[layer], self.v_cache[layer], attn_mask=mask,
-                                                   enable_gqa=True)
-                h = h + self._reduce(F.linear(a.reshape(1, hq * hd), w_o))
-                gate, up = F.linear(self._rms(h, n_post), w_gu).chunk(2, dim=-1)
-                h = h + self._reduce(F.linear(F.silu(gate) * up, w_down))
-            logits = F.linear(self._rms(h, self.final_norm), self.head).float()[0]
-            self.logits.copy_(logits)
+        def _pick(self, logits):
             if size == 1:
-                self.tok.copy_(logits.argmax().view(1))
-            else:  # each rank's (max, global index); the first rank of the largest wins (its index is lower)
-                best, idx = logits.max(dim=0)
-                tdist.all_gather_into_tensor(self.pairs, torch.stack([best, (idx + sh.vocab_offset).float()]))
-                pairs = self.pairs.view(size, 2)
-                self.tok.copy_(pairs[:, 1].gather(0, pairs[:, 0].argmax().view(1)).long())
-            self.pos.add_(1)
+                return super()._pick(logits)
+            # each rank's (max, global index); the first rank of the largest wins (its index is lower)
+            best, idx = logits.max(dim=0)
+            tdist.all_gather_into_tensor(self.pairs, torch.stack([best, (idx + self.shard.vocab_offset).float()]))
+            pairs = self.pairs.view(size, 2)
+            self.tok.copy_(pairs[:, 1].gather(0, pairs[:, 0].argmax().view(1)).long())
 
     return TorchTPStep()
 

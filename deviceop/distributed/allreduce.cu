@@ -16,21 +16,11 @@
 // rebuilt: a missing peer never hangs the GPU.
 #include "lines.cuh"
 
+#include <deviceop/pdl.cuh>  // pdl_wait, pdl_launch_dependents: no-ops without PDL
+
 namespace oneshot {
 
 constexpr int LINES = 64;  // lines per block = threads per block; 512 payload bytes
-
-__device__ __forceinline__ void pdl_wait() {  // as kernels/pdl.cuh: a no-op without PDL
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // MODE 0: out = sum_r x_r;  1: out = out + sum_r x_r;  2: out = residual + sum_r x_r
 template <typename T, int W, int MODE>
