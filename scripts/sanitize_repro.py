@@ -17,15 +17,20 @@ Cases (``KERNEL:MODE``):
 * kernels: ``qkv-*`` (kernels/llama_proj.cu's rms_qkv_rope at a shape), ``stage-*``
   (llama_common.cuh's StageX alone: load_g, issue, commit, the staged x written
   out), ``cont-*`` (the same pattern in 20 lines without llama_common.cuh);
+* ``bar-1w``, ``bar-3w`` (a barrier every thread reaches, converged: 1 or 3 warps) and
+  ``nobar`` (no barrier, no shared memory): kernels correct by construction;
 * modes: ``eager`` (one launch, no PDL), ``pdl`` (two launches, the second a
   programmatic dependent launch), ``graph`` (those two captured and replayed),
   ``loop`` (those two as the body of a 3-iteration ``dop.loop``: a conditional
-  WHILE node whose control kernel is itself a PDL launch); ``qkv-*`` also
+  WHILE node whose control kernel is itself a PDL launch), ``loop-nopdl`` (the
+  body's launches without PDL), ``loop-plain`` (no PDL at all, the control kernel
+  too), ``if`` (those two in a ``dop.if_``: an IF node, run once); ``qkv-*`` also
   ``chain`` (``chain-nopdl``): after embed_gather writes its input, with (without) PDL;
 * the tiny Llama decoder (examples/llama, tests/test_llama_model.py's model):
   ``llama:generate`` (one graph, a device loop), ``llama:eager`` (graph=False),
   ``llama:stream`` (one graph a token), ``llama:sample`` (a sampled generation),
-  and ``llama-nopdl:*`` the same without PDL;
+  ``llama-nopdl:*`` the same without PDL, ``llama-plainctl:generate`` (``llama-nopdl-plainctl``)
+  with the loop's control kernel launched without PDL;
 * ``pytest:FILE`` runs tests/FILE.py (e.g. ``pytest:test_llama_attn``).
 """
 from __future__ import annotations
@@ -123,6 +128,21 @@ stage_only(float* __restrict__ ss, float* __restrict__ staged, const float* __re
     }
 }
 
+// Kernels correct by construction, for the loop question: every thread of the CTA
+// reaches the one barrier, converged (probe_bar); no barrier, no shared memory (probe_nobar).
+template <int T>
+__global__ void probe_bar(float* __restrict__ out, const float* __restrict__ x) {
+    __shared__ float s[T];
+    s[threadIdx.x] = x[threadIdx.x];
+    __syncthreads();
+    out[(size_t)blockIdx.x * T + threadIdx.x] = s[T - 1 - threadIdx.x];
+}
+
+template <int T>
+__global__ void probe_nobar(float* __restrict__ out, const float* __restrict__ x) {
+    out[(size_t)blockIdx.x * T + threadIdx.x] = x[T - 1 - threadIdx.x];
+}
+
 // The pattern alone: threads past Q skip the loop body (continue), every thread joins
 // the warp reduction, lane 0 stores its warp's sum (predicated), then the CTA barrier.
 template <int T, int Q, int PDL>
@@ -176,7 +196,14 @@ def _mini_kernels():
                   [Out("out", "float32", shape=("G",)), InOut("staged", "float32", shape=("G", "Q")),
                    In("x", "float32", shape=("Q",))],
                   generics=["T", "Q", "PDL"], block="T", include_dirs=[KERNELS], reference=cont_ref)
-    return stage, cont
+    def probe_ref(g, out, x):
+        out[...] = x[::-1][None, :]
+
+    probes = {name: Kernel(name, MINI_SOURCE, [Out("out", "float32", shape=("G", "T"), tile=(1, "T")),
+                                               In("x", "float32", shape=("T",))],
+                           generics=["T"], block="T", include_dirs=[KERNELS], reference=probe_ref)
+              for name in ("probe_bar", "probe_nobar")}
+    return stage, cont, probes
 
 
 # generics of the standalone kernels: (K, W, PDL, MINB, DYN, FIX) and (T, Q, PDL)
@@ -190,24 +217,32 @@ STAGE = {"stage-tiny": (256, 3, 1, 5, 0, 0),         # rms_qkv_rope's stage in t
          "stage-allwarps": (768, 3, 1, 5, 0, 0),     # K/8 = 96 = threads: every thread stages (mine() constant)
          "stage-1b": (2048, 6, 1, 2, 0, 0)}          # Llama-3.2-1B's K with the 1B plan's 6 warps
 CONT = {"cont-tiny": (96, 32, 0), "cont-tiny-pdl": (96, 32, 1), "cont-allwarps": (96, 96, 0)}
+PROBE = {"bar-1w": ("probe_bar", 32), "bar-3w": ("probe_bar", 96), "nobar": ("probe_nobar", 96)}
 # rms_qkv_rope shapes: (d, hq, hkv, hd, plan)
 QKV = {"qkv-tiny": (256, 8, 2, 64, {}),                           # examples/llama's TINY: 128 CTAs of 3 warps
        "qkv-test3w": (256, 4, 2, 32, dict(ctas=4, warps=3, nb=3)),  # test_llama_proj's "warps-take-several-pairs"
        "qkv-allwarps": (768, 8, 2, 64, {}),                       # 3 warps, K/8 = 96: every thread stages x
        "qkv-1b": (2048, 32, 8, 64, {})}                           # Llama-3.2-1B: 6 warps, K = 2048
-MODES = ("eager", "pdl", "graph", "loop")
+MODES = ("eager", "pdl", "graph", "loop", "loop-nopdl", "loop-plain", "if")
 QKV_MODES = MODES + ("chain", "chain-nopdl")
 LLAMA_MODES = ("generate", "eager", "stream", "sample")
 PYTEST = ("test_llama_proj", "test_llama_attn", "test_llama_prefill", "test_llama_step", "test_llama_model")
 
 
 def all_cases() -> list[str]:
-    return ([f"{k}:{m}" for k in QKV for m in QKV_MODES] + [f"{k}:{m}" for k in [*STAGE, *CONT] for m in MODES]
-            + [f"llama:{m}" for m in LLAMA_MODES]
+    return ([f"{k}:{m}" for k in QKV for m in QKV_MODES] + [f"{k}:{m}" for k in [*STAGE, *CONT, *PROBE] for m in MODES]
+            + [f"llama:{m}" for m in LLAMA_MODES] + ["llama-plainctl:generate", "llama-nopdl-plainctl:generate"]
             + [f"llama-nopdl:{m}" for m in LLAMA_MODES] + [f"pytest:{f}" for f in PYTEST])
 
 
 # -- running one case ---------------------------------------------------------------------------
+
+def _plain_control():
+    """Launch the loops' control kernel without PDL (deviceop launches it as a PDL launch
+    after the body on sm_90): a loop with no programmatic edge at all."""
+    from deviceop.graph import loops
+    loops._control_launcher = lambda stream, fn, start: fn.launch
+
 
 def _run_modes(mode: str, build, stream):
     """Launch ``build(pdl)`` (a fresh op each call) in ``mode``."""
@@ -222,13 +257,21 @@ def _run_modes(mode: str, build, stream):
         g.replay()
         g.replay()
         stream.synchronize()
-    elif mode == "loop":
+    elif mode.startswith("loop"):
+        pdl = mode == "loop"
+        if mode == "loop-plain":
+            _plain_control()
         index = dop.from_numpy(np.array([-1], np.int32), stream=stream)
-        g = dop.loop(3, index, lambda i: dop.zip_(build(True), build(True))).graph_on(stream)
+        g = dop.loop(3, index, lambda i: dop.zip_(build(pdl), build(pdl))).graph_on(stream)
         g.replay()
         stream.synchronize()
         if int(index.numpy(stream=stream)[0]) != 3:
             raise AssertionError("the loop did not run 3 iterations")
+    elif mode == "if":
+        cond = dop.from_numpy(np.ones(1, np.int32), stream=stream)
+        g = dop.if_(cond, lambda: dop.zip_(build(True), build(True))).graph_on(stream)
+        g.replay()
+        stream.synchronize()
     else:
         raise SystemExit(f"unknown mode {mode}")
 
@@ -237,9 +280,16 @@ def _case_stage(name: str, mode: str, rng, stream):
     import ml_dtypes
     import numpy as np
     import deviceop as dop
-    stage, cont = _mini_kernels()
+    stage, cont, probes = _mini_kernels()
     G = 128
-    if name in STAGE:
+    if name in PROBE:
+        kname, T = PROBE[name]
+        x = rng.standard_normal(T, dtype=np.float32)
+        ss = dop.from_numpy(np.full((G, T), np.nan, np.float32), stream=stream)
+        staged, xd = ss, dop.from_numpy(x, stream=stream)
+        build = lambda pdl: probes[kname](ss.partition([1, T]), xd).generics([T]).pdl(pdl)  # noqa: E731
+        want_ss, want_staged = x[::-1][None, :], x[::-1]
+    elif name in STAGE:
         K = STAGE[name][0]
         x = rng.standard_normal(K, dtype=np.float32)
         gw = (1 + 0.1 * rng.standard_normal(K)).astype(ml_dtypes.bfloat16)
@@ -259,7 +309,7 @@ def _case_stage(name: str, mode: str, rng, stream):
     _run_modes(mode, build, stream)
     got_ss, got_staged = ss.numpy(stream=stream), staged.numpy(stream=stream)
     ok = np.allclose(got_ss, want_ss, rtol=1e-5) and np.allclose(got_staged, want_staged[None, :], rtol=1e-6, atol=0)
-    return ok, f"sum(x^2) {got_ss[0]:.6g} vs {want_ss:.6g}"
+    return ok, f"max |err| {float(np.max(np.abs(got_ss - want_ss))):.3g}"
 
 
 def _case_qkv(name: str, mode: str, rng, stream):
@@ -336,11 +386,13 @@ def run_case(spec: str) -> int:
     import deviceop as dop
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     stream = dop.Device(0).new_stream()
-    if kind in ("llama", "llama-nopdl"):
-        ok, detail = _case_llama(kind == "llama", mode)
+    if kind.startswith("llama"):
+        if kind.endswith("plainctl"):
+            _plain_control()
+        ok, detail = _case_llama(kind in ("llama", "llama-plainctl"), mode)
     elif kind in QKV:
         ok, detail = _case_qkv(kind, mode, rng, stream)
-    elif kind in STAGE or kind in CONT:
+    elif kind in STAGE or kind in CONT or kind in PROBE:
         ok, detail = _case_stage(kind, mode, rng, stream)
     else:
         raise SystemExit(f"unknown case {spec}; `list` prints them")
@@ -350,16 +402,19 @@ def run_case(spec: str) -> int:
 
 # -- the table ----------------------------------------------------------------------------------
 
+_PYTEST = re.compile(r"^=* ?((\d+ \w+, )*\d+ (passed|failed|errors?|skipped)(, \d+ \w+)*)", re.M)
 _SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?$|hazards displayed \((\d+) error", re.M)
 _REPORT = re.compile(r"^========= +(Barrier error|Invalid|Race reported|Error|Program hit|Warning|.*[Hh]azard)")
 
 
 def _first_report(text: str) -> str:
+    """The tool's first report, else the last Python exception the case raised."""
     lines = text.splitlines()
     for i, line in enumerate(lines):
         if _REPORT.match(line) and "SUMMARY" not in line:
             return " | ".join(l.replace("=========", "").strip() for l in lines[i:i + 4])
-    return ""
+    raised = [l for l in lines if re.match(r"^[\w.]+(Error|Exception): ", l)]
+    return f"raised {raised[-1]}" if raised else ""
 
 
 def run_job(job: dict, logs: Path, deadline: float) -> dict:
@@ -389,7 +444,7 @@ def run_job(job: dict, logs: Path, deadline: float) -> dict:
     found = _SUMMARY.findall(text)
     errors = int(next(x for x in found[-1] if x)) if found else None
     result = ("ok" if "CASE ok" in text else "MISMATCH" if "CASE MISMATCH" in text else
-              (m.group(0) if (m := re.search(r"\d+ passed(, \d+ \w+)*", text)) else "-"))
+              (m[-1][0] if (m := _PYTEST.findall(text)) else "-"))
     if isinstance(rc, int) and rc < 0:
         rc = f"signal {-rc}"
     return dict(row, rc=rc, errors=errors, result=result, secs=round(time.time() - t0, 1),
@@ -440,14 +495,39 @@ def table(args) -> int:
     return 0
 
 
-def _find_sanitizer():
+def _gpu_check():
+    """scripts/gpu-check as a module (its sanitizer rows and find_sanitizer)."""
     import importlib.machinery
     import importlib.util
     loader = importlib.machinery.SourceFileLoader("gpu_check", str(ROOT / "scripts" / "gpu-check"))
-    spec = importlib.util.spec_from_loader("gpu_check", loader)
-    module = importlib.util.module_from_spec(spec)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpu_check", loader))
     loader.exec_module(module)
-    return module.find_sanitizer()
+    return module
+
+
+def _find_sanitizer():
+    return _gpu_check().find_sanitizer()
+
+
+def rows(args) -> int:
+    """gpu-check's --sanitize rows (the control and each tool, its SANITIZE_* settings), run
+    side by side instead of one after the other: one GPU call measures them all."""
+    gc = _gpu_check()
+    sanitizer = args.sanitizer or gc.find_sanitizer()
+    logs = Path(os.environ.get("OUT") or args.out) / "gpu-check-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+               PYTHONUNBUFFERED="1", DEVICEOP_FULL_SWEEP="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.setdefault("DEVICEOP_CACHE_DIR", "/tmp/deviceop-gpu-check-cache")
+    tools = args.tools.split(",")
+    with ThreadPoolExecutor(len(tools) + 1) as pool:
+        control = pool.submit(gc.sanitize_control, sanitizer, logs, env, args.timeout)
+        found = list(pool.map(lambda t: gc.sanitize(t, sanitizer, logs, env, args.k, args.timeout), tools))
+    print(f"sanitize control: {control.result()}")
+    for tool, (ok, errors, detail) in zip(tools, found):
+        print(f"sanitize {tool}: {'PASS' if ok else 'FAIL'}: {detail}")
+    return 0
 
 
 def main() -> int:
@@ -465,13 +545,19 @@ def main() -> int:
     t.add_argument("--timeout", type=float, default=120, help="seconds per job")
     t.add_argument("--budget", type=float, default=600, help="seconds for the whole table")
     t.add_argument("--out", default="sanitize-repro-out")
+    r = sub.add_parser("rows", help="gpu-check's sanitizer rows, side by side")
+    r.add_argument("-k", default=None, help="pytest -k expression (gpu-check's --sanitize-k)")
+    r.add_argument("--tools", default="memcheck,racecheck,synccheck")
+    r.add_argument("--sanitizer", default=None)
+    r.add_argument("--timeout", type=int, default=600, help="seconds per tool")
+    r.add_argument("--out", default="sanitize-repro-out")
     args = ap.parse_args()
     if args.cmd == "list":
         print("\n".join(all_cases()))
         return 0
     if args.cmd == "case":
         return run_case(args.spec)
-    return table(args)
+    return rows(args) if args.cmd == "rows" else table(args)
 
 
 if __name__ == "__main__":
