@@ -11,6 +11,10 @@ answers many questions; docs/robustness.md ("Sanitizers") keeps what it showed.
     python3 scripts/sanitize_repro.py list
     python3 scripts/sanitize_repro.py case qkv-tiny:pdl          # one case, in this process
     python3 scripts/sanitize_repro.py table --group 'none,synccheck|sys|qkv-*:* stage-*:pdl'
+    python3 scripts/sanitize_repro.py rows -k llama      # gpu-check's sanitizer rows, side by side
+
+A group is ``TOOLS|SANITIZERS|PATTERNS[|OPTIONS]``; sanitizer ``sys`` is gpu-check's
+find_sanitizer(), ``new`` the one ``--new-sanitizer`` names.  Logs: $OUT/repro-logs.
 
 Cases (``KERNEL:MODE``):
 
@@ -30,7 +34,8 @@ Cases (``KERNEL:MODE``):
   ``llama:generate`` (one graph, a device loop), ``llama:eager`` (graph=False),
   ``llama:stream`` (one graph a token), ``llama:sample`` (a sampled generation),
   ``llama-nopdl:*`` the same without PDL, ``llama-plainctl:generate`` (``llama-nopdl-plainctl``)
-  with the loop's control kernel launched without PDL;
+  with the loop's control kernel launched without PDL, ``llama-prefill:*`` with the chunked
+  prefill (chunks of 16: examples/llama/prefill.py);
 * ``pytest:FILE`` runs tests/FILE.py (e.g. ``pytest:test_llama_attn``).
 """
 from __future__ import annotations
@@ -53,124 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 # -- the standalone kernels ---------------------------------------------------------------------
 
-MINI_SOURCE = r"""
-#include "llama_common.cuh"
-
-// Candidate rewrites of StageX::commit, FIX 1: no `continue`, every thread runs the same
-// instructions and only the sum and the stores depend on mine(i); FIX 2: commit as it
-// is plus __syncwarp() before the barrier; FIX 3: commit as it is with a non-.aligned
-// barrier.sync (a warp may reach it diverged).
-template <int K, int T, int FIX>
-__device__ __forceinline__ float commit_alt(llama::StageX<K, T, true>& s, float4* lo, float4* hi, float* scratch) {
-    using S = llama::StageX<K, T, true>;
-    float ss = 0.f;
-    #pragma unroll
-    for (int i = 0; i < S::PER; ++i) {
-        const bool m = S::mine(i);
-        if (FIX != 1 && !m) continue;
-        float4 u = s.a[i], v = s.b[i];
-        const uint4 gv = s.g[i];
-        const float part = u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-        ss += m ? part : 0.f;
-        u = make_float4(u.x * llama::bf16_lo(gv.x), u.y * llama::bf16_hi(gv.x), u.z * llama::bf16_lo(gv.y),
-                        u.w * llama::bf16_hi(gv.y));
-        v = make_float4(v.x * llama::bf16_lo(gv.z), v.y * llama::bf16_hi(gv.z), v.z * llama::bf16_lo(gv.w),
-                        v.w * llama::bf16_hi(gv.w));
-        const int q = threadIdx.x + i * T;
-        if (m) {
-            lo[q] = u;
-            hi[q] = v;
-        }
-    }
-    ss = llama::warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
-    if (FIX == 2) __syncwarp();
-    if (FIX == 3) asm volatile("barrier.sync 0;" ::: "memory");
-    else __syncthreads();
-    float total = 0.f;
-    #pragma unroll
-    for (int i = 0; i < T / 32; ++i) total += scratch[i];
-    return total;
-}
-
-// llama::StageX alone, as rms_qkv_rope uses it: norm weight before the wait, x after
-// it, commit (stores, warp sums, the CTA barrier); then the staged x * g and sum(x^2)
-// written out.  DYN: the stage in dynamic shared memory (llama::x_stage past 40 KB).
-// FIX > 0: commit_alt<FIX> instead of StageX::commit.
-template <int K, int W, int PDL, int MINB, int DYN, int FIX>
-__global__ void __launch_bounds__(32 * W, MINB)
-stage_only(float* __restrict__ ss, float* __restrict__ staged, const float* __restrict__ x,
-           const __nv_bfloat16* __restrict__ g) {
-    float4 *lo, *hi;
-    if constexpr (DYN != 0) {
-        extern __shared__ float4 dyn_stage[];
-        lo = dyn_stage;
-        hi = dyn_stage + K / 8;
-    } else {
-        __shared__ float4 s_lo[K / 8], s_hi[K / 8];
-        lo = s_lo;
-        hi = s_hi;
-    }
-    __shared__ float scratch[W];
-    llama::StageX<K, 32 * W, true> sx;
-    if (PDL) llama::pdl_launch_dependents();
-    sx.load_g(g);
-    if (PDL) llama::pdl_wait();
-    sx.issue(x);
-    float total;
-    if constexpr (FIX == 0) total = sx.commit(lo, hi, scratch);
-    else total = commit_alt<K, 32 * W, FIX>(sx, lo, hi, scratch);
-    if (threadIdx.x == 0) ss[blockIdx.x] = total;
-    float4* out = reinterpret_cast<float4*>(staged + (size_t)blockIdx.x * K);
-    for (int q = threadIdx.x; q < K / 8; q += 32 * W) {
-        out[2 * q] = lo[q];
-        out[2 * q + 1] = hi[q];
-    }
-}
-
-// Kernels correct by construction, for the loop question: every thread of the CTA
-// reaches the one barrier, converged (probe_bar); no barrier, no shared memory (probe_nobar).
-template <int T>
-__global__ void probe_bar(float* __restrict__ out, const float* __restrict__ x) {
-    __shared__ float s[T];
-    s[threadIdx.x] = x[threadIdx.x];
-    __syncthreads();
-    out[(size_t)blockIdx.x * T + threadIdx.x] = s[T - 1 - threadIdx.x];
-}
-
-template <int T>
-__global__ void probe_nobar(float* __restrict__ out, const float* __restrict__ x) {
-    out[(size_t)blockIdx.x * T + threadIdx.x] = x[T - 1 - threadIdx.x];
-}
-
-// The pattern alone: threads past Q skip the loop body (continue), every thread joins
-// the warp reduction, lane 0 stores its warp's sum (predicated), then the CTA barrier.
-template <int T, int Q, int PDL>
-__global__ void cont_sum(float* __restrict__ out, float* __restrict__ staged, const float* __restrict__ x) {
-    __shared__ float stage[Q];
-    __shared__ float scratch[T / 32];
-    if (PDL) llama::pdl_launch_dependents();
-    if (PDL) llama::pdl_wait();
-    float ss = 0.f;
-    #pragma unroll
-    for (int i = 0; i < (Q + T - 1) / T; ++i) {
-        const int q = threadIdx.x + i * T;
-        if (q >= Q) continue;
-        const float v = x[q];
-        ss += v * v;
-        stage[q] = v;
-    }
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float t = 0.f;
-        for (int w = 0; w < T / 32; ++w) t += scratch[w];
-        out[blockIdx.x] = t;
-    }
-    for (int q = threadIdx.x; q < Q; q += T) staged[(size_t)blockIdx.x * Q + q] = stage[Q - 1 - q];
-}
-"""
+MINI_SOURCE = Path(__file__).with_suffix(".cu")  # the standalone kernels
 
 
 def _mini_kernels():
@@ -190,7 +78,7 @@ def _mini_kernels():
     stage = Kernel("stage_only", MINI_SOURCE,
                    [Out("ss", "float32", shape=("G",)), InOut("staged", "float32", shape=("G", "K")),
                     In("x", "float32", shape=("K",)), In("g", "bfloat16", shape=("K",))],
-                   generics=["K", "W", "PDL", "MINB", "DYN", "FIX"], block="32*W",
+                   generics=["K", "W", "PDL", "MINB", "DYN"], block="32*W",
                    shared_mem=lambda g: 4 * g["K"] if g["DYN"] else 0, include_dirs=[KERNELS], reference=stage_ref)
     cont = Kernel("cont_sum", MINI_SOURCE,
                   [Out("out", "float32", shape=("G",)), InOut("staged", "float32", shape=("G", "Q")),
@@ -206,16 +94,14 @@ def _mini_kernels():
     return stage, cont, probes
 
 
-# generics of the standalone kernels: (K, W, PDL, MINB, DYN, FIX) and (T, Q, PDL)
-STAGE = {"stage-tiny": (256, 3, 1, 5, 0, 0),         # rms_qkv_rope's stage in the tiny config: warp 0 stages x
-         "stage-tiny-nopdl": (256, 3, 0, 5, 0, 0),   # no griddepcontrol instructions
-         "stage-tiny-minb1": (256, 3, 1, 1, 0, 0),   # no min-CTAs launch bound
-         "stage-tiny-dyn": (256, 3, 1, 5, 1, 0),     # the stage in dynamic shared memory
-         "stage-tiny-fix1": (256, 3, 1, 5, 0, 1),    # commit without `continue`
-         "stage-tiny-fix2": (256, 3, 1, 5, 0, 2),    # __syncwarp() before the barrier
-         "stage-tiny-fix3": (256, 3, 1, 5, 0, 3),    # non-.aligned barrier.sync
-         "stage-allwarps": (768, 3, 1, 5, 0, 0),     # K/8 = 96 = threads: every thread stages (mine() constant)
-         "stage-1b": (2048, 6, 1, 2, 0, 0)}          # Llama-3.2-1B's K with the 1B plan's 6 warps
+# generics of the standalone kernels: (K, W, PDL, MINB, DYN) and (T, Q, PDL)
+STAGE = {"stage-tiny": (256, 3, 1, 5, 0),         # rms_qkv_rope's stage in the tiny config: warp 0 stages x
+         "stage-tiny-nopdl": (256, 3, 0, 5, 0),   # no griddepcontrol instructions
+         "stage-tiny-minb1": (256, 3, 1, 1, 0),   # no min-CTAs launch bound
+         "stage-tiny-dyn": (256, 3, 1, 5, 1),     # the stage in dynamic shared memory
+         "stage-big-dyn": (16384, 8, 1, 1, 1),    # 64 KB of dynamic shared memory (past the 48 KB opt-in)
+         "stage-allwarps": (768, 3, 1, 5, 0),     # K/8 = 96 = threads: every thread stages (mine() constant)
+         "stage-1b": (2048, 6, 1, 2, 0)}          # Llama-3.2-1B's K with the 1B plan's 6 warps
 CONT = {"cont-tiny": (96, 32, 0), "cont-tiny-pdl": (96, 32, 1), "cont-allwarps": (96, 96, 0)}
 PROBE = {"bar-1w": ("probe_bar", 32), "bar-3w": ("probe_bar", 96), "nobar": ("probe_nobar", 96)}
 # rms_qkv_rope shapes: (d, hq, hkv, hd, plan)
@@ -232,6 +118,7 @@ PYTEST = ("test_llama_proj", "test_llama_attn", "test_llama_prefill", "test_llam
 def all_cases() -> list[str]:
     return ([f"{k}:{m}" for k in QKV for m in QKV_MODES] + [f"{k}:{m}" for k in [*STAGE, *CONT, *PROBE] for m in MODES]
             + [f"llama:{m}" for m in LLAMA_MODES] + ["llama-plainctl:generate", "llama-nopdl-plainctl:generate"]
+            + [f"llama-prefill:{m}" for m in LLAMA_MODES]
             + [f"llama-nopdl:{m}" for m in LLAMA_MODES] + [f"pytest:{f}" for f in PYTEST])
 
 
@@ -352,7 +239,7 @@ def _case_qkv(name: str, mode: str, rng, stream):
     return err < 1e-4 and int(error.numpy(stream=s)[0]) == 0, f"q rel err {err:.2e}, generics {case.gen}"
 
 
-def _case_llama(pdl: bool, mode: str):
+def _case_llama(pdl: bool, mode: str, chunk: int | None = None):
     sys.path.insert(0, str(ROOT / "examples"))
     sys.path.insert(0, str(ROOT / "tests"))
     from llama.config import TINY
@@ -361,8 +248,10 @@ def _case_llama(pdl: bool, mode: str):
     from llama.weights import random_weights
     from test_llama_model import CAP, assert_greedy_under_the_reference
     weights = random_weights(TINY, seed=11, std=0.1)
-    model = Llama(TINY, weights, capacity=CAP, pdl=pdl)
+    model = Llama(TINY, weights, capacity=CAP, pdl=pdl, prefill_chunk=chunk)
     prompt = [5, 17, 923, 4, 4, 61]
+    if chunk:
+        prompt += [8, 800, 3, 3, 77, 12, 19, 1, 400, 2, 9, 90, 5]  # 19 tokens: a chunk of 16 and one of 3
     if mode == "sample":
         s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
         got = model.generate(prompt, max_new_tokens=8, sampling=s)
@@ -389,7 +278,8 @@ def run_case(spec: str) -> int:
     if kind.startswith("llama"):
         if kind.endswith("plainctl"):
             _plain_control()
-        ok, detail = _case_llama(kind in ("llama", "llama-plainctl"), mode)
+        ok, detail = _case_llama(kind in ("llama", "llama-plainctl", "llama-prefill"), mode,
+                                 16 if kind == "llama-prefill" else None)
     elif kind in QKV:
         ok, detail = _case_qkv(kind, mode, rng, stream)
     elif kind in STAGE or kind in CONT or kind in PROBE:
