@@ -50,21 +50,17 @@ class Capture:
     def parallel(self) -> bool:
         return self.dags is not None
 
-    def _recorded(self, stream, footprint, label, record):
-        """Run ``record()`` (which enqueues one node on ``stream``); returns ``(the node's
-        handle, (dag, item) or None)``.  In a parallel capture the stream's dependencies are
-        set from ``footprint`` first (``label()`` names the node in update errors)."""
-        if self.dags is None:
-            record()
-            return stream.device.graphs.last_node(stream), None
+    def _recorded(self, stream, footprint, label: str, record):
+        """Run ``record()`` (which enqueues one node on ``stream``) in a parallel capture: the
+        stream's dependencies are set from ``footprint`` first.  Returns ``(the node's handle,
+        (dag, item))`` (``label`` names the node in update errors)."""
         entry = self.dags.get(id(stream))
         if entry is None:
             entry = self.dags[id(stream)] = (stream, Dag(stream.device.graphs))
         dag = entry[1]
-        footprint = footprint()
         deps = dag.before(stream, footprint)
         record()
-        handle, item = dag.after(stream, deps, footprint, label())
+        handle, item = dag.after(stream, deps, footprint, label)
         return handle, (dag, item)
 
     def check_graph_safe(self, op: DeviceOp) -> None:
@@ -78,8 +74,12 @@ class Capture:
         them between replays (``graph.node(launch).set(...)``)."""
         kernel = launch.kernel
         label = kernel.name_expression(plan.generics)
-        handle, item = self._recorded(stream, lambda: kernel_footprint(kernel.params, launch_args), lambda: label,
-                                      lambda: plan.launcher(stream, plan.config, *launch_args))
+        if self.dags is None:
+            plan.launcher(stream, plan.config, *launch_args)
+            handle, item = stream.device.graphs.last_node(stream), None
+        else:
+            handle, item = self._recorded(stream, kernel_footprint(kernel.params, launch_args), label,
+                                          lambda: plan.launcher(stream, plan.config, *launch_args))
         node = KernelNode(kernel, plan.generics, label, values, launch_args, launch._mutable, plan.function,
                           plan.config, handle, head=head)
         node._item = item
@@ -89,14 +89,22 @@ class Capture:
     def record_copy(self, stream, op, dst, src) -> None:
         """Record ``op``'s copy from ``src`` into ``dst`` on the capturing ``stream``: a
         MEMCPY node, which ``graph.node(op).set(dst=..., src=...)`` can point elsewhere."""
-        handle, item = self._recorded(stream, lambda: copy_footprint(dst, src), lambda: f"api.memcpy({dst.size})",
-                                      lambda: stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes))
+        if self.dags is None:
+            stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)
+            handle, item = stream.device.graphs.last_node(stream), None
+        else:
+            handle, item = self._recorded(stream, copy_footprint(dst, src), f"api.memcpy({dst.size})",
+                                          lambda: stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes))
         self._add(op, MemcpyNode(dst, src, handle), item)
 
     def record_fill(self, stream, op, dst, value, bits: int, size: int, count: int) -> None:
         """Record ``op``'s memset of ``dst``: a MEMSET node (``graph.node(op).set(...)``)."""
-        handle, item = self._recorded(stream, lambda: fill_footprint(dst), lambda: f"api.fill({dst.size})",
-                                      lambda: memset(stream, dst.data_ptr, bits, size, count))
+        if self.dags is None:
+            memset(stream, dst.data_ptr, bits, size, count)
+            handle, item = stream.device.graphs.last_node(stream), None
+        else:
+            handle, item = self._recorded(stream, fill_footprint(dst), f"api.fill({dst.size})",
+                                          lambda: memset(stream, dst.data_ptr, bits, size, count))
         self._add(op, MemsetNode(dst, value, handle), item)
 
     def _add(self, op, node, item=None) -> None:

@@ -7,8 +7,8 @@ that the two graphs are two copies, as CUDA's child-graph nodes are clones:
 
 * ``outer.node(launch)``, for an op ``g`` captured, is the outer graph's copy of
   that kernel, copy or fill node: its ``set`` changes what the outer graph runs
-  (cuGraph*NodeSetParams on the child's graph, then
-  cuGraphExecChildGraphNodeSetParams), and ``g`` keeps its own;
+  (cuGraph*NodeSetParams on the outer graph's own clone of ``g``, then
+  cuGraphExecChildGraphNodeSetParams from that clone), and ``g`` keeps its own;
   ``g.node(launch).set`` changes ``g`` only.
 * ``outer.node(g_launch_op)`` is the ChildGraphNode; when ``g`` was launched
   more than once into the outer graph, ``outer.node(g_launch_op).node(launch)``
@@ -31,25 +31,33 @@ from .nodes import KernelNode, Node
 
 
 class InChild:
-    """The driver calls of the nodes of one child-graph node: a node's new parameters
-    go into the child's own graph, then into the executable graph through the child node."""
+    """The driver calls of the nodes of one child-graph node: a node's new parameters go
+    into ``source`` (the outer graph's own clone of the graph the child copied, where the
+    node copies have their handles), then from it into the executable graph through the
+    child node.  ``source`` is destroyed with this object (the outer graph keeps it)."""
 
-    __slots__ = ("graphs", "child", "embedded", "label")
+    __slots__ = ("graphs", "child", "source", "label")
 
-    def __init__(self, graphs, child, embedded, label: str):
-        self.graphs, self.child, self.embedded, self.label = graphs, child, embedded, label
+    def __init__(self, graphs, child, source, label: str):
+        self.graphs, self.child, self.source, self.label = graphs, child, source, label
+
+    def __del__(self):
+        try:
+            self.graphs.destroy(self.source)
+        except Exception:
+            pass
 
     def set_kernel_node(self, exec_, handle, params, launch_args, label: str) -> None:
         self.graphs.define_kernel_node(handle, params, launch_args)
-        self.graphs.update_child(exec_, self.child, self.embedded, label)
+        self.graphs.update_child(exec_, self.child, self.source, label)
 
     def set_memcpy_node(self, exec_, handle, dst: int, src: int, nbytes: int, device, label: str) -> None:
         self.graphs.define_memcpy_node(handle, dst, src, nbytes)
-        self.graphs.update_child(exec_, self.child, self.embedded, label)
+        self.graphs.update_child(exec_, self.child, self.source, label)
 
     def set_memset_node(self, exec_, handle, dst: int, value: int, size: int, count: int, device, label: str) -> None:
         self.graphs.define_memset_node(handle, dst, value, size, count)
-        self.graphs.update_child(exec_, self.child, self.embedded, label)
+        self.graphs.update_child(exec_, self.child, self.source, label)
 
     def set_enabled(self, exec_, handle, on: bool, label: str) -> None:
         raise StateError(f"{label} is a node of a child graph ({self.label}), and deviceop switches only a graph's own "
@@ -136,18 +144,18 @@ def record_child(capture, stream, op, inner) -> None:
     graphs = stream.device.graphs
     label = f"graph.launch() of a {len(inner._nodes)}-node graph"
     mine = [n for n in inner._nodes if n._via is None]  # a grandchild's nodes are not reached
-    child, embedded, handles = graphs.add_child(stream, inner._current(), inner._exec,
-                                                [inner._defined[n.index] for n in mine], label)
+    source, handles = graphs.clone(inner._current(), inner._exec, [inner._defined[n.index] for n in mine])
+    via = InChild(graphs, None, source, label)  # destroys the clone however this ends
     where = {id(n): h for n, h in zip(mine, handles)}
-    via = InChild(graphs, child, embedded, label)
     copies = {}
     for launch, node in inner._by_launch.items():
         if node._via is not None:
             continue
-        twin = _copy_of(node, where[id(node)], graphs)
+        twin = _copy_of(node, where[id(node)], graphs)  # the node's current parameters, in the clone
         if twin is not None:
             twin._via = via
             copies[launch] = twin
+    via.child = child = graphs.add_child(stream, source, label)
     node = ChildGraphNode(label, child, via, copies)
     capture.nodes.append(node)
     capture.by_launch[op] = node

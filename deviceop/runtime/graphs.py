@@ -251,34 +251,31 @@ def capture_branches(stream, label: str, kind: str, count: int, several: bool, l
 
 # -- child graphs ------------------------------------------------------------------------
 
-def add_child(stream, graph, exec_, handles, label: str):
-    """Add a copy of ``graph`` (an executable graph's definition; ``exec_`` is the
-    reference device's) as a child-graph node after the capturing ``stream``'s work,
-    and make it the stream's new dependency.  Returns ``(node, embedded graph, the
-    copies of handles)``: the copy is cuGraphClone's, moved into the node (so the
-    clone's nodes, found with cuGraphNodeFindInClone, are the node's own)."""
-    clone = check(cu.cuGraphClone(graph), f"cuGraphClone({label})")
-    try:
-        copies = [None if h is None else check(cu.cuGraphNodeFindInClone(h, clone), "cuGraphNodeFindInClone")
-                  for h in handles]
-        info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
-        outer, deps, ndeps = info[2], info[3], info[-1]
-        params = cu.CUgraphNodeParams()
-        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH
-        params.graph.graph = clone
-        params.graph.ownership = cu.CUgraphChildGraphNodeOwnership.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
-        code, node = cu.cuGraphAddNode(outer, list(deps[:ndeps]), None, ndeps, params)
-    except BaseException:
-        cu.cuGraphDestroy(clone)
-        raise
+def clone(graph, exec_, handles) -> tuple:
+    """``(a copy of graph, the copies of handles in it)`` (cuGraphClone, cuGraphNodeFindInClone;
+    None for a node not found there: one inside a conditional body).  ``exec_`` is the
+    reference device's; here the definition ``graph`` is copied."""
+    copy = check(cu.cuGraphClone(graph), "cuGraphClone")
+    found = []
+    for h in handles:
+        code, node = cu.cuGraphNodeFindInClone(h, copy) if h is not None else (1, None)
+        found.append(None if code else node)
+    return copy, found
+
+
+def add_child(stream, source, label: str):
+    """Add a child-graph node running a copy of ``source`` after the capturing ``stream``'s
+    work (cuGraphAddChildGraphNode), and make it the stream's new dependency."""
+    info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
+    outer, deps, ndeps = info[2], info[3], info[-1]
+    code, node = cu.cuGraphAddChildGraphNode(outer, list(deps[:ndeps]), ndeps, source)
     if code:
-        cu.cuGraphDestroy(clone)
-        raise CaptureError(f"{label} cannot be a child-graph node of this capture (cuGraphAddNode: "
+        raise CaptureError(f"{label} cannot be a child-graph node of this capture (cuGraphAddChildGraphNode: "
                            f"{error_name(code)}): a child graph may not hold memory allocation or free nodes, and "
                            "the driver decides which conditional nodes it may hold. Replay that graph before or after "
                            "this capture (graph.replay()), or capture its ops into this graph")
     set_capture_deps(stream, [node])
-    return node, clone, copies
+    return node
 
 
 def define_kernel_node(handle, params, launch_args) -> None:
@@ -298,10 +295,10 @@ def define_memset_node(handle, dst: int, value: int, size: int, count: int) -> N
     check(cu.cuGraphMemsetNodeSetParams(handle, params), "cuGraphMemsetNodeSetParams")
 
 
-def update_child(exec_, child, embedded, label: str) -> None:
-    """Make ``exec_``'s child-graph node ``child`` do what its ``embedded`` graph now says
-    (cuGraphExecChildGraphNodeSetParams: same topology, the nodes' new parameters)."""
-    code = cu.cuGraphExecChildGraphNodeSetParams(exec_, child, embedded)[0]
+def update_child(exec_, child, source, label: str) -> None:
+    """Make ``exec_``'s child-graph node ``child`` do what ``source`` (the graph it copied,
+    updated since) now says: cuGraphExecChildGraphNodeSetParams, same topology, new parameters."""
+    code = cu.cuGraphExecChildGraphNodeSetParams(exec_, child, source)[0]
     if code:
         raise_error(code, f"cuGraphExecChildGraphNodeSetParams({label})")
 

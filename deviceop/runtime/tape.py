@@ -306,13 +306,18 @@ class TapeGraphs:
         handle.args = [getattr(a, "_array", a) for a in launch_args]
 
     @staticmethod
-    def add_child(stream, graph, exec_, handles, label: str):
-        """runtime/graphs.py's ``add_child``: a Child step holding a copy of the tape ``exec_``."""
+    def clone(graph, exec_, handles) -> tuple:
+        """runtime/graphs.py's ``clone``: a copy of the tape ``exec_`` (what it runs now)."""
         copies = {}
-        body = copy_tape(exec_, copies)
-        node = Child(label, body)
+        copy = copy_tape(exec_, copies)
+        return copy, [None if h is None else copies[id(h)] for h in handles]
+
+    @staticmethod
+    def add_child(stream, source, label: str):
+        """runtime/graphs.py's ``add_child``: a Child step running a copy of the tape ``source``."""
+        node = Child(label, copy_tape(source, {}))
         stream._run(node)
-        return node, body, [None if h is None else copies[id(h)] for h in handles]
+        return node
 
     @staticmethod
     def define_kernel_node(handle, params, launch_args) -> None:
@@ -327,12 +332,11 @@ class TapeGraphs:
         handle.dst, handle.value, handle.size, handle.count = dst, value, size, count
 
     @staticmethod
-    def update_child(exec_, child, embedded, label: str) -> None:
-        """The Child step ``child`` takes the parameters of the tape ``embedded`` (its own, or
-        after an exec update the recapture's copy), as cuGraphExecChildGraphNodeSetParams."""
-        if child.body is not embedded:
-            for mine, step in zip(child.body, embedded):
-                mine.take(step)
+    def update_child(exec_, child, source, label: str) -> None:
+        """The Child step ``child`` takes the parameters of the tape ``source`` (the copy it was
+        made from, updated since), as cuGraphExecChildGraphNodeSetParams does."""
+        for mine, step in zip(child.body, source):
+            mine.take(step)
 
     @staticmethod
     def set_enabled(exec_, handle, on: bool, label: str) -> None:
