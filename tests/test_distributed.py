@@ -125,7 +125,9 @@ def test_exchange_and_barrier_meet_every_rank_in_rank_order(rng):
     assert all(r == [{"rank": i, "t": t} for i, t in enumerate(tokens)] for r in results)
 
 
-def test_a_one_rank_group_without_a_gpu_is_the_reference_backend(rng):
+def test_a_one_rank_group_without_a_gpu_is_the_reference_backend(rng, device):
+    if not device.is_reference:
+        pytest.skip("on a GPU machine a group is NCCL's (tests/test_distributed_gpu.py's one-rank group)")
     data = rng.standard_normal(16).astype(np.float32)
     with dist.init(rank=0, world_size=1) as group:
         assert (group.rank, group.world_size, group.backend) == (0, 1, "reference")

@@ -318,7 +318,7 @@ def edges(graph) -> list[tuple[int, int, str]]:
     n = check(cu.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")[-1]
     if not n:
         return []
-    _, frm, to, data, n = check(cu.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
+    frm, to, data, n = check(cu.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
     programmatic = int(cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
     kinds = ["programmatic" if int(d.type) == programmatic else "full" for d in data[:n]] if data else ["full"] * n
     return sorted((index[int(a)], index[int(b)], k) for a, b, k in zip(frm[:n], to[:n], kinds))
