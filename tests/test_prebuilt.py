@@ -9,8 +9,10 @@ nvcc 13.0 from its pip wheel; tests/data/triton/build.py: Triton 3.6 for sm_90,
 without a GPU); others are made here by NVRTC.  These tests run on Device(0): the
 references here, the binaries' code on a GPU (test_prebuilt_gpu.py runs the code
 itself against float64)."""
+import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -277,3 +279,26 @@ def test_null_pointers_after_the_arguments_are_in_the_buffer_and_not_arguments()
         layout.pack(1, 2, 0)
     with pytest.raises(dop.LaunchError, match="a null_ptr parameter comes only after every argument"):
         ParamLayout("k", [null_ptr(), "int32"])
+
+
+# -- bench/interop.py's own kernels, checked where there is no GPU --------------------------
+
+def test_the_interop_benchs_kernels_compile_and_its_in_out_kernel_computes_its_step(monkeypatch, stream, rng):
+    """Its NVRTC kernel (an InOut and two Outs) compiles for sm_90 against its declaration, and its
+    reference is the float64 step's first part; its nvcc kernel is declared against the CUBIN."""
+    monkeypatch.setattr(sys, "path", list(sys.path))   # the bench puts its folders first
+    spec = importlib.util.spec_from_file_location("bench_interop", DATA.parent.parent / "bench" / "interop.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.add_rms_norm.check_compiled("sm_90")
+    assert bench.saxpy.binary.kind == "CUBIN" and bench.saxpy.entry == "saxpy"
+    d = 2048
+    h0, r0, g0 = (rng.standard_normal(d).astype(np.float32) for _ in range(3))
+    resid, xn, rstd = dop.from_numpy(r0, stream=stream), dop.empty((1, d), stream=stream), dop.empty(1, stream=stream)
+    bench.add_rms_norm(resid, xn.partition([1, d]), rstd.partition([1]), dop.from_numpy(h0, stream=stream),
+                       dop.from_numpy(g0, stream=stream), 1e-5, d).sync_on(stream)
+    v = r0.astype(np.float64) + h0
+    r = 1 / np.sqrt(np.mean(v * v) + 1e-5)
+    np.testing.assert_allclose(resid.numpy(stream=stream), v, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(xn.numpy(stream=stream)[0], v * r * g0, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rstd.numpy(stream=stream), [r], rtol=1e-6)
