@@ -87,19 +87,19 @@ def test_nvcc_binaries_compose_eagerly_and_replayed(stream, rng, name):
     np.testing.assert_allclose(y.numpy(stream=stream), 1.5 * x0.astype(np.float64) + y0, rtol=1e-6, atol=1e-6)
     graph = kernel(y, x, -0.5, n).graph_on(stream)
     graph.replay()
-    np.testing.assert_allclose(y.numpy(stream=stream), x0.astype(np.float64) + y0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y.numpy(stream=stream), x0.astype(np.float64) + y0, rtol=1e-5, atol=1e-5)
 
 
 def test_a_cpp_template_kernel_is_found_by_its_plain_name_with_two_outputs(stream, rng):
     """``demo::scale_sums<256>`` is one mangled symbol in the fatbin: its plain name finds it."""
     kernel = Kernel.from_binary("scale_sums", NVCC / "saxpy.fatbin", SCALE_SUMS, entry="demo::scale_sums",
                                 reference=scale_sums_reference)
-    assert kernel.entry == "_ZN4demo10scale_sumsILi256EEEvPfS1_PKff"
+    assert (kernel.entry, kernel.binary_symbol) == ("demo::scale_sums", "_ZN4demo10scale_sumsILi256EEEvPfS1_PKff")
     x0 = rng.standard_normal(1024).astype(np.float32)
     out, sums = dop.empty(1024, stream=stream), dop.empty(4, stream=stream)
     kernel(out.partition([256]), sums.partition([4]), dop.from_numpy(x0, stream=stream), 2.0).sync_on(stream)
     np.testing.assert_allclose(sums.numpy(stream=stream), (2.0 * x0.astype(np.float64)).reshape(4, 256).sum(1),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_an_entry_the_binary_lacks_is_refused_listing_its_kernels():
@@ -108,6 +108,11 @@ def test_an_entry_the_binary_lacks_is_refused_listing_its_kernels():
         Kernel.from_binary("scale", NVCC / "saxpy.sm_90.cubin", SCALE_SUMS, reference=scale_sums_reference)
     with pytest.raises(dop.LaunchError, match="no kernel 'other::scale_sums'"):
         Kernel.from_binary("x", NVCC / "saxpy.ptx", SCALE_SUMS, entry="other::scale_sums")
+    two = dop.compile_cubin(SAXPY_SOURCE, arch="sm_90",
+                            name_expressions=["demo::scale_sums<128>", "demo::scale_sums<256>"]).cubin
+    with pytest.raises(dop.LaunchError, match=r"has 2 kernels named demo::scale_sums .*_ZN4demo10scale_sumsILi128E.*"
+                                              r"_ZN4demo10scale_sumsILi256E.*pass entry= the symbol"):
+        Kernel.from_binary("scale_sums", two, SCALE_SUMS, entry="demo::scale_sums")
 
 
 @pytest.mark.parametrize("name", BINARIES)
@@ -171,7 +176,7 @@ def test_ptx_newer_than_the_driver_is_refused_naming_a_cubin(stream, rng):
     """PTX of an ISA the driver does not know would fail to load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION): refused
     first, naming the CUBIN that loads.  The reference device stands for a driver of this NVRTC's version."""
     from cuda.bindings.utils import get_minimal_required_cuda_ver_from_ptx_ver as cuda_for
-    major, minor = map(int, dop.nvrtc_version().split("."))
+    major, minor = map(int, (stream.device.driver_version or dop.nvrtc_version()).split("."))
     isa = next(f"{m}.{n}" for m in (9, 10) for n in range(10)
                if _known(cuda_for, f"{m}.{n}") and cuda_for(f"{m}.{n}") > major * 1000 + minor * 10)
     newer = (NVCC / "saxpy.ptx").read_bytes().replace(b".version 9.0", f".version {isa}".encode())
@@ -301,4 +306,4 @@ def test_the_interop_benchs_kernels_compile_and_its_in_out_kernel_computes_its_s
     r = 1 / np.sqrt(np.mean(v * v) + 1e-5)
     np.testing.assert_allclose(resid.numpy(stream=stream), v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(xn.numpy(stream=stream)[0], v * r * g0, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(rstd.numpy(stream=stream), [r], rtol=1e-6)
+    np.testing.assert_allclose(rstd.numpy(stream=stream), [r], rtol=1e-5)

@@ -164,12 +164,12 @@ class BinaryProgram:
     built_by: str = ""
 
     def symbol(self, name: str) -> str:
-        return name
+        return self.lowered_names.get(name, name)
 
     def param_layout(self, name: str):
         if self.code is None:
             raise ValueError("the image's code is unknown")
-        return self.code.param_layout(name)
+        return self.code.param_layout(self.symbol(name))
 
 
 class Binary:
@@ -279,13 +279,14 @@ class Binary:
                             f"with a CUDA {driver} toolkit")
         return best
 
-    def program(self, arch: str, driver: str | None, kernel: str = "") -> BinaryProgram:
-        """The image for a GPU of ``arch`` (checked as ``select`` does)."""
+    def program(self, arch: str, driver: str | None, kernel: str = "", names: dict | None = None) -> BinaryProgram:
+        """The image for a GPU of ``arch`` (checked as ``select`` does); ``names`` maps the
+        names a kernel is looked up by to their symbols."""
         code = self.select(arch, driver)
         image = self.image if self.kind != "PTX" else self.image.rstrip(b"\0") + b"\0"
         return BinaryProgram(image, arch, code if code is not None and code.data is not None else None, self.key,
-                             built_by=f"kernel {kernel or self.label} is a binary another compiler built "
-                                      f"({self.origin})")
+                             dict(names or {}), built_by=f"kernel {kernel or self.label} is a binary another "
+                                                       f"compiler built ({self.origin})")
 
 
 def _version(text: str) -> tuple[int, int]:

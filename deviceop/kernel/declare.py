@@ -106,7 +106,8 @@ class Kernel:
             self.validate = _shapes_name_scalars
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
-        self.binary = None  # the binary of a kernel another compiler built (from_binary, from_triton)
+        # a kernel another compiler built (from_binary, from_triton): its binary and its entry's symbol there
+        self.binary = self.binary_symbol = None
         self._functions: dict = {}
         self._compiled: set = set()  # (arch, generics) compiled and checked without a driver: see check_compiled
         self._configs: dict = {}
@@ -216,8 +217,7 @@ class Kernel:
         expression is always generated (NVRTC mangles a C++ name, leaves an extern "C"
         one), except for an entry that is a mangled symbol already."""
         if self.binary is not None:  # nothing to compile: the binary for arch (the driver unknown here)
-            arch = normalize_arch(arch) if arch is not None else Device(0).arch
-            return self.binary.program(arch, None, self.name), self.entry
+            return prebuilt.program(self, normalize_arch(arch) if arch is not None else Device(0).arch, None)
         expr = self.name_expression(values)
         mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
         filename = self.source_path.name if self.source_path else f"{self.name}.cu"

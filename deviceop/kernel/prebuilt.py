@@ -34,26 +34,34 @@ def binary_kernel(cls, name: str, binary, params, *, entry=None, hint: str = "",
     (``params``, the geometry and rules of ``kw``) checked against the binary's layouts."""
     image = binary if isinstance(binary, Binary) else Binary(binary, f"kernel {name}")
     symbol = image.resolve(entry or name)
-    kernel = cls(name, None, params, entry=symbol, **kw)
+    kernel = cls(name, None, params, entry=entry or name, **kw)   # errors name entry, not its mangled symbol
     kernel.signature += [null_ptr()] * hidden
-    kernel.binary = image
+    kernel.binary, kernel.binary_symbol = image, symbol
+    shown = kernel.entry if symbol == kernel.entry else f"{kernel.entry} ({symbol})"
     for code, layout in image.layouts(symbol):
         try:
-            check_param_layout(symbol, kernel.signature, layout)
+            check_param_layout(kernel.entry, kernel.signature, layout)
         except LaunchError as exc:
-            raise LaunchError(f"kernel {name} is declared with parameters the binary's {symbol} does not take "
+            raise LaunchError(f"kernel {name} is declared with parameters the binary's {shown} does not take "
                               f"({code.describe()} in {image.origin}): {exc}. Declare the parameters in the order "
                               f"and of the types the kernel takes them{hint}") from None
     return kernel
 
 
+def program(kernel, arch: str, driver: str | None):
+    """``(program, entry)``: ``kernel``'s binary for a GPU of ``arch`` with a CUDA ``driver``
+    (None: unknown), its entry mapped to the symbol, as NVRTC maps a name expression."""
+    prog = kernel.binary.program(arch, driver, kernel.name, {kernel.entry: kernel.binary_symbol})
+    return prog, kernel.entry
+
+
 def program_for(kernel, device):
-    """``(program, symbol)``: ``kernel``'s binary for ``device`` (Kernel._program)."""
+    """``program(kernel, ...)`` for ``device`` (Kernel._program)."""
     driver = device.driver_version
     if driver is None:  # the reference device stands for a GPU whose driver is this NVRTC's CUDA version
         from ..compile import nvrtc_version
         driver = nvrtc_version()
-    return kernel.binary.program(device.arch, driver, kernel.name), kernel.entry
+    return program(kernel, device.arch, driver)
 
 
 def load_error(kernel, exc: CudaError) -> Exception:
