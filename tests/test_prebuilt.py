@@ -206,10 +206,10 @@ def test_what_is_not_a_binary_is_refused_naming_what_is():
 
 def test_without_a_reference_the_reference_device_refuses_a_binary_kernel_naming_reference(device, stream, rng):
     """On a GPU the binary's code runs; on the reference device only a NumPy reference can."""
+    if not device.is_reference:
+        pytest.skip("a GPU runs the binaries' code without a reference (tests/test_prebuilt_gpu.py)")
     kernel = saxpy(NVCC / "saxpy.fatbin", reference=None)
     triton_kernel = Kernel.from_triton(TRITON_ENTRY, SCALE_SHIFT, grid=("(n+255)//256",))
-    if not device.is_reference:
-        return   # test_prebuilt_gpu.py runs them
     y = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
     with pytest.raises(dop.NoDeviceError, match=r"kernel saxpy is a binary another compiler built \(.*saxpy.fatbin\)"
                                                 r": the reference device .* Give it a NumPy reference="):
