@@ -30,7 +30,10 @@ GPU in bf16 (examples/llama/hf.py), handed to deviceop through DLPack.
   3967-4094), against the floor with those KV bytes.
 
     python bench/llama_decode.py [--prompts 8] [--seed 0]
-    python bench/llama_decode.py --config 8b --no-torch-graph --no-compile   # Llama-3.1-8B's shape (JSON llama_decode_8b)
+    python bench/llama_decode.py --model 8b --no-torch-graph --no-compile   # Llama-3.1-8B's shape
+    python bench/llama_decode.py --model smollm2 --no-compile               # SmolLM2-135M's shape
+  The JSON: bench/results/llama_decode[_MODEL][_GPU].json (result_name: 1B on the H100 is
+  llama_decode.json, 8B on an H200 llama_decode_8b_h200.json).
     python bench/llama_decode.py --smoke     # tiny config, a few steps; runs on the reference device too; no JSON
 """
 from __future__ import annotations
@@ -61,8 +64,43 @@ GREEDY = Sampling()
 CONFIGS = {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B, "smollm2": SMOLLM2_135M}
 
 
+# issue 37's targets, per (model, GPU kind): decode time / floor, and SmolLM2 against the torch graph
+FLOOR_TARGETS = {("1b", "h100"): 1.06, ("1b", "h200"): 1.10, ("8b", "h100"): 1.05, ("8b", "h200"): 1.05,
+                 ("smollm2", "h100"): 2.0, ("smollm2", "h200"): 2.0}
+CTX_TARGET, SMOLLM2_VS_TORCH_GRAPH, TORCH_GRAPH_TARGET = 1.12, 5.0, 2.5
+
+
 def bench_config(args):
     return TINY if args.smoke else CONFIGS[args.config]
+
+
+def gpu_kind(name: str) -> str:
+    """"h100", "h200", or the device's name in lower case: the suffix of its results."""
+    for kind in ("H100", "H200", "B200", "A100"):
+        if kind in name:
+            return kind.lower()
+    return "".join(c if c.isalnum() else "_" for c in name.lower())
+
+
+def result_name(model: str, gpu: str) -> str:
+    """bench/results/<this>.json: llama_decode for 1B on the H100 (the record before kinds were
+    named), else the model and the GPU kind other than the H100 appended (llama_decode_8b_h200)."""
+    return "llama_decode" + ("" if model == "1b" else f"_{model}") + ("" if gpu == "h100" else f"_{gpu}")
+
+
+def headlines(model: str, gpu: str, vs_floor: float, vs_torch_graph: float | None, ctx: dict | None) -> list:
+    """The headline names of issue 37: decode_vs_floor (1B on the H100), decode_vs_floor_h200,
+    decode_vs_floor_8b, decode_vs_floor_smollm2 (each recorded with its GPU), _ctx4096 (1B),
+    smollm2_speedup_vs_torch_graph; targets per (model, GPU) where the issue gives one."""
+    name = "decode_vs_floor" + {"1b": "" if gpu == "h100" else f"_{gpu}"}.get(model, f"_{model}")
+    heads = [headline(name, vs_floor, FLOOR_TARGETS.get((model, gpu), 1.10), "lower")]
+    if vs_torch_graph is not None:
+        heads.append(headline("smollm2_speedup_vs_torch_graph", vs_torch_graph, SMOLLM2_VS_TORCH_GRAPH, "higher")
+                     if model == "smollm2" else headline("speedup_vs_torch_graph", vs_torch_graph,
+                                                         TORCH_GRAPH_TARGET, "higher"))
+    if ctx:
+        heads.append(headline("decode_vs_floor_ctx4096", ctx["us_per_token"] / ctx["floor_us"], CTX_TARGET, "lower"))
+    return heads
 
 
 def median(xs) -> float:
@@ -387,13 +425,9 @@ def run(args) -> int:
                      "kv_bytes": cfg.kv_bytes(ctx["mean_kv_length"])})
     for name, value in kl.items():
         rows.append({"variant": f"KL(float32 || {name})", "mean_kl": value})
-    heads = [headline("decode_vs_floor", dl / floor_us, 1.10, "lower"),
-             headline("kl_excess_vs_hf_bf16", report["kl_excess_vs_hf_bf16"], 0.0, "lower"),
-             headline("device_loop_host_us_128_tokens", loop["host_us"], 100, "lower")]
-    if torch_step is not None:
-        heads.insert(1, headline("speedup_vs_torch_graph", torch_us / dl, 2.5, "higher"))
-    if ctx:
-        heads.append(headline("decode_vs_floor_ctx4096", ctx["us_per_token"] / ctx["floor_us"], 1.15, "lower"))
+    heads = headlines(args.config, gpu_kind(device.name), dl / floor_us, torch_us / dl if torch_step else None, ctx)
+    heads += [headline("kl_excess_vs_hf_bf16", report["kl_excess_vs_hf_bf16"], 0.0, "lower"),
+              headline("device_loop_host_us_128_tokens", loop["host_us"], 100, "lower")]
     per_prompt = [{k: v for k, v in row.items() if k not in ("prompt", "deviceop_tokens")}
                   for row in report["per_prompt"]]
     import transformers
@@ -418,8 +452,8 @@ def run(args) -> int:
     if args.smoke:
         print("smoke run: no JSON written")
         return 1 if failures else 0
-    path = write_result("llama_decode" if args.config == "1b" else f"llama_decode_{args.config}", device, rows,
-                        heads, {"config": args.config, **extra})
+    path = write_result(result_name(args.config, gpu_kind(device.name)), device, rows, heads,
+                        {"config": args.config, "gpu": gpu_kind(device.name), **extra})
     print_headlines(heads, path)
     return 1 if failures else 0
 
@@ -436,7 +470,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-limit", type=float, default=150.0, help="seconds the compile child may take")
     ap.add_argument("--no-compile", action="store_true", help="skip Hugging Face + torch.compile")
     ap.add_argument("--no-ctx", action="store_true", help="skip the long-context decode")
-    ap.add_argument("--config", choices=sorted(CONFIGS), default="1b",
+    ap.add_argument("--model", "--config", dest="config", choices=sorted(CONFIGS), default="1b",
                     help="the model shape: Llama-3.2-1B (default), Llama-3.1-8B or SmolLM2-135M")
     ap.add_argument("--no-torch-graph", action="store_true", help="skip the plain-PyTorch CUDA-graph step "
                     "(its stacked weights cost another copy of q/k/v and gate/up: 9 GB at 8B)")

@@ -100,7 +100,7 @@
 #define FUSED_MIN_BLOCKS 1
 #endif
 
-#include "pdl.cuh"
+#include <deviceop/pdl.cuh>
 
 // A 16-byte vector of weights and its elements as floats.
 template <typename W> struct WeightVec;

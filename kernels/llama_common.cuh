@@ -3,7 +3,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
-#include "pdl.cuh"
+#include <deviceop/pdl.cuh>
 
 namespace llama {
 
@@ -16,7 +16,7 @@ constexpr int ERR_LOGITS = 4;  // rms_lm_head_argmax: a logit is NaN or infinite
 // registers a thread) keep every CTA of a one-wave grid resident at once.
 __host__ __device__ constexpr int min_ctas(int w) { return w >= 16 ? 1 : 16 / w; }
 
-using ::pdl_launch_dependents;  // kernels/pdl.cuh
+using ::pdl_launch_dependents;  // deviceop/pdl.cuh
 using ::pdl_wait;
 
 __device__ __forceinline__ float warp_sum(float v) {

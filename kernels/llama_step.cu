@@ -16,16 +16,12 @@
 // pos and cur (= tokens[pos]) are what the next iteration's kernels read.
 // PDL-ready: everything it reads comes from the previous kernels, so it waits first.
 
-__device__ __forceinline__ void step_pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+#include <deviceop/pdl.cuh>
 
 extern "C" __global__ void llama_step(int* __restrict__ tokens, int* __restrict__ state,
                                       const int* __restrict__ sampled, const int* __restrict__ eos,
                                       int n_eos, int prompt_len, int max_new, int cap) {
-    step_pdl_wait();
+    pdl_wait();
     const int pos = state[0];
     const int next = pos + 1;
     int generated = state[3];
@@ -48,7 +44,7 @@ extern "C" __global__ void llama_step(int* __restrict__ tokens, int* __restrict_
 
 // Before the loop: state = [0, 1, tokens[0], 0].
 extern "C" __global__ void llama_step_start(int* __restrict__ state, const int* __restrict__ tokens) {
-    step_pdl_wait();
+    pdl_wait();
     state[0] = 0;
     state[1] = 1;
     state[2] = tokens[0];

@@ -11,17 +11,27 @@
 * ``tp_place<B>(out fp32 [Vp] tile [B], src fp32 [n], offset, n)``: a rank's logits at their global
   rows of a zero vector; an all-reduce sum of those is the whole vocabulary's logits (for sampling
   and teacher forcing), again exact.
+* ``matvec_allreduce<K,NR,CH,W,RPC,KS,NB,WORLD>(out fp32 [N] tile [RPC], x fp32 [K], w bf16 [N, K],
+  residual fp32 [N], peers uint64 [WORLD], state uint32, rank, slot_lines, line0, epoch0, timeout_ns)``:
+  ``out = residual + sum over the ranks of w_r @ x_r``, the O and down projections of a layer with
+  the all-reduce of their partial sums in the epilogue (each CTA exchanges its rows with the same
+  CTA of the peers through a private ``dist.PeerBuffers``, in the one-shot all-reduce's protocol).
 """
 from pathlib import Path
 
 import numpy as np
 
+import deviceop.distributed as dist
+from deviceop.distributed.oneshot import MAX_WORLD, exchange
 from deviceop.kernel import In, Kernel, Out, Scalar
 
-from ._checks import _need
+from ._checks import _aligned, _need
+from ._refmath import matvec64
+from .llama_proj import H100_SMS, _fp32_semantics, _grid, _stream_checks, matvec_residual_plan, x_shared
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_tp.cu"
+INCLUDES = (Path(dist.__file__).resolve().parent,)  # lines.cuh: the one-shot exchange's line protocol
 PAIRS = 128          # floats of the pairs vector: 512 bytes (the one-shot all-reduce's unit), 64 ranks
 MAX_INDEX = 1 << 24  # a global index travels as a float32: exact below 2^24
 
@@ -71,12 +81,12 @@ tp_argmax_pair = Kernel(
     "tp_argmax_pair", SOURCE,
     [Out("pairs", "float32", rank=1), In("logits", "float32", rank=1), In("token", "int32", rank=1),
      Scalar("n_pairs", "int32"), Scalar("rank", "int32"), Scalar("offset", "int32")],
-    block=128, reference=_pair_ref, validate=_pair_check)
+    block=128, reference=_pair_ref, validate=_pair_check, include_dirs=INCLUDES)
 
 tp_argmax_pick = Kernel(
     "tp_argmax_pick", SOURCE,
     [Out("token", "int32", rank=1), In("pairs", "float32", rank=1), Scalar("n", "int32")],
-    block=1, reference=_pick_ref, validate=_pick_check)
+    block=1, reference=_pick_ref, validate=_pick_check, include_dirs=INCLUDES)
 
 def _place_ref(g, out, src, offset, n):
     out[...] = 0
@@ -98,7 +108,8 @@ def _place_check(g, out, src, offset, n):
 tp_place = Kernel(
     "tp_place", SOURCE,
     [Out("out", "float32", rank=1), In("src", "float32", rank=1), Scalar("offset", "int32"), Scalar("n", "int32")],
-    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check)
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check,
+    include_dirs=INCLUDES)
 
 PLACE_TILE = 1024  # tp_place's tile: a gathered vocabulary vector is padded to a multiple of it
 
@@ -109,4 +120,59 @@ def placed_rows(vocab: int) -> int:
     return -(-vocab // PLACE_TILE) * PLACE_TILE
 
 
-__all__ = ["tp_argmax_pair", "tp_argmax_pick", "tp_place", "argmax_key", "placed_rows", "PAIRS", "PLACE_TILE"]
+
+# -- matvec_allreduce -------------------------------------------------------------------
+
+@_fp32_semantics
+def _matvec_allreduce_ref(g, out, x, w, residual, peers, state, rank, slot_lines, line0, epoch0, timeout_ns):
+    partial = matvec64(w, x).astype(np.float32)
+    exchange(out, partial, residual, peers, state, rank, slot_lines, timeout_ns, group_lines=g["RPC"] // 2,
+             line0=line0, epoch0=epoch0)
+
+
+def _matvec_allreduce_limits(g):
+    K, NR, CH, W, RPC, KS, NB, WORLD = (g[n] for n in ("K", "NR", "CH", "W", "RPC", "KS", "NB", "WORLD"))
+    _need(1 <= NR <= 32 and RPC % NR == 0 and RPC % 2 == 0,
+          f"matvec_allreduce: RPC={RPC} must be even and a multiple of NR={NR} (NR in [1, 32]): rows travel in pairs")
+    _need(RPC // 2 <= 32 * W, f"matvec_allreduce: RPC={RPC} rows are {RPC // 2} lines, more than the {32 * W} threads")
+    _need(1 <= WORLD <= MAX_WORLD, f"matvec_allreduce: WORLD={WORLD} ranks, at most {MAX_WORLD}")
+    _stream_checks("matvec_allreduce", K, CH, NR, W, 4 * KS * RPC + 4, NB, KS)
+
+
+def _matvec_allreduce_check(g, out, x, w, residual, peers, state, rank, slot_lines, line0, epoch0, timeout_ns):
+    _aligned(x, w, who="matvec_allreduce uses")
+    grid, rpc = out.tensor.shape[0] // g["RPC"], g["RPC"]
+    _need(grid <= MAX_RESIDENT, f"matvec_allreduce: {grid} CTAs, but every CTA waits for its peers' and all must be "
+                                f"resident at once: at most {MAX_RESIDENT}; give fewer, longer tiles")
+    _need(0 <= rank < g["WORLD"], f"matvec_allreduce: rank {rank} is not in 0..{g['WORLD'] - 1}")
+    _need(line0 + grid * rpc // 2 <= slot_lines, f"matvec_allreduce: lines [{line0}, {line0 + grid * rpc // 2}) do "
+                                                 f"not fit slots of {slot_lines} lines; make larger PeerBuffers")
+    _need(1 <= epoch0 and epoch0 + grid <= state.shape[0], f"matvec_allreduce: epochs [{epoch0}, {epoch0 + grid}) "
+                                                           f"are past the state's {state.shape[0]} words")
+
+
+MAX_RESIDENT = H100_SMS  # CTAs of up to 16 warps, one a SM: what an H100 or H200 keeps resident at once
+
+matvec_allreduce = Kernel(
+    "matvec_allreduce", SOURCE,
+    [Out("out", "float32", shape=("N",), tile=("RPC",)), In("x", "float32", shape=("K",)),
+     In("w", "bfloat16", shape=("N", "K")), In("residual", "float32", shape=("N",)),
+     In("peers", "uint64", shape=("WORLD",)), In("state", "uint32", shape=(-1,)), Scalar("rank", "int32"),
+     Scalar("slot_lines", "uint32"), Scalar("line0", "uint32"), Scalar("epoch0", "uint32"),
+     Scalar("timeout_ns", "uint64")],
+    generics=["K", "NR", "CH", "W", "RPC", "KS", "NB", "WORLD"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
+    reference=_matvec_allreduce_ref, limits=_matvec_allreduce_limits, validate=_matvec_allreduce_check,
+    include_dirs=INCLUDES)
+
+
+def matvec_allreduce_plan(n: int, k: int, world: int, *, sms: int = H100_SMS) -> tuple[int, list]:
+    """(tile, generics) of matvec_allreduce: matvec_residual's plan (the CTA count dividing N
+    nearest one a SM), its row tile made even."""
+    rpc, gen = matvec_residual_plan(n, k, sms=sms)
+    if rpc % 2:  # rows travel in pairs: whole pairs of NR-row groups a CTA
+        rpc, gen = matvec_residual_plan(n, k, sms=sms, ctas=_grid(n, sms, 2 * gen[1]))
+    return rpc, gen + [world]
+
+
+__all__ = ["tp_argmax_pair", "tp_argmax_pick", "tp_place", "matvec_allreduce", "matvec_allreduce_plan", "argmax_key",
+           "placed_rows", "PAIRS", "PLACE_TILE", "MAX_RESIDENT"]

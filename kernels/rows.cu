@@ -5,18 +5,14 @@
 // PDL-ready (.pdl()): everything they read may come from the previous kernel,
 // so they wait for it first; launched with PDL, only their launch overlaps it.
 
-__device__ __forceinline__ void rows_pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+#include <deviceop/pdl.cuh>
 
 // out[:] = table[*index, :]      out [D] tiles [B], grid D/B
 template <int B>
 __global__ void __launch_bounds__(B / 4)
 load_row(float* __restrict__ out, const float* __restrict__ table, const int* __restrict__ index, int rows) {
     static_assert(B % 128 == 0, "B must be a multiple of 128 (a warp of float4s)");
-    rows_pdl_wait();
+    pdl_wait();
     const int r = *index;
     if (r < 0 || r >= rows) return;
     const size_t d = (size_t)gridDim.x * B;
@@ -29,7 +25,7 @@ template <int B>
 __global__ void __launch_bounds__(B / 4)
 store_row(float* __restrict__ table, const float* __restrict__ x, const int* __restrict__ index, int rows) {
     static_assert(B % 128 == 0, "B must be a multiple of 128 (a warp of float4s)");
-    rows_pdl_wait();
+    pdl_wait();
     const int r = *index;
     if (r < 0 || r >= rows) return;
     const size_t d = (size_t)gridDim.y * B;

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from deviceop.distributed.launch import NO_MULTICAST  # loads no NCCL: nccl4py is imported at init
+from helpers import ranked_sum
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,15 +25,6 @@ ROOT = Path(__file__).resolve().parent.parent
 def _gpu_count() -> int:
     from cuda.bindings import driver as cu
     return cu.cuDeviceGetCount()[1] if cu.cuInit(0)[0] == 0 else 0
-
-
-def ranked_sum(xs, np_dt, base=None):
-    total = xs[0].astype(np.float32)
-    for x in xs[1:]:
-        total = total + x.astype(np.float32)
-    if base is not None:
-        total = base.astype(np.float32) + total
-    return total.astype(np_dt)
 
 
 def check_forms(group, bufs, seed):

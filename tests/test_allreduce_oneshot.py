@@ -13,18 +13,9 @@ import pytest
 import deviceop as dop
 import deviceop.distributed as dist
 from deviceop.distributed.peer import PeerBuffers
+from helpers import ranked_sum
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-def ranked_sum(xs, dtype, base=None):
-    """What every rank must hold: fp32 sum in rank order, plus ``base``, rounded once."""
-    total = xs[0].astype(np.float32)
-    for x in xs[1:]:
-        total = total + x.astype(np.float32)
-    if base is not None:
-        total = base.astype(np.float32) + total
-    return total.astype(dtype)
 
 
 def same_bits(a, b) -> bool:

@@ -168,6 +168,8 @@ def test_a_graph_holding_a_collective_refuses_to_replay_once_its_group_is_closed
         group.close()  # on a GPU the communicator is destroyed: a replay would run NCCL's kernels on freed state
         with pytest.raises(dop.StateError, match="graph holds collectives of rank .'s group, which was closed"):
             graph.replay()
+        with pytest.raises(dop.StateError, match="graph holds collectives"):  # refused before its input is copied
+            dop.GraphModel(graph, x, x).forward(_up(group, 2 * data[group.rank]))
         return x.numpy(stream=s)
 
     for r in dist.run_reference(2, rank):

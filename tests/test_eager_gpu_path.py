@@ -10,6 +10,7 @@ launch reaches the driver once, in order, with the right pointers, grids and
 scalars, and a rebuilt forward over the same buffers is not checked again.
 (scripts/eager_tree_cpu.py times the same path.)
 """
+import collections
 import ctypes
 import struct
 import subprocess
@@ -28,6 +29,7 @@ from deviceop.kernels import add, matvec, rms_norm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from token_model import Config, LayerBuffers, LayerWeights, build_forward  # noqa: E402
+from helpers import calls_during  # noqa: E402
 
 
 class FakeGpu:
@@ -194,3 +196,51 @@ def test_function_prepared_checks_its_arguments_and_attribute_once(gpu_path):
         fn.prepared("fast", config, y, a, b)
     with pytest.raises(dop.LaunchError, match="cluster=\\(x, y, z\\)"):
         fn.prepared("cluster", config, y, a, b)
+
+
+# -- what a warm eager launch does: the hot path's cost, guarded by what it calls ----
+
+# Checks that must never run on a warm eager launch (a plan found by its key was checked):
+# the launch checks, a loop body's guard, the capture registry's lookup of a stream.
+CHECKS = {"checked_launch", "_check_launch", "check_arg", "bind", "run_rule", "check", "check_op",
+          "_launch", "_launch_and_prepare", "stream_key", "refuse_if_captured_elsewhere", "captured_elsewhere"}
+DEVICEOP = str(ROOT / "deviceop")
+
+
+def _deviceop_calls(run) -> collections.Counter:
+    """The deviceop functions deviceop's code calls in ``run()``, but the op tree's own walk
+    (each op's ``_run``/``_execute``, a comprehension in one) and the generated launch code
+    (the recording driver's own calls are not deviceop's)."""
+    def name(frame):
+        code, caller = frame.f_code, frame.f_back.f_code.co_filename if frame.f_back else ""
+        if (code.co_filename.startswith(DEVICEOP) and caller.startswith((DEVICEOP, "<deviceop"))
+                and code.co_name not in ("_run", "_execute", "<listcomp>")):
+            return f"{Path(code.co_filename).name}:{code.co_name}"
+        return None
+    return collections.Counter(calls_during(run, name))
+
+
+def test_a_warm_eager_launch_calls_no_check_and_nothing_per_launch_beyond_its_ops(gpu_path):
+    """No timing (it would flake): a forward of three layers calls the same deviceop functions,
+    as often, as a forward of one (per execution: the execution lock, the context), so nothing
+    runs per launch but the tree's ops and the generated launch; and none of the checks runs
+    (the plan its key finds was checked; no loop body, no capture is open)."""
+    cfg, device, stream, driver, checks = gpu_path
+    d, n = cfg.d, cfg.n_layers
+    weights = [LayerWeights(*(dop.empty(s).into_shared() for s in ([d], [d, d], [d, d]))) for _ in range(n)]
+    raw = [[dop.empty(s) for s in ([1, d], [d], [d], [d])] for _ in range(n)]
+    x = dop.empty([d])
+
+    def forward(layers):
+        bufs = [LayerBuffers(*(t.into_shared() for t in r)) for r in raw[:layers]]
+        return build_forward(cfg, weights[:layers], x, bufs)[0]
+
+    forward(n).async_on(stream)  # checked and prepared
+    checked = len(checks)
+    one, many = forward(1), forward(n)
+    calls_one = _deviceop_calls(lambda: one.async_on(stream))
+    before = stats["launches"]
+    calls_many = _deviceop_calls(lambda: many.async_on(stream))
+    assert stats["launches"] - before == 4 * n and len(checks) == checked
+    assert calls_many == calls_one, "a warm eager launch now calls more than its ops: make it part of its plan"
+    assert not {name.split(":")[1] for name in calls_many} & CHECKS, calls_many

@@ -15,6 +15,7 @@ from deviceop.kernels import add, matvec, rms_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from token_model import Config, LayerBuffers, build_forward, numpy_forward, random_weights  # noqa: E402
+from helpers import calls_during  # noqa: E402
 
 CFG = Config(d=256, n_layers=3, bk=2)
 
@@ -242,6 +243,28 @@ def test_graph_model_refuses_a_wrong_input(stream, model):
     with pytest.raises(dop.StateError, match="closed"):
         m.forward(dop.empty(CFG.d, stream=stream))
     assert not stream.is_capturing()
+
+
+def test_graph_model_forward_is_a_copy_and_a_replay_and_refuses_what_a_replay_refuses(stream, model, rng):
+    """The hot path (bench/token_loop.py holds it to the bare driver calls) makes the two
+    driver calls and nothing else; a forward inside an execution is still refused."""
+    weights, host = model
+    graph, x, out = capture_forward(stream, weights)
+    m = GraphModel(graph, x, out)
+    xs = rng.standard_normal(CFG.d).astype(np.float32)
+    x_in = dop.from_numpy(xs, stream=stream)
+
+    def made_by_forward(frame):
+        return frame.f_code.co_name if frame.f_back and frame.f_back.f_code.co_name == "forward_async" else None
+    assert calls_during(lambda: m.forward_async(x_in), made_by_forward) == ["memcpy", "launch"]
+    ref = numpy_forward(CFG, host, xs)
+    assert np.linalg.norm(m.output.numpy(stream=stream) - ref) / np.linalg.norm(ref) < 1e-5
+    before = out.numpy(stream=stream)
+    other = dop.from_numpy(rng.standard_normal(CFG.d).astype(np.float32), stream=stream)
+    with pytest.raises(dop.ReentrancyError, match="non-reentrant"):
+        dop.value(None).inspect(lambda _: m.forward(other)).sync_on(stream)
+    np.testing.assert_array_equal(x.numpy(stream=stream), xs)  # refused before the input was copied
+    np.testing.assert_array_equal(out.numpy(stream=stream), before)
 
 
 def test_a_scope_body_that_raises_leaves_no_capture_open(stream):

@@ -41,11 +41,14 @@ def model():
             "logits": llama.logits_along(prompt)}
 
 
-@pytest.mark.parametrize("tp,allreduce", [(2, "auto"), (4, "auto"), (2, "nccl")])
+@pytest.mark.parametrize("tp,allreduce", [(2, "auto"), (4, "auto"), (2, "oneshot"), (2, "nccl")])
 def test_tensor_parallel_greedy_tokens_are_tp1s_in_one_launch_and_eagerly(model, tp, allreduce):
-    """"auto": the all-reduces are the one-shot kernel over peer buffers; "nccl": collectives."""
+    """"auto": the O and down projections all-reduce in their epilogue (matvec_allreduce), the
+    head's exchanges are the one-shot kernel; "oneshot": that kernel after every projection;
+    "nccl": collectives."""
     def rank(group):
         llama = Llama(CFG, model["weights"], capacity=CAP, group=group, allreduce=allreduce)
+        assert (llama.decoder.fused is not None) == (allreduce == "auto")
         return llama.generate(model["prompt"], NEW), llama.generate(model["prompt"], NEW, graph=False)
     for in_graph, eager in dist.run_reference(tp, rank):
         assert in_graph == model["greedy"] and eager == model["greedy"]

@@ -63,7 +63,8 @@ def built(tmp_path_factory):
 
 def test_the_wheel_installs_only_deviceop_with_the_kernel_library_inside(built):
     assert sorted(p.name for p in built.iterdir()) == ["deviceop"]
-    expected = {f"deviceop/{p.relative_to(ROOT / 'deviceop')}" for p in (ROOT / "deviceop").rglob("*.py")}
+    expected = {f"deviceop/{p.relative_to(ROOT / 'deviceop')}" for p in (ROOT / "deviceop").rglob("*")
+                if p.suffix in (".py", ".cu", ".cuh")}
     expected |= {f"deviceop/kernels/{p.relative_to(ROOT / 'kernels')}" for p in (ROOT / "kernels").rglob("*")
                  if p.suffix in (".py", ".cu", ".cuh")}
     shipped = {str(p.relative_to(built)) for p in built.rglob("*") if p.is_file()}

@@ -69,6 +69,7 @@ def test_work_enqueued_on_a_stream_another_thread_captures_is_refused_and_never_
     x, y = upload(xs, stream), upload(np.full(N, np.nan), stream)
     w, z = upload(ws, stream), upload(np.full(N, np.nan), stream)
     side = scale(z, w, 5.0).graph_on(stream)  # another graph of the stream, for replay()
+    model, w_in = dop.GraphModel(side, w, z), upload(ws, device.new_stream())  # ... and GraphModel.forward
 
     def capture(hold):
         if style == "graph_on":
@@ -84,7 +85,7 @@ def test_work_enqueued_on_a_stream_another_thread_captures_is_refused_and_never_
         theirs = scale(z, w, 3.0)
         for enqueue in (lambda: theirs.async_on(stream), lambda: theirs.sync_on(stream),
                         lambda: api.memcpy(z, w).sync_on(stream), lambda: side.update(api.memcpy(z, w)),
-                        lambda: side.replay(), lambda: side.launch().sync_on(stream),
+                        lambda: side.replay(), lambda: side.launch().sync_on(stream), lambda: model.forward(w_in),
                         lambda: dop.zeros(N, stream=stream), lambda: dop.from_numpy(ws, stream=stream)):
             with pytest.raises(dop.CaptureError, match=rf"another thread \(.*\) is capturing into a graph \({label}\)"
                                                        r".*stream of its own"):

@@ -65,19 +65,26 @@ def _slots(address: int, world: int, slot_lines: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint32 * n).from_address(int(address))).reshape(2, world, slot_lines, 4)
 
 
-def _emulate(out, x, base, peers, state, rank, slot_lines, timeout_ns) -> None:
+def exchange(out, x, base, peers, state, rank, slot_lines, timeout_ns, *, group_lines: int = LINES,
+             line0: int = 0, epoch0: int = 1) -> None:
+    """The one-shot exchange on host memory: ``out = base + the sum over the ranks of x``
+    (``base`` None: no base), every rank's ``x`` pushed as 8-byte payloads of 16-byte
+    lines into the peers' slots.  Lines go in groups of ``group_lines`` (a kernel block's,
+    a CTA's), group j's epoch at ``state[epoch0 + j]``, the lines from ``line0`` of each
+    slot: the one-shot all-reduce's blocks (allreduce.cu) and a fused epilogue's CTAs
+    (kernels/llama_tp.cu's matvec_allreduce) alike."""
     world, rank, slot_lines = peers.shape[0], int(rank), int(slot_lines)
     if state[0]:  # a call timed out before: NaN until the buffers are rebuilt
         out[...] = np.nan
         return
     mine = np.ascontiguousarray(x).reshape(-1).view(np.uint32).reshape(-1, 2).copy()
     n_lines = mine.shape[0]
-    blocks = n_lines // LINES
-    epochs = (state[1:1 + blocks].astype(np.uint64) + 1) & 0xFFFFFFFF
+    groups = n_lines // group_lines
+    epochs = (state[epoch0:epoch0 + groups].astype(np.uint64) + 1) & 0xFFFFFFFF
     epochs[epochs == 0] = 2  # as the kernel: never 0, and the parity keeps alternating
-    state[1:1 + blocks] = epochs.astype(np.uint32)
-    line_epoch = np.repeat(epochs.astype(np.uint32), LINES)
-    parity, line = (line_epoch & 1).astype(np.intp), np.arange(n_lines)
+    state[epoch0:epoch0 + groups] = epochs.astype(np.uint32)
+    line_epoch = np.repeat(epochs.astype(np.uint32), group_lines)
+    parity, line = (line_epoch & 1).astype(np.intp), line0 + np.arange(n_lines)
     for k in range(1, world):  # push: this rank's lines into slot [parity][rank] of every peer
         slot = _slots(peers[(rank + k) % world], world, slot_lines)
         slot[parity, rank, line, 0], slot[parity, rank, line, 2] = mine[:, 0], mine[:, 1]
@@ -107,12 +114,12 @@ def _emulate(out, x, base, peers, state, rank, slot_lines, timeout_ns) -> None:
 
 def _reference(mode: str):
     if mode == "in_place":
-        return lambda g, out, peers, state, *s: _emulate(out, out, None, peers, state, *s)
+        return lambda g, out, peers, state, *s: exchange(out, out, None, peers, state, *s)
     if mode == "residual":
-        return lambda g, out, x, res, peers, state, *s: _emulate(out, x, res, peers, state, *s)
+        return lambda g, out, x, res, peers, state, *s: exchange(out, x, res, peers, state, *s)
     if mode == "accumulate":
-        return lambda g, out, x, peers, state, *s: _emulate(out, x, out.copy(), peers, state, *s)
-    return lambda g, out, x, peers, state, *s: _emulate(out, x, None, peers, state, *s)
+        return lambda g, out, x, peers, state, *s: exchange(out, x, out.copy(), peers, state, *s)
+    return lambda g, out, x, peers, state, *s: exchange(out, x, None, peers, state, *s)
 
 
 def _declare(mode: str, dtype: str) -> Kernel:

@@ -54,15 +54,27 @@ class PeerBuffers:
     ``max_bytes``: the largest all-reduce it takes (a multiple of 512; each rank holds
     ``4 * world_size * max_bytes`` bytes of receive slots).  ``timeout``: seconds a
     kernel waits for a peer's data before it gives up, writes NaN and sets the error
-    that ``check()`` raises (default: the group's timeout)."""
+    that ``check()`` raises (default: the group's timeout).
 
-    def __init__(self, group, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float | None = None):
+    ``epochs``: how many epoch counters ``state`` holds past its error word (default one
+    a 512-byte block of ``max_bytes``, what ``all_reduce`` needs); a kernel that fuses the
+    exchange into its own epilogue (lines.cuh) needs one a CTA.  ``attach=False`` keeps
+    the buffers private to such kernels: dist.all_reduce's "auto" does not use them (a
+    buffer's lines must serve one kind of caller, or the epochs would disagree)."""
+
+    def __init__(self, group, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float | None = None, *,
+                 epochs: int | None = None, attach: bool = True):
         ws = group.world_size
         if ws > MAX_WORLD:
             raise DistributedError(f"one-shot all_reduce over {ws} ranks: it serves at most {MAX_WORLD} (one "
                                    "machine's NVLink domain); use algorithm='nccl'")
         if not (isinstance(max_bytes, int) and max_bytes > 0 and max_bytes % BLOCK_BYTES == 0):
             raise ShapeError(f"PeerBuffers(max_bytes={max_bytes!r}): give a positive multiple of {BLOCK_BYTES}")
+        if epochs is None:
+            epochs = max_bytes // BLOCK_BYTES
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < max_bytes // BLOCK_BYTES:
+            raise ShapeError(f"PeerBuffers(epochs={epochs!r}): give an int of at least {max_bytes // BLOCK_BYTES} "
+                             "(one a 512-byte block of max_bytes)")
         timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers")
         self.group, self.max_bytes = group, max_bytes
         self.slot_lines = max_bytes // 8
@@ -81,10 +93,11 @@ class PeerBuffers:
             addresses = self._memory.open([ident if r == group.rank else h for r, (_, h) in enumerate(found)],
                                           group.rank)
             self.peers = from_numpy(np.array(addresses, dtype=np.uint64), stream=stream)
-            self.state = zeros(1 + max_bytes // BLOCK_BYTES, dtype="uint32", stream=stream)
+            self.state = zeros(1 + epochs, dtype="uint32", stream=stream)
             stream.synchronize()  # zeroed everywhere before any rank's first store
             group.barrier()
-            _attached[group] = self
+            if attach:
+                _attached[group] = self
         except BaseException:
             self._memory.release(None)  # a peer may have mapped it: leak it
             raise

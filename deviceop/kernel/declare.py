@@ -54,6 +54,11 @@ from .shapes import dim_names
 from .signature import _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
 
 
+# deviceop's own CUDA headers (#include <deviceop/pdl.cuh>): on every kernel's include path,
+# so the kernel library above (kernels/) and deviceop's kernels share them.
+INCLUDE_DIR = Path(__file__).resolve().parent.parent / "include"
+
+
 def _shapes_name_scalars(g, *args) -> None:
     """The rule of a kernel whose shapes name scalars: bind checked them already."""
 
@@ -223,7 +228,8 @@ class Kernel:
         filename = self.source_path.name if self.source_path else f"{self.name}.cu"
         try:
             prog = compile_cubin(self.source, arch=arch, name_expressions=[] if mangled else [expr],
-                                 options=self.options, include_dirs=self.include_dirs, filename=filename)
+                                 options=self.options, include_dirs=(*self.include_dirs, INCLUDE_DIR),
+                                 filename=filename)
         except CompileError as exc:
             raise self._entry_hint(exc, expr) from None
         return prog, expr

@@ -31,8 +31,10 @@ class Llama:
     group, one process per GPU; ``dist.init()`` makes the group from torchrun's or mpirun's
     environment when none is given.  Every rank passes the whole checkpoint (host arrays are
     memory-mapped; only the rank's blocks reach its GPU) and makes the same calls.
-    ``allreduce``: "auto" (the one-shot all-reduce over peer memory, deviceop.distributed's
-    PeerBuffers; NCCL where it does not apply) or "nccl"."""
+    ``allreduce``: "auto" (the O and down projections all-reduce their rows in their own epilogue,
+    the other all-reduces are the one-shot kernel over peer memory, deviceop.distributed's
+    PeerBuffers; NCCL where neither applies), "oneshot" (the one-shot kernel after each
+    projection, unfused) or "nccl"."""
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
                  prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):

@@ -208,28 +208,37 @@ class TorchDecodeStep:
     is every step: ``graph()`` captures it, ``replay`` runs one."""
 
     def __init__(self, cfg: LlamaConfig, state: dict, capacity: int):
-        import torch
         from .weights import layer_names
-        self.cfg, self.capacity = cfg, capacity
         emb = state["model.embed_tokens.weight"]
-        dev = emb.device
         self.embed = emb
         self.head = emb if cfg.tie_word_embeddings else state["lm_head.weight"]
         self.final_norm = state["model.norm.weight"]
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            n = layer_names(i)
-            self.layers.append((state[n["input_norm"]], torch.cat([state[n["q"]], state[n["k"]], state[n["v"]]]),
-                                state[n["o"]], state[n["post_norm"]], torch.cat([state[n["gate"]], state[n["up"]]]),
-                                state[n["down"]]))
-        shape = (cfg.num_hidden_layers, 1, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=emb.dtype, device=dev)  # bf16 (float32 only to test)
-        self.v_cache = torch.zeros(shape, dtype=emb.dtype, device=dev)
+        self.layers = [self._layer({k: state[n] for k, n in layer_names(i).items()})
+                       for i in range(cfg.num_hidden_layers)]
+        self._allocate(cfg, capacity, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size)
+
+    @staticmethod
+    def _layer(w: dict) -> tuple:
+        """A layer's weights (short names, as weights.layer_names) as ``step`` reads them:
+        q/k/v and gate/up rows stacked, as deviceop's."""
+        import torch
+        return (w["input_norm"], torch.cat([w["q"], w["k"], w["v"]]), w["o"], w["post_norm"],
+                torch.cat([w["gate"], w["up"]]), w["down"])
+
+    def _allocate(self, cfg: LlamaConfig, capacity: int, heads: int, kv_heads: int, vocab: int) -> None:
+        """The step's state beside its weights, on their device: ``heads`` query and ``kv_heads``
+        KV heads (a tensor-parallel rank's share: bench/tp_decode.py), logits over ``vocab``."""
+        import torch
+        self.cfg, self.capacity, self.heads, self.kv_heads = cfg, capacity, heads, kv_heads
+        dev = self.embed.device
+        shape = (cfg.num_hidden_layers, 1, kv_heads, capacity, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.embed.dtype, device=dev)  # bf16 (float32 only to test)
+        self.v_cache = torch.zeros(shape, dtype=self.embed.dtype, device=dev)
         self.inv_freq = torch.as_tensor(cfg.inv_freq(), device=dev)
         self.slots = torch.arange(capacity, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
-        self.logits = torch.zeros(cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.logits = torch.zeros(vocab, dtype=torch.float32, device=dev)
         self.graph = None
 
     def _rms(self, x, w):
@@ -250,7 +259,7 @@ class TorchDecodeStep:
         import torch
         import torch.nn.functional as F
         cfg = self.cfg
-        hq, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hq, hkv, hd = self.heads, self.kv_heads, cfg.head_dim
         h = F.embedding(self.tok, self.embed)                                  # [1, D] bf16
         freqs = self.pos.float()[:, None] * self.inv_freq[None]                # float32, as Hugging Face
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -265,13 +274,21 @@ class TorchDecodeStep:
             self.v_cache[layer].index_copy_(2, self.pos, v.view(1, hkv, 1, hd))
             a = F.scaled_dot_product_attention(q, self.k_cache[layer], self.v_cache[layer], attn_mask=mask,
                                                enable_gqa=True)
-            h = h + F.linear(a.reshape(1, hq * hd), w_o)
+            h = h + self._reduce(F.linear(a.reshape(1, hq * hd), w_o))
             gate, up = F.linear(self._rms(h, n_post), w_gu).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w_down)
+            h = h + self._reduce(F.linear(F.silu(gate) * up, w_down))
         logits = F.linear(self._rms(h, self.final_norm), self.head).float()[0]
         self.logits.copy_(logits)
-        self.tok.copy_(logits.argmax().view(1))
+        self._pick(logits)
         self.pos.add_(1)
+
+    def _reduce(self, x):
+        """The sum over tensor-parallel ranks of a projection's partial output (o, down); one rank's is its own."""
+        return x
+
+    def _pick(self, logits) -> None:
+        """The next token: the argmax of the logits (a tensor-parallel rank's, across the shards)."""
+        self.tok.copy_(logits.argmax().view(1))
 
     def capture(self) -> None:
         """Capture ``step()`` in a ``torch.cuda.CUDAGraph`` (after warm-up steps on a side

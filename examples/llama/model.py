@@ -29,7 +29,8 @@ from deviceop import api
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
-from deviceop.kernels.llama_tp import PAIRS, PLACE_TILE, placed_rows, tp_argmax_pair, tp_argmax_pick, tp_place
+from deviceop.kernels.llama_tp import (MAX_RESIDENT, PAIRS, PLACE_TILE, matvec_allreduce, matvec_allreduce_plan,
+                                       placed_rows, tp_argmax_pair, tp_argmax_pick, tp_place)
 
 from .config import INT32_MAX, LlamaConfig, kernel_limits
 from .tp import Shard, agree, shard_weights
@@ -43,6 +44,8 @@ ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
 # step that ends an iteration, and each step's QKV kernel appends entry pos alone, so attention loads
 # the older entries before its griddepcontrol.wait.
 ATTN_PREFETCH = True
+# tensor parallel: how the ranks' partial sums are added (LlamaDecoder's allreduce=)
+ALLREDUCE = ("auto", "oneshot", "nccl")
 SAMPLE_CANDIDATES = 32  # a CTA's candidates, fewer past 131072 logits (llama_attn.sample_candidates)
 # The device's error word (kernels/llama_common.cuh llama::ERR_*): bits OR-ed in by the kernels.
 # ERR_NONFINITE is what the LM head kernel sets when a logit is NaN or inf (the host also
@@ -147,12 +150,16 @@ def check_memory(cfg: LlamaConfig, weights: dict, capacity: int, device) -> None
 def launch_plans(cfg: LlamaConfig, capacity: int, shard: Shard) -> dict:
     """Launch name -> (tile, generics) of a decode step (the head's: (tile, logits rows, generics))."""
     d, hd = cfg.hidden_size, cfg.head_dim
-    return {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, shard.heads, shard.kv_heads, hd),
-            "o": proj.matvec_residual_plan(d, shard.q_size), "gate_up": proj.gate_up_plan(d, shard.inter),
-            "down": proj.matvec_residual_plan(d, shard.inter), "head": proj.lm_head_plan(d, shard.vocab),
-            # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-            "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
-                                     prefetch=ATTN_PREFETCH)}
+    plans = {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, shard.heads, shard.kv_heads, hd),
+             "o": proj.matvec_residual_plan(d, shard.q_size), "gate_up": proj.gate_up_plan(d, shard.inter),
+             "down": proj.matvec_residual_plan(d, shard.inter), "head": proj.lm_head_plan(d, shard.vocab),
+             # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
+             "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
+                                      prefetch=ATTN_PREFETCH)}
+    if shard.size > 1:  # the O and down projections with the all-reduce in their epilogue
+        plans["o_ar"] = matvec_allreduce_plan(d, shard.q_size, shard.size)
+        plans["down_ar"] = matvec_allreduce_plan(d, shard.inter, shard.size)
+    return plans
 
 
 def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> list:
@@ -167,7 +174,8 @@ def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) 
              (attn_k.sample, [attn_k.sample_candidates(cfg.vocab_size, SAMPLE_CANDIDATES)]),
              (llama_step, ()), (llama_step_start, ())]
     if shard.size > 1:
-        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ()), (tp_place, [PLACE_TILE])]
+        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ()), (tp_place, [PLACE_TILE]),
+                  (matvec_allreduce, p["o_ar"][1]), (matvec_allreduce, p["down_ar"][1])]
     unique = {(k.name, tuple(g)): (k, list(g)) for k, g in items}
     return list(unique.values())
 
@@ -179,9 +187,10 @@ class LlamaDecoder:
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int, *, stream, pdl: bool = True, group=None,
                  allreduce: str = "auto"):
-        if allreduce not in ("auto", "nccl"):
-            raise dop.ShapeError(f"allreduce={allreduce!r}: use 'auto' (the one-shot all-reduce over peer memory, "
-                                 "NCCL where it does not apply) or 'nccl'")
+        if allreduce not in ALLREDUCE:
+            raise dop.ShapeError(f"allreduce={allreduce!r}: use 'auto' (the O and down projections' all-reduces "
+                                 "fused into their epilogue, the others one-shot over peer memory, NCCL where "
+                                 "neither applies), 'oneshot' (no fusion) or 'nccl'")
         # every refusal before a byte is allocated: the request, the kernels' limits, the weights, the memory
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or not 2 <= capacity <= INT32_MAX:
             raise dop.ShapeError(f"a KV capacity of {capacity!r} holds no generation; give an integer of at least 2")
@@ -217,11 +226,10 @@ class LlamaDecoder:
         self.token = ints([0])                  # the step's chosen token
         self.eos = ints(list(cfg.eos_token_id) or [0])
 
+        self.plan, self.fused = plans, None
         self.embed_tile, self.embed_gen = plans["embed"]
         self.qkv_tile, self.qkv_gen = plans["qkv"]
-        self.o_tile, self.o_gen = plans["o"]
         self.gu_tile, self.gu_gen = plans["gate_up"]
-        self.down_tile, self.down_gen = plans["down"]
         self.head_tile, rows, self.head_gen = plans["head"]
         self.logits = buf([rows])
         self.head_work = dop.from_numpy(np.zeros(2, np.uint64), stream=stream)
@@ -238,8 +246,10 @@ class LlamaDecoder:
             # the whole vocabulary's logits, gathered for sampling and teacher forcing (padded: tp_place)
             self.full_logits = buf([placed_rows(cfg.vocab_size)])
             self.allreduce = allreduce
-            if allreduce == "auto":
+            if allreduce != "nccl":
                 self._peer_buffers(max(4 * d, 4 * self.full_logits.shape[0]))
+            if allreduce == "auto":
+                self._fused_buffers(plans)
 
     @staticmethod
     def plans(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> dict:
@@ -275,6 +285,33 @@ class LlamaDecoder:
         if bufs is None or bufs.max_bytes < nbytes:
             dist.PeerBuffers(self.group, max_bytes=-(-nbytes // 512) * 512)
 
+    def _fused_buffers(self, plans: dict) -> None:
+        """Private peer buffers for the projections that all-reduce in their epilogue
+        (matvec_allreduce): the O projection's rows in lines [0, d/2) of each slot, the down
+        projection's in [d/2, d), one epoch a CTA.  None where a grid would not be resident at
+        once (fewer SMs than CTAs): those projections then all-reduce one-shot, unfused."""
+        import deviceop.distributed as dist
+        d, sms = self.cfg.hidden_size, self.group.device.sm_count
+        grids = [d // plans[k][0] for k in ("o_ar", "down_ar")]
+        if sms and max(grids) > min(sms, MAX_RESIDENT):
+            return
+        self.fused = dist.PeerBuffers(self.group, max_bytes=-(-8 * d // 512) * 512, epochs=sum(grids), attach=False)
+        self.fused_at = {"o_ar": (0, 1), "down_ar": (d // 2, 1 + grids[0])}  # (line0, epoch0)
+
+    def _projection(self, kind: str, out: dop.Tensor, x: dop.Tensor, w, residual: dop.Tensor) -> list:
+        """``out = residual + w @ x`` summed over the ranks: the O or down projection (``kind``)
+        with its all-reduce fused where the decoder has buffers for it, else the projection and
+        then the all-reduce."""
+        if self.fused is not None:
+            tile, gen = self.plan[kind + "_ar"]
+            line0, epoch0 = self.fused_at[kind + "_ar"]
+            f = self.fused
+            return [matvec_allreduce(out.partition([tile]), x, w, residual, f.peers, f.state, self.shard.rank,
+                                     f.slot_lines, line0, epoch0, f.timeout_ns).generics(gen).pdl(self.pdl)]
+        tile, gen = self.plan[kind]
+        return [proj.matvec_residual(out.partition([tile]), x, w, self._residual(residual)).generics(gen).pdl(self.pdl),
+                *self._all_reduce(out)]
+
     def _all_reduce(self, x: dop.Tensor) -> list:
         """The sum of the ranks' ``x``, in place (tensor parallel; nothing at TP=1): the one-shot
         kernel where the group has peer buffers ("auto"), launched with PDL so that the next
@@ -289,7 +326,7 @@ class LlamaDecoder:
 
     def _one_shot(self, x: dop.Tensor):
         """The group's peer buffers if the one-shot all-reduce is to sum ``x``, else None."""
-        if self.group is None or self.allreduce != "auto":
+        if self.group is None or self.allreduce == "nccl":
             return None
         from deviceop.distributed.peer import peer_buffers
         bufs = peer_buffers(self.group)
@@ -304,14 +341,10 @@ class LlamaDecoder:
                               self.pos, k, v, self.error, eps, cap).generics(self.qkv_gen).pdl(p),
             attn_k.attn_decode(self.attn.partition([self.attn_tile]), self.q, k, v, self.pos, self.attn_ws,
                                self.attn_counters, cap).generics(self.attn_gen).pdl(p),
-            proj.matvec_residual(self.h1.partition([self.o_tile]), self.attn, w["o"], self._residual(self.h0))
-            .generics(self.o_gen).pdl(p),
-            *self._all_reduce(self.h1),
+            *self._projection("o", self.h1, self.attn, w["o"], self.h0),
             proj.rms_gate_up_silu(self.act.partition([self.gu_tile]), self.h1, w["post_norm"], w["gate_up"], eps)
             .generics(self.gu_gen).pdl(p),
-            proj.matvec_residual(self.h0.partition([self.down_tile]), self.act, w["down"], self._residual(self.h1))
-            .generics(self.down_gen).pdl(p),
-            *self._all_reduce(self.h0))
+            *self._projection("down", self.h0, self.act, w["down"], self.h1))
 
     @property
     def vocab_logits(self) -> dop.Tensor:
@@ -400,6 +433,8 @@ class LlamaDecoder:
         """Raise if the device flagged the step (the error word) or, with ``logits``, if the
         last logits are not finite: a NaN or inf anywhere in a step reaches the KV cache, so
         every later step's logits, and the tokens chosen from them would be garbage."""
+        if self.fused is not None:
+            self.fused.check()  # a projection's all-reduce gave up waiting for a peer: its outputs were NaN
         error = int(self.error.numpy(stream=self.stream)[0])
         if error:
             raise dop.StateError(

@@ -1,5 +1,8 @@
 // Programmatic dependent launch (sm_90): the two instructions every PDL-ready
 // kernel uses; compiled out below sm_90, and no-ops in a launch without PDL.
+// deviceop's own header: every Kernel compiles with deviceop/include on its include
+// path (deviceop/kernel/declare.py), so kernels/ and deviceop's kernels both
+// #include <deviceop/pdl.cuh>.
 #pragma once
 
 // Wait until the previous kernel on the stream has completed and its writes are visible.
