@@ -59,8 +59,8 @@ from .op import DeviceOp, DeviceOpVec, ExecutionContext, SharedOp, shared, value
 from . import api
 from .foreign import ForeignOp, HostCallback, foreign, host_callback
 from .kernel import In, InOut, Kernel, KernelLaunch, Out, Scalar, precompile
-from .graph import (CacheStats, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, MemcpyNode, MemsetNode,
-                    Module, Scope, Workspace, default_sizes, if_, loop, switch, while_)
+from .graph import (CacheStats, ChildGraphNode, CudaGraph, GraphCache, GraphLaunch, GraphModel, KernelNode, MemcpyNode,
+                    MemsetNode, Module, Scope, SwitchGraphCache, Workspace, default_sizes, if_, loop, switch, while_)
 
 __version__ = "0.1.0"
 
@@ -80,7 +80,7 @@ __all__ = [
     "ForeignOp", "HostCallback", "foreign", "host_callback",
     "In", "InOut", "Kernel", "KernelLaunch", "KernelNode", "MemcpyNode", "MemsetNode", "Out", "Scalar", "api",
     "precompile",
-    "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
-    "CacheStats", "GraphCache", "Workspace", "default_sizes", "if_", "loop", "switch", "while_",
+    "ChildGraphNode", "CudaGraph", "GraphLaunch", "GraphModel", "Module", "Scope",
+    "CacheStats", "GraphCache", "SwitchGraphCache", "Workspace", "default_sizes", "if_", "loop", "switch", "while_",
 ]
 zip = zip_  # dop.zip(...) reads like the seed's zip!; the builtin is untouched outside this namespace

@@ -138,18 +138,20 @@ class DeviceOp:
         """An awaitable that executes on ``stream``: ``await op.on(stream)``."""
         return self._await_on(stream)
 
-    def graph_on(self, stream):
-        """Capture this op on ``stream`` into a replayable CudaGraph (see deviceop.graph)."""
+    def graph_on(self, stream, parallel: bool = False):
+        """Capture this op on ``stream`` into a replayable CudaGraph (see deviceop.graph).
+        ``parallel``: ops that share no written buffer become parallel branches of the
+        graph, instead of following each other in execution order (graph/parallel.py)."""
         self._armed = False
         check_stream(f"graph_on({self.describe()})", stream)
         try:
-            return _capture_graph(self, stream)  # (the capture is ended, and the stream usable, on any error)
+            return _capture_graph(self, stream, parallel)  # (the capture is ended, and the stream usable, on any error)
         except RecursionError as exc:
             raise too_deep(self, exc) from exc
 
-    def graph(self):
+    def graph(self, parallel: bool = False):
         """``graph_on`` the default stream."""
-        return self.graph_on(_default_stream())
+        return self.graph_on(_default_stream(), parallel)
 
     # -- combinators -------------------------------------------------------------
     def map(self, f) -> "DeviceOp":

@@ -16,7 +16,7 @@
 //
 // PDL-ready: both read what the previous kernels wrote only after griddepcontrol.wait.
 #include "llama_common.cuh"
-#include "lines.cuh"  // deviceop/distributed: the one-shot exchange's line protocol
+#include <deviceop/lines.cuh>  // the one-shot exchange's line protocol (deviceop/distributed)
 
 using llama::RowStream;
 
@@ -66,7 +66,7 @@ __global__ void tp_place(float* __restrict__ out, const float* __restrict__ src,
 // the W ranks of w_r @ x_r, every rank computing the same bits.  The matvec is
 // matvec_residual's (kernels/llama_proj.cu); then each CTA exchanges its own RPC rows
 // with the same CTA of every peer, as the one-shot all-reduce does a block's lines
-// (deviceop/distributed/lines.cuh), while the other CTAs still stream their weights:
+// (deviceop/include/deviceop/lines.cuh), while the other CTAs still stream their weights:
 // no separate all-reduce launch and no kernel boundary between the product and the sum.
 //   peers uint64 [W]: the receive buffers (dist.PeerBuffers), state uint32: [0] the
 //   error word, [epoch0 + blockIdx.x] this CTA's epoch; the CTA's rows travel as the

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 
-import deviceop.distributed as dist
 from deviceop.distributed.oneshot import MAX_WORLD, exchange
 from deviceop.kernel import In, Kernel, Out, Scalar
 
@@ -31,7 +30,6 @@ from .llama_proj import H100_SMS, _fp32_semantics, _grid, _stream_checks, matvec
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "llama_tp.cu"
-INCLUDES = (Path(dist.__file__).resolve().parent,)  # lines.cuh: the one-shot exchange's line protocol
 PAIRS = 128          # floats of the pairs vector: 512 bytes (the one-shot all-reduce's unit), 64 ranks
 MAX_INDEX = 1 << 24  # a global index travels as a float32: exact below 2^24
 
@@ -81,12 +79,12 @@ tp_argmax_pair = Kernel(
     "tp_argmax_pair", SOURCE,
     [Out("pairs", "float32", rank=1), In("logits", "float32", rank=1), In("token", "int32", rank=1),
      Scalar("n_pairs", "int32"), Scalar("rank", "int32"), Scalar("offset", "int32")],
-    block=128, reference=_pair_ref, validate=_pair_check, include_dirs=INCLUDES)
+    block=128, reference=_pair_ref, validate=_pair_check)
 
 tp_argmax_pick = Kernel(
     "tp_argmax_pick", SOURCE,
     [Out("token", "int32", rank=1), In("pairs", "float32", rank=1), Scalar("n", "int32")],
-    block=1, reference=_pick_ref, validate=_pick_check, include_dirs=INCLUDES)
+    block=1, reference=_pick_ref, validate=_pick_check)
 
 def _place_ref(g, out, src, offset, n):
     out[...] = 0
@@ -108,8 +106,7 @@ def _place_check(g, out, src, offset, n):
 tp_place = Kernel(
     "tp_place", SOURCE,
     [Out("out", "float32", rank=1), In("src", "float32", rank=1), Scalar("offset", "int32"), Scalar("n", "int32")],
-    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check,
-    include_dirs=INCLUDES)
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check)
 
 PLACE_TILE = 1024  # tp_place's tile: a gathered vocabulary vector is padded to a multiple of it
 
@@ -161,8 +158,7 @@ matvec_allreduce = Kernel(
      Scalar("slot_lines", "uint32"), Scalar("line0", "uint32"), Scalar("epoch0", "uint32"),
      Scalar("timeout_ns", "uint64")],
     generics=["K", "NR", "CH", "W", "RPC", "KS", "NB", "WORLD"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
-    reference=_matvec_allreduce_ref, limits=_matvec_allreduce_limits, validate=_matvec_allreduce_check,
-    include_dirs=INCLUDES)
+    reference=_matvec_allreduce_ref, limits=_matvec_allreduce_limits, validate=_matvec_allreduce_check)
 
 
 def matvec_allreduce_plan(n: int, k: int, world: int, *, sms: int = H100_SMS) -> tuple[int, list]:

@@ -40,6 +40,10 @@ def assert_greedy_under_the_reference(weights, prompt, got, atol=2e-3):
             assert logits[chosen] >= logits.max() - atol, (pos, chosen, int(np.argmax(logits)))
 
 
+# barrier_loop: the test captures a device loop around the Llama kernels; racecheck and synccheck
+# cannot run those (docs/robustness.md, "Sanitizers"): under them the loop-free tests below run
+# the same kernels.
+@pytest.mark.barrier_loop
 def test_one_launch_generates_what_the_float64_decoder_picks(llama, weights):
     prompt = [5, 17, 923, 4, 4, 61]
     got = llama.generate(prompt, max_new_tokens=10)
@@ -48,6 +52,15 @@ def test_one_launch_generates_what_the_float64_decoder_picks(llama, weights):
     assert_greedy_under_the_reference(weights, prompt, got)
 
 
+def test_the_eager_ops_and_the_stream_pick_what_the_float64_decoder_picks(llama, weights):
+    """No device loop: every kernel of a step, launched eagerly and as one graph a token."""
+    prompt = [3, 1, 4, 1, 5]
+    eager = llama.generate(prompt, max_new_tokens=8, graph=False)
+    assert list(llama.stream(prompt, max_new_tokens=8)) == eager
+    assert_greedy_under_the_reference(weights, prompt, eager)
+
+
+@pytest.mark.barrier_loop
 def test_the_graph_the_eager_ops_and_the_stream_agree(llama):
     prompt = [3, 1, 4, 1, 5]
     in_graph = llama.generate(prompt, max_new_tokens=8)
@@ -56,12 +69,23 @@ def test_the_graph_the_eager_ops_and_the_stream_agree(llama):
     assert llama.generate(prompt, max_new_tokens=8) == in_graph  # the cached graph, replayed again
 
 
+@pytest.mark.barrier_loop
 def test_sampling_is_reproducible_for_a_seed(llama):
     prompt = [9, 8, 7]
     s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
     first = llama.generate(prompt, max_new_tokens=12, sampling=s)
     assert llama.generate(prompt, max_new_tokens=12, sampling=s) == first
     assert all(0 <= t < TINY.vocab_size for t in first)
+
+
+def test_sampling_eagerly_and_a_graph_a_token_draw_the_same_tokens(llama):
+    """No device loop: the sampler, launched eagerly and as one graph a token, for one seed."""
+    prompt = [9, 8, 7]
+    s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=4321)
+    eager = llama.generate(prompt, max_new_tokens=6, sampling=s, graph=False)
+    assert list(llama.stream(prompt, max_new_tokens=6, sampling=s)) == eager
+    assert len(eager) == 6 or eager[-1] in TINY.eos_token_id
+    assert all(0 <= t < TINY.vocab_size for t in eager)
 
 
 @pytest.mark.parametrize("prompt,max_new,message", [
@@ -79,6 +103,7 @@ def test_a_request_the_cache_or_vocabulary_cannot_serve_is_refused_before_launch
     assert dop.op.stats["launches"] == before
 
 
+@pytest.mark.barrier_loop
 @pytest.mark.parametrize("poison", ["overflow"])  # a NaN weight is refused at load (test_llama_weights)
 def test_logits_that_go_non_finite_make_generate_raise_instead_of_returning_tokens(weights, poison):
     """A down projection whose row overflows float32 (finite bf16 weights near its maximum) or
@@ -141,6 +166,7 @@ def test_a_cache_larger_than_the_memory_is_refused_before_anything_is_allocated(
     assert allocated == []
 
 
+@pytest.mark.barrier_loop
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the overflow is the point
 def test_logits_that_go_non_finite_make_the_generation_raise(weights, rng):
     """Finite weights whose activations overflow (a final norm of 1e38): every mode raises

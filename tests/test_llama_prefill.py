@@ -338,6 +338,7 @@ def assert_greedy_under_the_reference(weights, prompt, got):
             assert logits[history[pos + 1]] >= logits.max() - 2.0 ** -7 * abs(logits.max()), pos
 
 
+@pytest.mark.barrier_loop
 @pytest.mark.parametrize("length,chunk", [(37, 16), (16, 16), (1, 16), (20, 8), (9, 32)],
                          ids=["partial-last-chunk", "exactly-one-chunk", "one-token", "chunk-8", "chunk-32"])
 def test_chunked_prefill_generates_what_token_by_token_ingestion_does(llama, weights, rng, length, chunk):
@@ -349,6 +350,18 @@ def test_chunked_prefill_generates_what_token_by_token_ingestion_does(llama, wei
     assert_greedy_under_the_reference(weights, prompt, chunked)
 
 
+def test_an_eager_chunked_prefill_generates_and_samples_as_eager_token_by_token(llama, weights, rng):
+    """No device loop (racecheck and synccheck run this one: docs/robustness.md, "Sanitizers"):
+    the prefill kernels launched eagerly, greedy and sampled."""
+    prompt = [int(x) for x in rng.integers(0, TINY.vocab_size, 21)]
+    chunked = llama.generate(prompt, max_new_tokens=4, prefill_chunk=16, graph=False)
+    assert chunked == llama.generate(prompt, max_new_tokens=4, graph=False)
+    assert_greedy_under_the_reference(weights, prompt, chunked)
+    s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=77)
+    assert llama.generate(prompt, 4, s, prefill_chunk=8, graph=False) == llama.generate(prompt, 4, s, graph=False)
+
+
+@pytest.mark.barrier_loop
 def test_chunked_prefill_fills_the_cache_and_the_logits_as_token_by_token(llama, rng):
     """Equal up to bf16: where the two paths round a cached entry to neighbouring bf16 values
     (2^-8 apart), the later layers' entries and the logits move by ~2^-8 of their scale."""
@@ -364,12 +377,14 @@ def test_chunked_prefill_fills_the_cache_and_the_logits_as_token_by_token(llama,
     assert np.max(np.abs(logits1 - logits2)) <= 2.0 ** -8 * np.max(np.abs(logits1))
 
 
+@pytest.mark.barrier_loop
 def test_sampling_after_a_chunked_prefill_draws_what_token_by_token_does(llama, rng):
     prompt = [int(x) for x in rng.integers(0, TINY.vocab_size, 19)]
     s = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=77)
     assert llama.generate(prompt, 10, s, prefill_chunk=16) == llama.generate(prompt, 10, s)
 
 
+@pytest.mark.barrier_loop
 def test_the_constructor_setting_is_the_default(weights, rng):
     prompt = [int(x) for x in rng.integers(0, TINY.vocab_size, 11)]
     chunked = Llama(TINY, weights, capacity=CAP, prefill_chunk=8)
@@ -397,6 +412,7 @@ NARROW = LlamaConfig(hidden_size=192, intermediate_size=320, num_hidden_layers=2
                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=(2,))
 
 
+@pytest.mark.barrier_loop
 @pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.full_sweep), 64])
 def test_a_narrow_model_prefills_and_decodes_as_the_float64_decoder(rng, chunk):
     weights = random_weights(NARROW, seed=int(rng.integers(1 << 30)), std=0.1)
@@ -474,6 +490,7 @@ def test_llama_1b_embed(stream, rng):
     assert error.numpy(stream=stream)[0] == 0
 
 
+@pytest.mark.barrier_loop
 @pytest.mark.gpu
 def test_llama_1b_chunked_generation_matches_token_by_token(rng):
     """The 1B shapes (4 layers, to keep the random checkpoint quick): the first token's logits

@@ -14,7 +14,7 @@
 // A bounded spin: after timeout_ns the block sets state[0] (the error word the host
 // reads), writes NaN, and every later call writes NaN at once until the buffers are
 // rebuilt: a missing peer never hangs the GPU.
-#include "lines.cuh"
+#include <deviceop/lines.cuh>  // the one-shot exchange's line protocol
 
 #include <deviceop/pdl.cuh>  // pdl_wait, pdl_launch_dependents: no-ops without PDL
 

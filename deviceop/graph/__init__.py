@@ -9,13 +9,15 @@ from .branches import if_, switch
 from .cache import CacheStats, GraphCache, Workspace, default_sizes
 from .capture import Capture
 from .copy_nodes import MemcpyNode, MemsetNode
-from .cudagraph import CudaGraph, GraphLaunch, Scope
+from .child import ChildGraphNode, GraphLaunch
+from .cudagraph import CudaGraph, Scope
 from .loops import Loop, While, loop, while_
 from .model import GraphModel, Module
 from .nodes import KernelNode, Node
+from .switch_cache import SwitchGraphCache
 
 _op._capture_graph = CudaGraph.capture
 
-__all__ = ["CacheStats", "Capture", "CudaGraph", "GraphCache", "GraphLaunch", "GraphModel", "KernelNode", "Loop",
-           "MemcpyNode", "MemsetNode", "Module", "Node", "Scope", "While", "Workspace", "default_sizes", "if_", "loop",
-           "switch", "while_"]
+__all__ = ["CacheStats", "Capture", "ChildGraphNode", "CudaGraph", "GraphCache", "GraphLaunch", "GraphModel",
+           "KernelNode", "Loop", "MemcpyNode", "MemsetNode", "Module", "Node", "Scope", "SwitchGraphCache", "While",
+           "Workspace", "default_sizes", "if_", "loop", "switch", "while_"]

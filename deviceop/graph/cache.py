@@ -167,7 +167,7 @@ class GraphCache:
                 return self._eager(batch, inputs)
             if self.pad_value is not None and self.pad_value != 0:
                 check_pad(self.pad_value, inputs, self._pads_checked)
-            key = (size, self._key_of(inputs))
+            key = self._slot(size, self._key_of(inputs))
             entry = self._entries.get(key)
             if entry is None:
                 check_new_key(self.key_fn, key, self._entries)
@@ -189,9 +189,10 @@ class GraphCache:
             for size in progress(todo, total=len(todo), desc="capturing graphs"):
                 if size not in self.sizes:
                     raise ShapeError(f"size {size} is not one of the cache's sizes {self.sizes}")
-                if (size, key) not in self._entries:
-                    check_new_key(self.key_fn, (size, key), self._entries)
-                    self._capture(size, (size, key), inputs)
+                slot = self._slot(size, key)
+                if slot not in self._entries:
+                    check_new_key(self.key_fn, slot, self._entries)
+                    self._capture(size, slot, inputs)
                     n += 1
             return n
 
@@ -235,6 +236,11 @@ class GraphCache:
             raise ShapeError(f"GraphCache inputs must share a batch (axis 0) >= 1; got shapes "
                              f"{[t.shape for t in inputs]}")
         return batch
+
+    @staticmethod
+    def _slot(size: int, key) -> tuple:
+        """What a graph is held under: its padded size and key (SwitchGraphCache: the key alone)."""
+        return (size, key)
 
     def _key_of(self, inputs):
         if self.key_fn is None:
@@ -298,11 +304,7 @@ class GraphCache:
             raise refuse_reentry("graph.replay() of a GraphCache", executing_now())
         refuse_if_captured_elsewhere("a GraphCache replay", stream)
         if self.key_fn is not None:  # the default key already holds every shape and dtype
-            for x, t in zip(inputs, entry.inputs):
-                if x.shape[1:] != t.shape[1:] or x.dtype is not t.dtype:
-                    raise ShapeError(f"the key function put inputs of shape {x.shape} ({x.dtype.name}) on the "
-                                     f"graph captured for {t.shape} ({t.dtype.name}); include every shape and "
-                                     "dtype that differs in the key")
+            self._check_shapes(inputs, entry.inputs)
         for x, t, row in zip(inputs, entry.inputs, entry.row_bytes):
             self._copy_in(t, x, batch * row, (entry.size - batch) * row)
         entry.graph.replay(stream)
@@ -312,6 +314,14 @@ class GraphCache:
         if self.copy:
             views = tuple(_copy_of(v, stream) for v in views)
         return views[0] if entry.single else views
+
+    @staticmethod
+    def _check_shapes(inputs, static) -> None:
+        for x, t in zip(inputs, static):
+            if x.shape[1:] != t.shape[1:] or x.dtype is not t.dtype:
+                raise ShapeError(f"the key function put inputs of shape {x.shape} ({x.dtype.name}) on the "
+                                 f"graph captured for {t.shape} ({t.dtype.name}); include every shape and "
+                                 "dtype that differs in the key")
 
     def _copy_in(self, dst: Tensor, src: Tensor, nbytes: int, pad_bytes: int) -> None:
         """Copy ``src`` into the first ``nbytes`` of the graph's input ``dst``; pad the rest."""

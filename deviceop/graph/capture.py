@@ -7,6 +7,7 @@ from ..kernel import KernelLaunch
 from ..op import DeviceOp, SharedOp
 from .copy_nodes import MemcpyNode, MemsetNode
 from .nodes import KernelNode
+from .parallel import Dag, copy_footprint, fill_footprint, kernel_footprint
 
 
 class ReplayCheck:
@@ -28,17 +29,39 @@ class Capture:
     fails (or whose graph is never made) can hand it back with ``undo()``: the
     ops that had not run before it (``fresh``).  Every op a capture runs is
     checked for graph safety first — the op's tree, what a ``then`` callback
-    returns, a loop's body — and that walk is where they are found."""
+    returns, a loop's body — and that walk is where they are found.
 
-    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before")
+    ``parallel``: each kernel, copy and fill node gets the dependencies its buffers
+    need instead of following the node before it (graph/parallel.py); ``dags``
+    holds the dependency state of each stream it records on."""
 
-    def __init__(self, label: str):
+    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before", "dags")
+
+    def __init__(self, label: str, parallel: bool = False):
         self.keep, self.label = [], label
         self.nodes, self.by_launch = [], {}
         self.fresh = []
         # an event recorded on the stream just before the capture began: foreign work's
         # warm-up runs after what the stream did before the capture (deviceop/foreign.py)
         self.before = None
+        self.dags = {} if parallel else None  # id(stream) -> (stream, Dag): the stream is kept, so ids stay unique
+
+    @property
+    def parallel(self) -> bool:
+        return self.dags is not None
+
+    def _recorded(self, stream, footprint, label: str, record):
+        """Run ``record()`` (which enqueues one node on ``stream``) in a parallel capture: the
+        stream's dependencies are set from ``footprint`` first.  Returns ``(the node's handle,
+        (dag, item))`` (``label`` names the node in update errors)."""
+        entry = self.dags.get(id(stream))
+        if entry is None:
+            entry = self.dags[id(stream)] = (stream, Dag(stream.device.graphs))
+        dag = entry[1]
+        deps = dag.before(stream, footprint)
+        record()
+        handle, item = dag.after(stream, deps, footprint, label)
+        return handle, (dag, item)
 
     def check_graph_safe(self, op: DeviceOp) -> None:
         bad = op.unsafe_for_graphs(self.fresh)
@@ -49,25 +72,43 @@ class Capture:
         """Record a checked kernel launch on the capturing ``stream``: it becomes a
         kernel node of the graph, which keeps its arguments alive and can change
         them between replays (``graph.node(launch).set(...)``)."""
-        plan.launcher(stream, plan.config, *launch_args)
-        node = KernelNode(launch.kernel, plan.generics, launch.kernel.name_expression(plan.generics), values,
-                          launch_args, launch._mutable, plan.function, plan.config,
-                          stream.device.graphs.last_node(stream), head=head)
+        kernel = launch.kernel
+        label = kernel.name_expression(plan.generics)
+        if self.dags is None:
+            plan.launcher(stream, plan.config, *launch_args)
+            handle, item = stream.device.graphs.last_node(stream), None
+        else:
+            handle, item = self._recorded(stream, kernel_footprint(kernel.params, launch_args), label,
+                                          lambda: plan.launcher(stream, plan.config, *launch_args))
+        node = KernelNode(kernel, plan.generics, label, values, launch_args, launch._mutable, plan.function,
+                          plan.config, handle, head=head)
+        node._item = item
         self.nodes.append(node)
         self.by_launch[launch] = node  # the node keeps the launch's kernel and buffers alive
 
     def record_copy(self, stream, op, dst, src) -> None:
         """Record ``op``'s copy from ``src`` into ``dst`` on the capturing ``stream``: a
         MEMCPY node, which ``graph.node(op).set(dst=..., src=...)`` can point elsewhere."""
-        stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)
-        self._add(op, MemcpyNode(dst, src, stream.device.graphs.last_node(stream)))
+        if self.dags is None:
+            stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes)
+            handle, item = stream.device.graphs.last_node(stream), None
+        else:
+            handle, item = self._recorded(stream, copy_footprint(dst, src), f"api.memcpy({dst.size})",
+                                          lambda: stream.memcpy(dst.data_ptr, src.data_ptr, dst.nbytes))
+        self._add(op, MemcpyNode(dst, src, handle), item)
 
     def record_fill(self, stream, op, dst, value, bits: int, size: int, count: int) -> None:
         """Record ``op``'s memset of ``dst``: a MEMSET node (``graph.node(op).set(...)``)."""
-        memset(stream, dst.data_ptr, bits, size, count)
-        self._add(op, MemsetNode(dst, value, stream.device.graphs.last_node(stream)))
+        if self.dags is None:
+            memset(stream, dst.data_ptr, bits, size, count)
+            handle, item = stream.device.graphs.last_node(stream), None
+        else:
+            handle, item = self._recorded(stream, fill_footprint(dst), f"api.fill({dst.size})",
+                                          lambda: memset(stream, dst.data_ptr, bits, size, count))
+        self._add(op, MemsetNode(dst, value, handle), item)
 
-    def _add(self, op, node) -> None:
+    def _add(self, op, node, item=None) -> None:
+        node._item = item
         self.nodes.append(node)
         if op is not None:
             self.by_launch[op] = node  # the node keeps its buffers alive, and the graph keeps its nodes

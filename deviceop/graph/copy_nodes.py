@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..api import _check_copy, _destination, _tensor_of, fill_pattern
 from ..errors import AliasingError, DTypeError, LaunchError, ShapeError
 from .nodes import Node
+from .parallel import copy_footprint, fill_footprint
 
 
 def _same_buffer_kind(node: Node, new, old, what: str) -> None:
@@ -52,9 +53,11 @@ class MemcpyNode(Node):
             raise AliasingError(f"{self.label}: the new source and destination are the same buffer; a copy node "
                                 "copies between two buffers")
         self._check_handle("updated")
-        graph._graphs.set_memcpy_node(graph._exec, self.handle, new_dst.data_ptr, new_src.data_ptr,
+        self._check_buffers(copy_footprint(new_dst, new_src))
+        self._driver(graph).set_memcpy_node(graph._exec, self.handle, new_dst.data_ptr, new_src.data_ptr,
                                       new_dst.nbytes, graph.stream.device, self.label)
         self.dst, self.src = new_dst, new_src
+        self._note_buffers(copy_footprint(new_dst, new_src))
 
     def __repr__(self) -> str:
         return f"<MemcpyNode {self.index}: {self.label}{'' if self._enabled else ', disabled'}>"
@@ -77,9 +80,11 @@ class MemsetNode(Node):
         _same_buffer_kind(self, new_dst, self.dst, "destination")
         bits, size, count = fill_pattern(new_dst, new_value)
         self._check_handle("updated")
-        graph._graphs.set_memset_node(graph._exec, self.handle, new_dst.data_ptr, bits, size, count,
+        self._check_buffers(fill_footprint(new_dst))
+        self._driver(graph).set_memset_node(graph._exec, self.handle, new_dst.data_ptr, bits, size, count,
                                       graph.stream.device, self.label)
         self.dst, self.value = new_dst, new_value
+        self._note_buffers(fill_footprint(new_dst))
 
     def __repr__(self) -> str:
         return f"<MemsetNode {self.index}: {self.label}{'' if self._enabled else ', disabled'}>"

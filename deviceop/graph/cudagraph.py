@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import CaptureError, CudaError, GraphSafetyError, GraphUpdateError, LaunchError, StateError
+from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE, _running, executing_now, refuse_reentry
-from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value, warn_if_unexecuted
+from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
 from ..runtime.stream import capturing, refuse_if_captured_elsewhere, stream_key
 from .capture import Capture, ReplayCheck, not_recordable, preload
+from .child import Ambiguous, ChildGraphNode, GraphLaunch
 from .nodes import KernelNode, Node
 from .render import render_dot
 
@@ -35,8 +36,14 @@ class CudaGraph:
         self._closed = False
         self._lock = threading.Lock()
         self.exec_updates = self.reinstantiations = 0
+        self.parallel = capture.parallel   # captured with parallel=True: edges from the data (graph/parallel.py)
         self._adopt(capture, output)
         self._origin = [n.handle for n in self._nodes]  # the handles that name exec's kernel nodes
+        self._defined = self._origin       # the nodes' handles in the definition of the work exec does now
+
+    def _current(self):
+        """The graph definition of the work exec does now (the last exec update's, else the captured one)."""
+        return self._shown if self._shown is not None else self._graph
 
     def _adopt(self, capture: Capture, output) -> None:
         self._output, self._has_output = output, True
@@ -48,9 +55,9 @@ class CudaGraph:
 
     # -- capture -------------------------------------------------------------------
     @classmethod
-    def capture(cls, op: DeviceOp, stream) -> "CudaGraph":
-        """Capture ``op`` on ``stream`` (what ``op.graph_on(stream)`` does)."""
-        graph, output, cap = cls._record(op, stream)
+    def capture(cls, op: DeviceOp, stream, parallel: bool = False) -> "CudaGraph":
+        """Capture ``op`` on ``stream`` (what ``op.graph_on(stream, parallel)`` does)."""
+        graph, output, cap = cls._record(op, stream, parallel)
         try:
             made = cls(stream, graph, cls._instantiate(stream, graph, cap.label), output, cap)
         except BaseException:
@@ -60,9 +67,9 @@ class CudaGraph:
         return made
 
     @classmethod
-    def _record(cls, op: DeviceOp, stream):
+    def _record(cls, op: DeviceOp, stream, parallel: bool = False):
         """Capture ``op`` into a new (not instantiated) graph: ``(graph, output, capture)``."""
-        cap = Capture(op.describe())
+        cap = Capture(op.describe(), _flag("parallel", parallel))
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
             preload(op, stream.device)
@@ -141,12 +148,13 @@ class CudaGraph:
         return stream.device.graphs.instantiate(stream, graph, label)
 
     @classmethod
-    def scope(cls, stream, body=None):
+    def scope(cls, stream, body=None, *, parallel: bool = False):
         """Imperative capture.  ``CudaGraph.scope(stream, body)`` runs
         ``body(s)`` and returns the graph; ``with CudaGraph.scope(stream) as s:``
-        leaves it in ``s.graph``.  ``s.record(op)`` records a graph-safe op."""
+        leaves it in ``s.graph``.  ``s.record(op)`` records a graph-safe op.
+        ``parallel``: as for ``graph_on`` (graph/parallel.py)."""
         check_stream("CudaGraph.scope", stream)
-        scope = Scope(stream)
+        scope = Scope(stream, parallel=_flag("parallel", parallel))
         if body is None:
             return scope
         with scope as s:
@@ -207,6 +215,8 @@ class CudaGraph:
         deviceop.nodes), an ``api.memcpy``'s MemcpyNode, an ``api.fill``'s MemsetNode."""
         self._check_open()
         node = self._by_launch.get(launch)
+        if type(node) is Ambiguous:
+            raise node.error(launch)
         if node is None:
             if isinstance(launch, DeviceOp):
                 launch.discard()  # the error says it was never captured; no warning on top
@@ -233,9 +243,9 @@ class CudaGraph:
         self._check_open()
         stream = self._stream
         if isinstance(work, DeviceOp):
-            graph, output, cap = CudaGraph._record(work, stream)
+            graph, output, cap = CudaGraph._record(work, stream, self.parallel)
         elif callable(work):
-            scope = Scope(stream, instantiate=False)
+            scope = Scope(stream, instantiate=False, parallel=self.parallel)
             with scope as s:
                 work(s)
             (graph, cap), output = scope.recorded, None
@@ -258,8 +268,13 @@ class CudaGraph:
                 for node in self._nodes:  # the new capture's nodes are on, as the nodes it reports say
                     if not node._enabled:
                         graphs.set_enabled(self._exec, node.handle, True, node.label)
+                self._defined = [n.handle for n in cap.nodes]
                 for node, origin in zip(cap.nodes, self._origin):
+                    if node._via is not None:  # in a child's graph: set there, and pushed through the child node
+                        continue
                     node.handle = origin  # exec's nodes keep the names of the graph it was instantiated from
+                    if type(node) is ChildGraphNode:
+                        node.via.child = origin
                 graphs.destroy(self._shown)
                 self._shown = graph
                 return self._swap(cap, output, updated=True)
@@ -270,7 +285,7 @@ class CudaGraph:
             exec_ = CudaGraph._instantiate(stream, graph, cap.label)
             old = (self._exec, self._graph, self._shown)
             self._exec, self._graph, self._shown = exec_, graph, None
-            self._origin = [n.handle for n in cap.nodes]
+            self._origin = self._defined = [n.handle for n in cap.nodes]
             graphs.close(old[0], old[1:])
             return self._swap(cap, output, updated=False)
 
@@ -289,6 +304,12 @@ class CudaGraph:
         """One dict per node: its type and, for kernels, the kernel's name."""
         self._check_open()
         return self._graphs.nodes(self._shown if self._shown is not None else self._graph)
+
+    def edges(self) -> list[tuple[int, int]]:
+        """The graph's dependencies: ``(i, j)`` for each node j (an index into ``nodes()``) that
+        runs after node i.  A serial capture is a chain; ``parallel=True`` makes branches."""
+        self._check_open()
+        return [(i, j) for i, j, _ in self._graphs.edges(self._current())]
 
     def summary(self) -> dict:
         """Node counts by type and kernel counts by (mangled) name."""
@@ -343,31 +364,10 @@ class CudaGraph:
         return f"<CudaGraph {state}>"
 
 
-_NOT_A_CHILD_GRAPH = ("it launches another graph, and deviceop does not record a graph launch as a node of "
-                      "another graph (child graph nodes are not supported yet): replay that graph before or after "
-                      "this capture (graph.replay()), or capture the ops it was made of into this graph")
-
-
-class GraphLaunch(DeviceOp):
-    """One replay of a graph, as an op."""
-
-    __slots__ = ("graph",)
-    graph_safe = False  # a graph launch is not a node of another capture here
-    unsafe_reason = _NOT_A_CHILD_GRAPH
-    op_name = "graph.launch"
-
-    def __init__(self, graph: CudaGraph):
-        super().__init__()
-        self.graph = graph
-        self._armed = True
-
-    __del__ = warn_if_unexecuted
-
-    def _execute(self, ctx):
-        if ctx.capture is not None:
-            raise GraphSafetyError(f"graph.launch() cannot be recorded into a graph: {_NOT_A_CHILD_GRAPH}")
-        self.graph._replay(ctx.stream)
-        return None
+def _flag(name: str, on) -> bool:
+    if not isinstance(on, bool):
+        raise LaunchError(f"{name} takes True or False, got {on!r}")
+    return on
 
 
 class Scope:
@@ -379,8 +379,8 @@ class Scope:
     back) and releases its thread's execution lock, as cuda.core does for a
     GraphBuilder collected mid-capture."""
 
-    def __init__(self, stream, instantiate: bool = True):
-        self.stream, self.graph = stream, None
+    def __init__(self, stream, instantiate: bool = True, parallel: bool = False):
+        self.stream, self.graph, self._parallel = stream, None, parallel
         self._cap, self._ctx, self._graph_handle, self._lock_cm = None, None, None, None
         self._instantiate, self.recorded = instantiate, None  # recorded: (graph, capture) when not instantiating
         self._thread = None  # the thread that opened the scope
@@ -406,7 +406,7 @@ class Scope:
         self._lock_cm.__enter__()
         self._lock_cm.thread = threading.current_thread()  # its ident may be reused once it ends
         try:
-            self._cap = Capture("CudaGraph.scope")
+            self._cap = Capture("CudaGraph.scope", self._parallel)
             self._graph_handle = CudaGraph._begin_or_abort(self.stream, self._cap)
             self._ctx = ExecutionContext(self.stream, self._cap)
             self._thread = threading.get_ident()

@@ -36,17 +36,21 @@ import numpy as np
 from ..errors import DTypeError, LaunchError, StateError
 from ..kernel import checked_launch
 from ..tensor import SharedTensor
+from .parallel import kernel_footprint
 
 
 class Node:
     """A kernel, memcpy or memset node of a captured graph: its ``label``, its place in
     capture order (``index``), the driver's ``handle``, and ``enabled``."""
 
-    __slots__ = ("label", "index", "handle", "_graph", "_stale", "_enabled")
+    # _item: (Dag, item) in a parallel capture (graph/parallel.py), else None
+    # _via: the driver calls of a node inside a child-graph node (graph/child.py), else None
+    __slots__ = ("label", "index", "handle", "_graph", "_stale", "_enabled", "_item", "_via")
 
     def __init__(self, label: str, handle):
         self.label, self.index, self.handle = label, -1, handle
         self._graph, self._stale, self._enabled = None, False, True
+        self._item = self._via = None
 
     @property
     def enabled(self) -> bool:
@@ -61,10 +65,14 @@ class Node:
             raise DTypeError(f"{self.label}: enabled takes True or False, got {type(on).__name__} {on!r}")
         graph = self._live_graph()
         self._check_handle("switched on or off")
-        graph._graphs.set_enabled(graph._exec, self.handle, bool(on), self.label)
+        self._driver(graph).set_enabled(graph._exec, self.handle, bool(on), self.label)
         self._enabled = bool(on)
 
     def _check_handle(self, what: str) -> None:
+        if self.handle is None and self._via is not None:
+            raise StateError(f"the driver did not find {self.label} in the copy a child-graph node holds (it sits in "
+                             f"a loop or branch of that graph), so it cannot be {what} there: update it in the graph "
+                             "it was captured in, and capture the outer graph again")
         if self.handle is None:
             raise StateError(f"the driver did not report a node for {self.label} during capture "
                              f"(the capture stream had several dependencies), so it cannot be {what}")
@@ -80,6 +88,23 @@ class Node:
 
     def _attach(self, graph, index: int) -> None:
         self._graph, self.index = weakref.ref(graph), index
+
+    def _driver(self, graph):
+        """What sets this node's parameters: the graph's driver work, or a child graph's (``_via``)."""
+        return graph._graphs if self._via is None else self._via
+
+    def _check_buffers(self, footprint) -> None:
+        """In a graph captured with parallel=True: refuse new buffers that a node on a
+        parallel branch uses (graph/parallel.py's ``check_update``)."""
+        if self._item is not None:
+            dag, i = self._item
+            dag.check_update(i, footprint, self.label)
+
+    def _note_buffers(self, footprint) -> None:
+        """The node now uses these buffers (the next update is checked against them)."""
+        if self._item is not None:
+            dag, i = self._item
+            dag.footprints[i] = footprint
 
 
 class KernelNode(Node):
@@ -169,6 +194,10 @@ class KernelNode(Node):
             return
         # every check of a launch, on the would-be arguments, before anything changes
         launch_args, _ = checked_launch(kernel, self._head, new, lambda: self.label)
+        footprint = None
+        if self._item is not None and not all(params[i].role == "scalar" for i in changed):
+            footprint = kernel_footprint(params, launch_args)
+            self._check_buffers(footprint)
         fn = self._function
         if self._params is None and self._buf is None:
             self._prepare()
@@ -194,6 +223,8 @@ class KernelNode(Node):
                 self._params, self._config = old
                 raise
         self.values, self.launch_args = _kept(self.kernel.params, new, launch_args), launch_args  # the graph keeps the buffers alive
+        if footprint is not None:
+            self._note_buffers(footprint)
 
     def _set_fast(self, graph, fast, changes) -> bool:
         """Scalars only, each a float (int) for a float (int) parameter: pack them and
@@ -227,7 +258,7 @@ class KernelNode(Node):
         for i in done:
             args[i] = changes[kernel.params[i].name]
         try:
-            graph._graphs.set_kernel_node(graph._exec, self.handle, self._params, args, self.label)
+            self._driver(graph).set_kernel_node(graph._exec, self.handle, self._params, args, self.label)
         except BaseException:
             for i in done:
                 args[i] = values[i]
@@ -248,7 +279,7 @@ class KernelNode(Node):
             self._buf[:len(saved)] = saved
             self._check_handle("updated")
         try:
-            graph._graphs.set_kernel_node(graph._exec, self.handle, self._params, launch_args, self.label)
+            self._driver(graph).set_kernel_node(graph._exec, self.handle, self._params, launch_args, self.label)
         except BaseException:
             self._buf[:len(saved)] = saved  # the node keeps its previous arguments
             raise

@@ -1,6 +1,8 @@
 """The driver's graph work, as thin functions: capture, instantiate, launch,
 exec update, node parameters (kernel, memcpy, memset) and switching nodes on
-and off, conditional nodes (WHILE, IF, IF/ELSE, SWITCH), inspection.
+and off, a capturing stream's dependencies (what a parallel capture sets before
+each node), conditional nodes (WHILE, IF, IF/ELSE, SWITCH), child-graph nodes,
+inspection (nodes, edges, DOT).
 
 A CUDA device's ``graphs`` is this module; the reference device's is an
 object with the same functions over host tapes (runtime/reference.py), so the
@@ -98,6 +100,29 @@ def last_node(stream):
     return cu.CUgraphNode(int(res[4][0]))
 
 
+def node_id(node) -> int:
+    """What identifies a node (CUgraphNode wrappers of one node compare unequal)."""
+    return int(node)
+
+
+_SET_DEPENDENCIES = cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES
+
+
+def capture_deps(stream) -> list:
+    """The nodes the capturing ``stream``'s next work will depend on (copied out of the
+    driver's array at once)."""
+    info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
+    n = info[-1]
+    return [cu.CUgraphNode(int(d)) for d in info[3][:n]] if n else []
+
+
+def set_capture_deps(stream, nodes) -> None:
+    """Make the capturing ``stream``'s next work depend on exactly ``nodes`` (none: a root)."""
+    nodes = list(nodes)
+    check(cu.cuStreamUpdateCaptureDependencies(stream.handle, nodes, None, len(nodes), _SET_DEPENDENCIES),
+          "cuStreamUpdateCaptureDependencies")
+
+
 def set_kernel_node(exec_, handle, params, launch_args, label: str) -> None:
     """New parameters for one kernel node of ``exec_`` (the packed ``params``; the
     reference device reads ``launch_args`` instead)."""
@@ -147,10 +172,7 @@ def _add_conditional(stream, handle, kind, size: int, label: str) -> list:
     params.conditional.ctx = stream.device.context
     node = check(cu.cuGraphAddNode(graph, list(deps[:ndeps]), None, ndeps, params), f"cuGraphAddNode({label})")
     bodies = [params.conditional.phGraph_out[i] for i in range(size)]
-    check(cu.cuStreamUpdateCaptureDependencies(
-        stream.handle, [node], None, 1,
-        cu.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES),
-        "cuStreamUpdateCaptureDependencies")
+    set_capture_deps(stream, [node])
     return bodies
 
 
@@ -227,12 +249,85 @@ def capture_branches(stream, label: str, kind: str, count: int, several: bool, l
         _capture_body(stream, body_graph, label, lambda s, i=i: run_branch(i, s))
 
 
-def nodes(graph) -> list[dict]:
-    """One dict per node: its type and, for kernels, the kernel's name."""
+# -- child graphs ------------------------------------------------------------------------
+
+def clone(graph, exec_, handles) -> tuple:
+    """``(a copy of graph, the copies of handles in it)`` (cuGraphClone, cuGraphNodeFindInClone;
+    None for a node not found there: one inside a conditional body).  ``exec_`` is the
+    reference device's; here the definition ``graph`` is copied."""
+    copy = check(cu.cuGraphClone(graph), "cuGraphClone")
+    found = []
+    for h in handles:
+        code, node = cu.cuGraphNodeFindInClone(h, copy) if h is not None else (1, None)
+        found.append(None if code else node)
+    return copy, found
+
+
+def add_child(stream, source, label: str):
+    """Add a child-graph node running a copy of ``source`` after the capturing ``stream``'s
+    work (cuGraphAddChildGraphNode), and make it the stream's new dependency."""
+    info = check(cu.cuStreamGetCaptureInfo(stream.handle), "cuStreamGetCaptureInfo")
+    outer, deps, ndeps = info[2], info[3], info[-1]
+    code, node = cu.cuGraphAddChildGraphNode(outer, list(deps[:ndeps]), ndeps, source)
+    if code:
+        raise CaptureError(f"{label} cannot be a child-graph node of this capture (cuGraphAddChildGraphNode: "
+                           f"{error_name(code)}): a child graph may not hold memory allocation or free nodes, and "
+                           "the driver decides which conditional nodes it may hold. Replay that graph before or after "
+                           "this capture (graph.replay()), or capture its ops into this graph")
+    set_capture_deps(stream, [node])
+    return node
+
+
+def define_kernel_node(handle, params, launch_args) -> None:
+    """New parameters for a kernel node of a graph definition (not of an executable graph)."""
+    check(cu.cuGraphKernelNodeSetParams(handle, params), "cuGraphKernelNodeSetParams")
+
+
+def define_memcpy_node(handle, dst: int, src: int, nbytes: int) -> None:
+    params = check(cu.cuGraphMemcpyNodeGetParams(handle), "cuGraphMemcpyNodeGetParams")
+    params.dstDevice, params.srcDevice, params.WidthInBytes = dst, src, nbytes
+    check(cu.cuGraphMemcpyNodeSetParams(handle, params), "cuGraphMemcpyNodeSetParams")
+
+
+def define_memset_node(handle, dst: int, value: int, size: int, count: int) -> None:
+    params = check(cu.cuGraphMemsetNodeGetParams(handle), "cuGraphMemsetNodeGetParams")
+    params.dst, params.value, params.elementSize, params.width, params.height = dst, value, size, count, 1
+    check(cu.cuGraphMemsetNodeSetParams(handle, params), "cuGraphMemsetNodeSetParams")
+
+
+def update_child(exec_, child, source, label: str) -> None:
+    """Make ``exec_``'s child-graph node ``child`` do what ``source`` (the graph it copied,
+    updated since) now says: cuGraphExecChildGraphNodeSetParams, same topology, new parameters."""
+    code = cu.cuGraphExecChildGraphNodeSetParams(exec_, child, source)[0]
+    if code:
+        raise_error(code, f"cuGraphExecChildGraphNodeSetParams({label})")
+
+
+# -- inspection ----------------------------------------------------------------------------
+
+def _node_list(graph) -> list:
     _, _, n = cu.cuGraphGetNodes(graph, 0)
     found, _ = check(cu.cuGraphGetNodes(graph, n), "cuGraphGetNodes")
+    return list(found[:n])
+
+
+def edges(graph) -> list[tuple[int, int, str]]:
+    """The graph's dependency edges ``(i, j, kind)``: node j (in ``nodes``' order) runs after
+    node i; ``kind`` is "full", or "programmatic" for a PDL edge."""
+    index = {int(n): i for i, n in enumerate(_node_list(graph))}
+    n = check(cu.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")[-1]
+    if not n:
+        return []
+    _, frm, to, data, n = check(cu.cuGraphGetEdges(graph, n), "cuGraphGetEdges")
+    programmatic = int(cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+    kinds = ["programmatic" if int(d.type) == programmatic else "full" for d in data[:n]] if data else ["full"] * n
+    return sorted((index[int(a)], index[int(b)], k) for a, b, k in zip(frm[:n], to[:n], kinds))
+
+
+def nodes(graph) -> list[dict]:
+    """One dict per node: its type and, for kernels, the kernel's name."""
     out = []
-    for node in found[:n]:
+    for node in _node_list(graph):
         kind = check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType")
         entry = {"type": kind.name.removeprefix("CU_GRAPH_NODE_TYPE_")}
         if kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:

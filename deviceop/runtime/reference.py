@@ -23,7 +23,7 @@ from ..dtypes import host_array_from_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, refcache
 from .device import CTX_SYNC, Device
-from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, TapeGraphs
+from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, Tape, TapeGraphs
 from .params import ParamLayout, check_param_layout
 from .stream import _CAPTURED_EVENT, _CLOSED, Stream, closed_stream, sync_in_capture
 
@@ -253,6 +253,7 @@ class ReferenceStream(Stream):
     def __init__(self, device):
         self.device = device
         self._tape = None  # the steps recorded while capturing
+        self._deps = []    # while capturing: the steps the next one depends on (as a CUDA stream's capture)
         self._broken = self._closed = False
         device._streams.add(self)
 
@@ -291,11 +292,11 @@ class ReferenceStream(Stream):
         if self.is_capturing():
             from ..errors import CaptureError
             raise CaptureError("this stream is already capturing; end that capture first")
-        self._tape, self._broken = [], False
+        self._tape, self._deps, self._broken = Tape(), [], False
 
     def _end_capture(self):
         """``(tape, broken)``; the stream is no longer capturing."""
-        tape, broken, self._tape, self._broken = self._tape, self._broken, None, False
+        tape, broken, self._tape, self._broken, self._deps = self._tape, self._broken, None, False, []
         return tape, broken
 
     def _run(self, step) -> None:
@@ -303,7 +304,8 @@ class ReferenceStream(Stream):
         if self._closed:
             raise closed_stream("work (an op, a capture, a copy)")
         if self._tape is not None:
-            self._tape.append(step)
+            self._tape.record(step, self._deps)
+            self._deps = [step]
         else:
             step.run()
 

@@ -1,13 +1,23 @@
 """The reference device's graphs: a capture records a tape of steps (a kernel's
 NumPy reference with its arguments, a copy, a memset, a loop over a body tape,
 a branch between body tapes, a host function: a host callback, or the NumPy
-reference of foreign work), and a graph launch runs them in order.  Steps are
-updated in place, as a CUDA graph's nodes are by cuGraphExecUpdate and
+reference of foreign work, a child graph's tape), and a graph launch runs them.
+Steps are updated in place, as a CUDA graph's nodes are by cuGraphExecUpdate and
 cuGraphExec*NodeSetParams; a kernel, copy or memset step that is switched off
-(``enabled`` False, as cuGraphNodeSetEnabled does on a GPU) is skipped."""
+(``enabled`` False, as cuGraphNodeSetEnabled does on a GPU) is skipped.
+
+A tape is also a graph: each step records the steps it depends on (``Tape.after``,
+what the capturing stream's dependencies were, as a CUDA stream capture makes
+edges).  A serial capture makes a chain; a parallel one (graph/parallel.py) makes
+branches, and a launch then runs the steps in an order that respects the edges
+and nothing else: among the steps ready to run, the one recorded last first.  So
+independent branches run in reverse capture order here, and a result that
+depended on an edge the capture left out would differ from the serial one."""
 from __future__ import annotations
 
+import copy
 import ctypes
+import heapq
 
 import numpy as np
 
@@ -15,12 +25,73 @@ from . import refcache
 from .graphs import capture_failed
 
 
+class Tape(list):
+    """The steps a capture recorded, and for each the steps it depends on (``after``)."""
+
+    __slots__ = ("after", "_order")
+
+    def __init__(self):
+        super().__init__()
+        self.after, self._order = [], None
+
+    def record(self, step, deps) -> None:
+        self.append(step)
+        self.after.append(tuple(deps))
+
+    def deps_of(self) -> list[tuple[int, ...]]:
+        """Each step's dependencies as indices into the tape."""
+        index = {id(s): i for i, s in enumerate(self)}
+        return [tuple(sorted(index[id(d)] for d in deps)) for deps in self.after]
+
+    def order(self) -> list:
+        """The steps in the order a launch runs them (see the module docstring)."""
+        if self._order is None:
+            deps = self.deps_of()
+            if all(d == ((i - 1,) if i else ()) for i, d in enumerate(deps)):
+                self._order = list(self)  # a chain: capture order
+            else:
+                waiting = [len(d) for d in deps]
+                users = [[] for _ in deps]
+                for j, d in enumerate(deps):
+                    for i in d:
+                        users[i].append(j)
+                ready = [-j for j, w in enumerate(waiting) if not w]
+                heapq.heapify(ready)
+                order = []
+                while ready:
+                    j = -heapq.heappop(ready)
+                    order.append(self[j])
+                    for k in users[j]:
+                        waiting[k] -= 1
+                        if not waiting[k]:
+                            heapq.heappush(ready, -k)
+                self._order = order
+        return self._order
+
+
 def run_tape(tape) -> None:
-    """Run a tape's steps in order, skipping those switched off (a step of another
-    module, a collective's, has no switch: it always runs)."""
-    for step in tape:
+    """Run a tape's steps (a chain in order, a graph as its edges allow), skipping those
+    switched off (a step of another module, a collective's, has no switch: it always runs)."""
+    for step in tape.order() if type(tape) is Tape else tape:
         if getattr(step, "enabled", True):
             step.run()
+
+
+def copy_tape(tape, copies: dict) -> Tape:
+    """A copy of ``tape`` whose steps are copies (bodies too), edges kept; ``copies``
+    receives ``id(step) -> copy`` for every step copied."""
+    new = Tape()
+    for step, deps in zip(tape, getattr(tape, "after", [()] * len(tape))):
+        twin = copy.copy(step)
+        if isinstance(step, While):
+            twin.body = copy_tape(step.body, copies)
+        elif isinstance(step, Branch):
+            twin.bodies = [copy_tape(b, copies) for b in step.bodies]
+        elif isinstance(step, Child):
+            twin.body = copy_tape(step.body, copies)
+        copies[id(step)] = twin
+        new.record(twin, [copies[id(d)] for d in deps])
+    return new
 
 
 class Kernel:
@@ -140,9 +211,30 @@ class Branch:
                 mine.take(step)
 
 
+class Child:
+    """A child-graph node: a copy of another graph's tape, run as one step."""
+    __slots__ = ("name", "body")
+    kind, enabled = "child", True
+
+    def __init__(self, name, body):
+        self.name, self.body = name, body
+
+    @property
+    def bodies(self) -> list:
+        return [self.body]
+
+    def run(self) -> None:
+        run_tape(self.body)
+
+    def take(self, other: "Child") -> None:
+        for mine, step in zip(self.body, other.body):
+            mine.take(step)
+
+
 def _shape(tape) -> list:
-    return [(s.kind, s.name, [_shape(b) for b in s.bodies] if s.kind in ("loop", "branch") else None)
-            for s in tape]
+    deps = tape.deps_of() if type(tape) is Tape else [None] * len(tape)
+    return [(s.kind, s.name, [_shape(b) for b in s.bodies] if s.kind in ("loop", "branch", "child") else None, d)
+            for s, d in zip(tape, deps)]
 
 
 class TapeGraphs:
@@ -199,9 +291,52 @@ class TapeGraphs:
         tape = stream._tape
         return tape[-1] if tape else None
 
+    node_id = staticmethod(id)
+
+    @staticmethod
+    def capture_deps(stream) -> list:
+        return list(stream._deps)
+
+    @staticmethod
+    def set_capture_deps(stream, nodes) -> None:
+        stream._deps = list(nodes)
+
     @staticmethod
     def set_kernel_node(exec_, handle, params, launch_args, label: str) -> None:
         handle.args = [getattr(a, "_array", a) for a in launch_args]
+
+    @staticmethod
+    def clone(graph, exec_, handles) -> tuple:
+        """runtime/graphs.py's ``clone``: a copy of the tape ``exec_`` (what it runs now)."""
+        copies = {}
+        copy = copy_tape(exec_, copies)
+        return copy, [None if h is None else copies[id(h)] for h in handles]
+
+    @staticmethod
+    def add_child(stream, source, label: str):
+        """runtime/graphs.py's ``add_child``: a Child step running a copy of the tape ``source``."""
+        node = Child(label, copy_tape(source, {}))
+        stream._run(node)
+        return node
+
+    @staticmethod
+    def define_kernel_node(handle, params, launch_args) -> None:
+        handle.args = [getattr(a, "_array", a) for a in launch_args]
+
+    @staticmethod
+    def define_memcpy_node(handle, dst: int, src: int, nbytes: int) -> None:
+        handle.dst, handle.src, handle.nbytes = dst, src, nbytes
+
+    @staticmethod
+    def define_memset_node(handle, dst: int, value: int, size: int, count: int) -> None:
+        handle.dst, handle.value, handle.size, handle.count = dst, value, size, count
+
+    @staticmethod
+    def update_child(exec_, child, source, label: str) -> None:
+        """The Child step ``child`` takes the parameters of the tape ``source`` (the copy it was
+        made from, updated since), as cuGraphExecChildGraphNodeSetParams does."""
+        for mine, step in zip(child.body, source):
+            mine.take(step)
 
     @staticmethod
     def set_enabled(exec_, handle, on: bool, label: str) -> None:
@@ -237,11 +372,17 @@ class TapeGraphs:
     @staticmethod
     def nodes(graph) -> list[dict]:
         kinds = {"kernel": "KERNEL", "loop": "CONDITIONAL", "branch": "CONDITIONAL", "host": "HOST", "graph": "GRAPH",
-                 "memset": "MEMSET"}
+                 "child": "GRAPH", "memset": "MEMSET"}
         return [{"type": kinds.get(s.kind, "MEMCPY"), "name": s.name} for s in graph]
 
     @staticmethod
+    def edges(graph) -> list[tuple[int, int, str]]:
+        """runtime/graphs.py's ``edges``: ``(i, j, "full")`` for each step j that depends on step i."""
+        return sorted((i, j, "full") for j, deps in enumerate(graph.deps_of()) for i in deps)
+
+    @staticmethod
     def dot(graph, verbose: bool) -> str:
+        nodes = TapeGraphs.nodes(graph)
         return "digraph deviceop_reference {\n" + "".join(
-            f'  n{i} [label="{n["type"]} {n.get("name", "")}"];\n' + (f"  n{i - 1} -> n{i};\n" if i else "")
-            for i, n in enumerate(TapeGraphs.nodes(graph))) + "}\n"
+            f'  n{i} [label="{n["type"]} {n.get("name", "")}"];\n' for i, n in enumerate(nodes)) + "".join(
+            f"  n{i} -> n{j};\n" for i, j, _ in TapeGraphs.edges(graph)) + "}\n"
