@@ -9,6 +9,8 @@
 * ``fast``: the generated eager fast path;
 * ``declare``: ``Kernel``;
 * ``precompile``: compiling many kernels ahead of time, and the progress bar of long work.
+* ``binary``: CUBIN, fatbin and PTX images read without a driver (arch, PTX ISA, parameter layouts);
+* ``prebuilt``: kernels another compiler built (``Kernel.from_binary``, ``Kernel.from_triton``).
 """
 from .declare import Kernel
 from .launch import KernelLaunch

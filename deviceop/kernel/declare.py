@@ -31,18 +31,22 @@ The entry is the kernel's plain C++ name (``entry=`` when it differs from
 template, whose generics complete it (``scale<256>``).  Its NVRTC name
 expression is generated, and NVRTC gives the mangled symbol to load; an
 ``entry`` that is already a mangled symbol (``_Z5scalePfPKff``) is loaded as it is.
+
+A kernel another compiler built is declared the same way from its binary:
+``Kernel.from_binary`` (nvcc's CUBIN, fatbin or PTX) and ``Kernel.from_triton``
+(prebuilt.py).
 """
 from __future__ import annotations
 
 import threading
 from pathlib import Path
 
-from ..compile import compile_cubin
-from ..errors import CompileError, LaunchError
+from ..compile import compile_cubin, normalize_arch
+from ..errors import CompileError, CudaError, LaunchError
 from ..op import DeviceOp
-from ..runtime.device import device_key
+from ..runtime.device import Device, device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
-from . import geometry
+from . import geometry, prebuilt
 from .fast import _fast_launch_type
 from .launch import KernelLaunch
 from .plan import _launch_key_function
@@ -107,6 +111,8 @@ class Kernel:
             self.validate = _shapes_name_scalars
         self.options, self.include_dirs = tuple(options), tuple(include_dirs)
         self.signature = [ptr(p.dtype) if p.role != "scalar" else p.dtype for p in self.params]
+        # a kernel another compiler built (from_binary, from_triton): its binary and its entry's symbol there
+        self.binary = self.binary_symbol = None
         self._functions: dict = {}
         self._compiled: set = set()  # (arch, generics) compiled and checked without a driver: see check_compiled
         self._configs: dict = {}
@@ -161,6 +167,32 @@ class Kernel:
             reads = {i for i, ns in named.items() if ns & read}
         self.geometry_params = frozenset(reads | {i for i, p in enumerate(self.params) if p.name in read})
 
+    @classmethod
+    def from_binary(cls, name: str, binary, params, *, entry: str | None = None, reference=None, validate=None,
+                    limits=None, grid=None, block=256, shared_mem=0, cluster=None) -> "Kernel":
+        """The kernel ``entry`` (default ``name``) of a binary nvcc (or ptxas) built: ``binary`` is
+        the path of a CUBIN, fatbin or PTX file, or its bytes.  ``params`` and the rest are
+        declared as for ``Kernel(...)``, no generics (the binary has its template arguments).
+        ``entry`` is an ``extern "C"`` name, a C++ kernel's plain name (the one symbol the binary
+        has for it) or a mangled symbol.  The declaration is checked against the binary's
+        parameter layouts now, its code against the device's arch when it is loaded; on the
+        reference device ``reference=`` runs, and is required (prebuilt.py)."""
+        return prebuilt.binary_kernel(cls, name, binary, params, entry=entry, reference=reference,
+                                      validate=validate, limits=limits, grid=grid, block=block,
+                                      shared_mem=shared_mem, cluster=cluster)
+
+    @classmethod
+    def from_triton(cls, compiled, params, *, name: str | None = None, grid=None, reference=None, validate=None,
+                    limits=None) -> "Kernel":
+        """A Triton-compiled kernel: ``compiled`` is a ``CompiledKernel`` (``triton.compile(...)``,
+        ``fn.warmup(...)``) or the ``.json`` of an entry of Triton's cache (its ``.cubin``
+        beside it).  ``params`` are the compiled signature's parameters (the constexprs and
+        the ints Triton specialized to 1 are not in it); its scratch pointers are added, and
+        passed NULL.  The block is ``num_warps`` warps, the dynamic shared memory Triton's;
+        the grid is ``grid=`` (or the first Out's tiles).  As ``from_binary`` otherwise."""
+        return prebuilt.triton_kernel(cls, compiled, params, name=name, grid=grid, reference=reference,
+                                      validate=validate, limits=limits)
+
     def __call__(self, *args) -> "KernelLaunch":
         if len(args) != len(self.params):
             return KernelLaunch(self, args, ())  # raises, naming the parameters
@@ -189,6 +221,8 @@ class Kernel:
         """NVRTC → CUBIN for one set of generics (no GPU needed).  The entry's name
         expression is always generated (NVRTC mangles a C++ name, leaves an extern "C"
         one), except for an entry that is a mangled symbol already."""
+        if self.binary is not None:  # nothing to compile: the binary for arch (the driver unknown here)
+            return prebuilt.program(self, normalize_arch(arch) if arch is not None else Device(0).arch, None)
         expr = self.name_expression(values)
         mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
         filename = self.source_path.name if self.source_path else f"{self.name}.cu"
@@ -223,15 +257,26 @@ class Kernel:
             with self._lock:
                 fn = self._functions.get(key)
                 if fn is None:
-                    prog, expr = self.compile(values, arch=device.arch)
+                    prog, expr = self._program(device, values)
                     self._check_program(prog, expr, layout=False)  # the layout is the loader's to check
-                    fn = device.load_function(prog, expr, self.signature, self.reference,
-                                              dict(zip(self.generic_names, values)))
+                    try:
+                        fn = device.load_function(prog, expr, self.signature, self.reference,
+                                                  dict(zip(self.generic_names, values)))
+                    except CudaError as exc:
+                        if self.binary is None:
+                            raise
+                        raise prebuilt.load_error(self, exc) from None
                     written = getattr(fn, "declare_written", None)  # the reference device's functions ask
                     if written is not None:
                         written(tuple(i for i, p in enumerate(self.params) if p.writes))
                     self._functions[key] = fn
         return fn
+
+    def _program(self, device, values):
+        """``(program, name)`` of this kernel for ``device``: compiled, or its binary's."""
+        if self.binary is not None:
+            return prebuilt.program_for(self, device)
+        return self.compile(values, arch=device.arch)
 
     def check_compiled(self, arch: str, values=()) -> None:
         """Compile for ``arch`` and check the declared signature against the CUBIN,

@@ -131,6 +131,11 @@ class CudaDevice(Device):
         self._tls.bound = True
 
     @property
+    def driver_version(self) -> str:
+        """The CUDA version of the driver, e.g. ``"13.0"`` (what PTX it can JIT-compile)."""
+        return driver.driver_version()
+
+    @property
     def label(self) -> str:
         return f"cuda:{self.ordinal}"
 

@@ -105,10 +105,8 @@ class Function(ParamLayout):
         super().__init__(name, signature)
         self.module, self.handle = module, handle
         self.address = int(handle)  # what launch_kernel takes
-        self._verify_layout(list(self.offsets))
-        self._buffer = ctypes.create_string_buffer(max(self._struct.size, 1))
-        base = ctypes.addressof(self._buffer)
-        self._param_ptrs = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
+        self._verify_layout(list(self._all_offsets))
+        self._buffer, self._param_ptrs = self.param_buffer()
         self._params_addr = ctypes.addressof(self._param_ptrs)
         self._lock = threading.Lock()
         self._smem_limit = self._default_dynamic_shared_memory()
@@ -126,7 +124,7 @@ class Function(ParamLayout):
             if code:
                 break
             actual.append((offset, size))
-        check_param_layout(self.name, self.signature, actual, offsets)
+        check_param_layout(self.name, self.full_signature, actual, offsets)
 
     def _default_dynamic_shared_memory(self) -> int:
         """The dynamic shared memory a launch may take before the opt-in attribute is

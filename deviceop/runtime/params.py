@@ -32,6 +32,23 @@ class ptr:
         return hash(("ptr", self.dtype))
 
 
+class null_ptr(ptr):
+    """A pointer parameter every launch passes as NULL, which is not an argument: the
+    trailing scratch pointers a Triton kernel takes (its launcher passes NULL when the
+    kernel needs no scratch).  Only at the end of a signature."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "null_ptr"
+
+    def __eq__(self, other):
+        return isinstance(other, null_ptr)
+
+    def __hash__(self):
+        return hash("null_ptr")
+
+
 def _normalize_param(spec):
     if spec is ptr:
         return ptr()
@@ -153,10 +170,23 @@ class ParamLayout:
 
     def __init__(self, name: str, signature):
         self.name = name
-        self.signature = tuple(_normalize_param(s) for s in signature)
+        # the kernel's whole parameter list; the arguments are all but its trailing null_ptrs,
+        # which stay zero (NULL): every buffer is made zeroed and packs only the arguments
+        self.full_signature = tuple(_normalize_param(s) for s in signature)
+        hidden = 0
+        while hidden < len(self.full_signature) and type(self.full_signature[-1 - hidden]) is null_ptr:
+            hidden += 1
+        self.signature = self.full_signature[:len(self.full_signature) - hidden]
+        if any(type(s) is null_ptr for s in self.signature):
+            raise LaunchError(f"{name}: a null_ptr parameter comes only after every argument, at the end of the "
+                              f"signature: {list(self.full_signature)}")
         fmt = "@" + "".join("P" if isinstance(s, ptr) else s.pack for s in self.signature)
-        self.offsets = tuple(param_offsets(self.signature))  # byte offset of each parameter in the buffer
+        self._all_offsets = tuple(param_offsets(self.full_signature))
+        self.offsets = self._all_offsets[:len(self.signature)]  # byte offset of each argument in the buffer
         self._struct = struct.Struct(fmt)
+        # the buffer's size: the arguments' struct, and the NULL pointers after them
+        self._size = struct.calcsize("@" + "".join("P" if isinstance(s, ptr) else s.pack
+                                                   for s in self.full_signature))
         # each scalar's own packer, pack_into(buffer, offset, value): what a node update packs
         self.scalar_packers = tuple(None if isinstance(s, ptr) else struct.Struct("@" + s.pack).pack_into
                                     for s in self.signature)
@@ -164,9 +194,9 @@ class ParamLayout:
     def param_buffer(self):
         """A fresh parameter buffer for this signature: ``(buffer, void** address)``
         (what a graph kernel node's ``kernelParams`` points at)."""
-        buf = ctypes.create_string_buffer(max(self._struct.size, 1))
+        buf = ctypes.create_string_buffer(max(self._size, 1))
         base = ctypes.addressof(buf)
-        ptrs = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
+        ptrs = (ctypes.c_void_p * max(len(self._all_offsets), 1))(*[base + o for o in self._all_offsets])
         return buf, ptrs
 
     def pack(self, *args) -> bytes:

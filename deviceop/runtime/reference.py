@@ -49,6 +49,7 @@ class ReferenceDevice(Device):
     l2_cache_size = 0
     max_shared_memory_per_block = 0
     label = "reference"
+    driver_version = None  # no driver (kernel/prebuilt.py takes NVRTC's CUDA version for it)
 
     def _setup(self, ordinal: int) -> None:
         global _announced
@@ -95,14 +96,20 @@ class ReferenceDevice(Device):
 
     def load_function(self, program, expr: str, signature, reference, generics: dict):
         """``expr``'s NumPy ``reference``, behind the interface of a loaded kernel; its
-        declared signature checked against the CUBIN's records, as loading it would be."""
+        declared signature checked against the CUBIN's records, as loading it would be.  A kernel
+        another compiler built (kernel/prebuilt.py) is refused at once without a reference."""
+        built_by = getattr(program, "built_by", "")
+        if built_by and reference is None:
+            raise NoDeviceError(f"{built_by}: the reference device ({self.reason}) cannot run it. Give it a NumPy "
+                                "reference= (called as reference(g, *args) with the arguments as arrays; it writes the "
+                                "Out and InOut ones) to run it here, or run on a GPU")
         fn = ReferenceFunction(expr, signature, reference, generics)
         try:
             actual = program.param_layout(expr)
         except ValueError:  # a CUBIN this reader does not understand: nothing to compare
             actual = None
         if actual is not None:
-            check_param_layout(expr, fn.signature, actual)
+            check_param_layout(expr, fn.full_signature, actual)
         return fn
 
     def new_event(self, timing: bool = True):
