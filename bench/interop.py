@@ -142,11 +142,11 @@ class CupyGemm:
     def __call__(self, s, x, w, y):
         (m, k), n = x.shape, w.shape[1]
         calls = (lambda: self.set_stream(self.handle, s.ptr),   # setStream resets the workspace: set it after
-                 lambda: self.set_workspace(self.handle, self.workspace.data_ptr(), self.workspace.nbytes),
+                 lambda: self.set_workspace(self.handle, self.workspace.data_ptr, self.workspace.nbytes),
                  lambda: self.set_pointer_mode(self.handle, 0),   # CUBLAS_POINTER_MODE_HOST
                  # row-major y[m, n] = x @ w is column-major y^T = w^T x^T
-                 lambda: self.sgemm(self.handle, 0, 0, n, m, k, ctypes.byref(self.one), w.data_ptr(), n,
-                                    x.data_ptr(), k, ctypes.byref(self.zero), y.data_ptr(), n))
+                 lambda: self.sgemm(self.handle, 0, 0, n, m, k, ctypes.byref(self.one), w.data_ptr, n,
+                                    x.data_ptr, k, ctypes.byref(self.zero), y.data_ptr, n))
         for call in calls:
             code = call()
             if code:

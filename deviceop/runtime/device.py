@@ -158,7 +158,7 @@ class CudaDevice(Device):
     def load_function(self, program, expr: str, signature, reference, generics: dict):
         """The kernel ``expr`` of ``program`` loaded here (its layout checked by the driver).
         (``reference`` and ``generics`` are what the reference device runs instead.)"""
-        return load_module(program, self).get_function(expr, signature, label=expr)
+        return load_module(program, self).get_function(expr, signature, label=expr, symbol=program.symbol(expr))
 
     def new_event(self, timing: bool = True):
         return CudaEvent(self, timing=timing)

@@ -32,10 +32,12 @@ class CudaModule:
         device.bind()
         self.handle = check(cu.cuModuleLoadData(program.cubin), "cuModuleLoadData")
 
-    def get_function(self, name: str, signature, *, label: str | None = None):
+    def get_function(self, name: str, signature, *, label: str | None = None, symbol: str | None = None):
         """The kernel ``name`` (an ``extern "C"`` name or a name expression
-        given to the compile), launched with the argument ``signature``."""
-        symbol = self.program.symbol(name)
+        given to the compile), launched with the argument ``signature``.  ``symbol``: its
+        symbol as the asking program maps it (programs of one binary share the module, each
+        with the names of its own kernel)."""
+        symbol = symbol or self.program.symbol(name)
         code, handle = cu.cuModuleGetFunction(self.handle, symbol.encode())
         if code:
             known = ", ".join(self.program.lowered_names) or "none"
