@@ -20,6 +20,8 @@ MODELS = {"1b": dict(d=2048, inter=8192, hq=32, hkv=8, hd=64, vocab=128256, laye
           "8b": dict(d=4096, inter=14336, hq=32, hkv=8, hd=128, vocab=128256, layers=32)}
 SHAPES = ("1b", "1b/2", "1b/4", "8b", "8b/2", "8b/4")
 CAP, GROUP = 4096, 4           # the examples' KV capacity; query heads a KV head (both models)
+POSITIONS = (56, 1023)         # attention's: the middle of a 32-token prompt + 48 new tokens; a long context
+TARGET = 160 << 20             # bytes a timed graph streams at least (3x the L2)
 KINDS = ("qkv", "attn", "o", "gate_up", "down", "lm_head")
 LAYER = ("qkv", "attn", "o", "gate_up", "down")   # a decoder layer's launches, in order
 KERNELS = {"qkv": lp.rms_qkv_rope, "attn": la.attn_decode, "o": lp.matvec_residual,
@@ -34,6 +36,23 @@ def shape(name: str) -> dict:
              vocab=m["vocab"] // n, layers=m["layers"])
     s["q"] = s["hq"] * s["hd"]
     return s
+
+
+def launch_bytes(kind: str, s: dict, pos: int = POSITIONS[0]) -> int:
+    """Bytes a launch must move: weights, the vectors read and written (attention: K and V 0..pos)."""
+    d, q, inter, hd, hkv = s["d"], s["q"], s["inter"], s["hd"], s["hkv"]
+    return {"qkv": (q + 2 * hkv * hd) * d * 2 + 2 * d + 4 * (d + q) + 4 * hkv * hd,
+            "o": d * q * 2 + 4 * (q + 2 * d), "down": d * inter * 2 + 4 * (inter + 2 * d),
+            "gate_up": 2 * inter * d * 2 + 2 * d + 4 * (d + inter),
+            "lm_head": s["vocab"] * d * 2 + 2 * d + 4 * (d + s["vocab"]),
+            "attn": 2 * (pos + 1) * hkv * hd * 2 + 8 * q}[kind]
+
+
+def launches(kind: str, s: dict) -> int:
+    """Launches in a timed graph: >= 16 (the LM head >= 4), enough to stream TARGET bytes, <= 64
+    (attention <= 128: its launches move little)."""
+    nbytes = launch_bytes(kind, s, POSITIONS[-1])
+    return max(4 if kind == "lm_head" else 16, min(128 if kind == "attn" else 64, -(-TARGET // nbytes)))
 
 
 def table_key(kind: str, s: dict) -> tuple:

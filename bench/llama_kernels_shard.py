@@ -1,36 +1,38 @@
 """A tensor-parallel rank's decode kernels run alone at its shard's shapes: each kernel's current
 plan against a sweep of plan variants, on one GPU (issue 35: the TP targets are bounded by the
-kernels' fixed costs at the smaller matrices of a shard).
+kernels' fixed costs at a shard's smaller matrices).
 
 Shapes (bench/_shard_plans.py): Llama-3.2-1B and Llama-3.1-8B whole and as one rank of TP=2 and
-TP=4 (1b, 1b/2, 1b/4, 8b, 8b/2, 8b/4: hidden size unchanged; heads, KV heads, intermediate size
-and vocabulary divided).  Kernels: rms_qkv_rope, attn_decode (KV capacity 4096, at positions 56 --
-the middle of a 32-token prompt and 48 new tokens -- and 1023), matvec_residual as the O and as the
-down projection, rms_gate_up_silu, rms_lm_head_argmax.
+TP=4 (1b, 1b/2, 1b/4, 8b, 8b/2, 8b/4: hidden size unchanged; heads, KV heads, intermediate size and
+vocabulary divided).  Kernels: rms_qkv_rope, attn_decode (KV capacity 4096, at positions 56 -- the
+middle of a 32-token prompt and 48 new tokens -- and 1023), matvec_residual as the O and as the down
+projection, rms_gate_up_silu, rms_lm_head_argmax.  "current" is the plan examples/llama launches
+(checked against its launch_plans), so a rerun after TUNED entries are added times those.
 
 Timing, as bench/llama_kernels_proj.py: a CUDA graph of n launches of one kernel and plan, each with
 PDL and its own weights (windows of a 2 GB pool of random bf16 at advancing addresses; n >= 16, the
 LM head >= 4, and enough that a replay streams >= 160 MB, 3x the L2), replayed back to back, median
-of 5 runs; a launch's time = the graph's / n.  floor = the launch's bytes / the device-to-device copy
-rate measured in the same run.  Each variant's output (the last launch's) is compared with the
-current plan's: one that computes something else is marked BAD and never chosen.
+of 5 runs; a launch's time = the graph's / n.  floor = the launch's bytes / the device-to-device
+copy rate measured in the same run ("x fl" = us / floor).  Each variant's output (the last
+launch's) is compared with the current plan's: one that computes something else is BAD, never chosen.
 
-Sweep (per shape and kernel): stage 1 the grid and CTA shape (_shard_plans.sweep), stage 2 the
-loads in flight around stage 1's fastest (_shard_plans.refine), then the current plan and the
-contenders timed again (the numbers reported are the mean of the two timings).  Printed per shape:
-each kernel's current and best plan (us, x its floor, registers, CTAs a SM can hold, the share of
-the SMs' room one wave takes), the estimated saving a layer and a token, the runners-up; then a
-chain of 16 layers (qkv, attention, O, gate/up, down) in one graph with the current plans, the
-fastest, the fastest the fused TP all-reduce can launch (O and down: <= 132 CTAs, rows in pairs)
-and the fastest that leave half of the SMs' room free (the next kernel's CTAs fit beside them
-under PDL).  Last, the llama_tuned.TUNED entries the numbers support, ready to paste.
+Sweep, per shape and kernel: stage 1 the grid and CTA shape (_shard_plans.sweep), stage 2 the loads
+in flight around stage 1's fastest (_shard_plans.refine), then the current plan and the contenders
+timed again (reported: the mean of both timings; attention ranks by position 56 among plans at most
+3% slower than the current at 1023).  Printed per shape: each kernel's current and best plan (us,
+x floor, registers, CTAs a SM holds, "fill": the share of the SMs' room one wave takes), the
+estimated saving a layer and a token, the runners-up; then a chain of 16 layers (qkv, attention, O,
+gate/up, down) in one graph, us a layer at both positions, with the current plans, the fastest, the
+fastest the fused TP all-reduce can launch (O and down: <= 132 CTAs, rows in pairs), and the fastest
+leaving half the SMs' room free (fill <= 0.5: the next kernel's CTAs fit beside them under PDL).
+Last, the kernels/llama_tuned.py TUNED entries the numbers support, ready to paste.
 
-    python bench/llama_kernels_shard.py [--shape all|1b|1b/2|1b/4|8b|8b/2|8b/4 ...] [--budget 280]
+    PYTHONPATH=. python bench/llama_kernels_shard.py [--shape all|1b|1b/2|1b/4|8b|8b/2|8b/4 ...] [--budget 280]
 
-Runtime: about 2-3 minutes on one H100 or H200 (~900 kernel variants compiled on every core, then
-~1300 timed graphs); past --budget seconds the sweeps stop (the current plans, the contenders found
-so far and the chains are still timed).  DEVICEOP_BENCH_OUT=dir also writes every row to
-dir/llama_kernels_shard.json.
+Runtime: about 2-3 minutes on one H100 or H200 (~900 plans compiled on every core, then ~1300 timed
+graphs); past --budget seconds (from the start) the sweeps stop, shape by shape (the current plans,
+the contenders found so far and the chains are still timed; "skipped" counts what was not).
+DEVICEOP_BENCH_OUT=dir also writes every row to dir/llama_kernels_shard.json.
 """
 from __future__ import annotations
 
@@ -45,6 +47,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
+from deviceop.distributed.launch import NO_MULTICAST  # noqa: E402 - loads no NCCL
+
+os.environ.update(NO_MULTICAST)  # nothing here uses NCCL; should anything load it, multicast stays off
 import ml_dtypes  # noqa: E402
 
 import _shard_plans as sp  # noqa: E402
@@ -55,25 +60,9 @@ from deviceop import api, zip_  # noqa: E402
 from deviceop.kernels import llama_attn as la  # noqa: E402
 from deviceop.kernels import llama_proj as lp  # noqa: E402
 
-EPS, POSITIONS, QKV_CAP, CHAIN_LAYERS = 1e-5, (56, 1023), 64, 16
+EPS, QKV_CAP, CHAIN_LAYERS, POSITIONS = 1e-5, 64, 16, sp.POSITIONS
 POOL = 1 << 30             # bf16 elements of the weight pool (2 GB)
-TARGET = 160 << 20         # bytes a timed graph streams at least
 SAVE_MIN, SAVE_FRAC = 0.10, 0.03   # a TUNED entry is suggested for a saving of >= both (us, share)
-
-
-def launch_bytes(kind: str, s: dict, pos: int = POSITIONS[0]) -> int:
-    """Bytes a launch must move: weights, the vectors read and written (attention: K and V 0..pos)."""
-    d, q, inter, hd, hkv = s["d"], s["q"], s["inter"], s["hd"], s["hkv"]
-    return {"qkv": (q + 2 * hkv * hd) * d * 2 + 2 * d + 4 * (d + q) + 4 * hkv * hd,
-            "o": d * q * 2 + 4 * (q + 2 * d), "down": d * inter * 2 + 4 * (inter + 2 * d),
-            "gate_up": 2 * inter * d * 2 + 2 * d + 4 * (d + inter),
-            "lm_head": s["vocab"] * d * 2 + 2 * d + 4 * (d + s["vocab"]),
-            "attn": 2 * (pos + 1) * hkv * hd * 2 + 8 * q}[kind]
-
-
-def launches(kind: str, s: dict) -> int:
-    nbytes = launch_bytes(kind, s, POSITIONS[-1])
-    return max(4 if kind == "lm_head" else 16, min(128 if kind == "attn" else 64, -(-TARGET // nbytes)))
 
 
 class Pool:
@@ -176,7 +165,7 @@ class Bench:
 
     def measure(self, v: sp.Variant) -> dict:
         """us a launch (attention: at each position) and the last launch's output."""
-        n, self.pool.at = launches(v.kind, self.s), 0
+        n, self.pool.at = sp.launches(v.kind, self.s), 0
         ws = self.ws(v.gen[2]) if v.kind == "attn" else None
         graph = zip_(*[self.op(v, ws) for _ in range(n)]).graph_on(self.stream)
         out = {}
@@ -269,16 +258,22 @@ class KernelSweep:
         return self.best(lambda r: r["v"].tp_ok(self.s))
 
     def room(self) -> dict:
-        return self.best(lambda r: r["fill"] <= 0.5)
+        """The fastest plan whose wave leaves half the SMs' room free (else the fastest)."""
+        roomy = [r for r in self.recs.values() if r["fill"] <= 0.5 and self.score(r) < math.inf]
+        return self.best(lambda r: r["fill"] <= 0.5) if roomy else self.best()
 
-    def sweep(self, variants, stage: str, deadline: float) -> None:
+    def sweep(self, variants, stage: str, deadline: float, failed: set) -> None:
         for v in variants:
-            if (v.tile, tuple(v.gen)) in self.recs:
+            if (v.tile, tuple(v.gen)) in self.recs or (sp.KERNELS[v.kind].name, tuple(v.gen)) in failed:
                 continue
             if time.monotonic() > deadline:
                 self.skipped += 1
                 continue
-            self.run(v, stage)
+            try:
+                self.run(v, stage)
+            except Exception as exc:  # noqa: BLE001 - one plan that cannot launch must not cost the others
+                failed.add((sp.KERNELS[v.kind].name, tuple(v.gen)))
+                print(f"  {self.s['name']} {self.kind} {v.label(self.s)} failed: {str(exc).splitlines()[0][:160]}")
 
     def confirm(self) -> None:
         """Time the current plan and the contenders once more (the mean of both is reported)."""
@@ -291,15 +286,16 @@ class KernelSweep:
                 self.run(rec["v"], rec["stage"])
 
 
-def sweep_shape(b: Bench, s: dict, deadline: float) -> dict:
+def sweep_shape(b: Bench, s: dict, deadline: float, failed: set) -> dict:
     out = {}
     for kind in sp.KINDS:
         t0 = time.monotonic()
         ks = KernelSweep(b, kind, s)
-        ks.sweep(sp.sweep(kind, s), "sweep", deadline)
+        ks.sweep(sp.sweep(kind, s), "sweep", deadline, failed)
         around = [v for v in sp.refine(ks.best()["v"], s) if (v.tile, tuple(v.gen)) not in ks.recs]
-        failed = compile_all([(sp.KERNELS[kind], v.gen) for v in around]) if around else set()
-        ks.sweep([v for v in around if (sp.KERNELS[kind].name, tuple(v.gen)) not in failed], "refine", deadline)
+        around = around if time.monotonic() < deadline else []
+        failed |= compile_all([(sp.KERNELS[kind], v.gen) for v in around]) if around else set()
+        ks.sweep(around, "refine", deadline, failed)
         ks.confirm()
         ks.seconds = time.monotonic() - t0
         out[kind] = ks
@@ -361,12 +357,12 @@ def report(b: Bench, s: dict, sweeps: dict, chains: dict) -> list:
     for kind, ks in sweeps.items():
         cur, best = ks.cur, ks.best()
         for p in (POSITIONS if kind == "attn" else (None,)):
-            floor = launch_bytes(kind, s, p if p is not None else POSITIONS[0]) / rate * 1e6
+            floor = sp.launch_bytes(kind, s, p if p is not None else POSITIONS[0]) / rate * 1e6
             c, bb = cur["us"][p], best["us"][p]
-            table.append([row_name(kind, p), f"{launch_bytes(kind, s, p or POSITIONS[0]) / 1e6:.2f}", f"{floor:.2f}",
-                          cur["v"].label(s), f"{c:.2f}", f"{c / floor:.2f}", cur["regs"], cur["occ"], cur["fill"],
-                          best["v"].label(s), f"{bb:.2f}", f"{bb / floor:.2f}", best["regs"], best["occ"], best["fill"],
-                          f"{c - bb:+.2f}", f"{len(ks.recs)}" + (f"+{ks.skipped} skipped" if ks.skipped else "")])
+            table.append([row_name(kind, p), f"{floor:.2f}", cur["v"].label(s), f"{c:.2f}", f"{c / floor:.2f}",
+                          cur["regs"], cur["occ"], cur["fill"], best["v"].label(s), f"{bb:.2f}", f"{bb / floor:.2f}",
+                          best["occ"], best["fill"], f"{bb - c:+.2f}",
+                          f"{len(ks.recs)}" + (f"+{ks.skipped} skipped" if ks.skipped else "")])
             if kind in sp.LAYER and p in (None, POSITIONS[0]):
                 layer["current"][kind], layer["best"][kind] = c, bb
         for rec in ks.recs.values():
@@ -381,8 +377,8 @@ def report(b: Bench, s: dict, sweeps: dict, chains: dict) -> list:
           f"vocab {s['vocab']} (a rank of TP={s['tp']}); copy rate {rate / 1e12:.3f} TB/s ==")
     print_table("per launch (us; x fl = x the copy-rate floor; occ = CTAs a SM holds; fill = share of the SMs' room "
                 "one wave takes)",
-                ["kernel", "MB", "floor", "current", "us", "x fl", "regs", "occ", "fill", "best", "us", "x fl", "regs",
-                 "occ", "fill", "save", "timed"], table)
+                ["kernel", "floor", "current", "us", "x fl", "regs", "occ", "fill", "best", "us", "x fl", "occ", "fill",
+                 "change", "timed"], table)
     cur_l, best_l = sum(layer["current"].values()), sum(layer["best"].values())
     head = sweeps["lm_head"]
     head_save = head.cur["us"][None] - head.best()["us"][None]
@@ -400,7 +396,7 @@ def report(b: Bench, s: dict, sweeps: dict, chains: dict) -> list:
         bad = sum(not r["ok"] for r in ks.recs.values())
         print(f"  {row_name(kind, p)} runners-up: " + "; ".join(f"{r['v'].label(s)} {r['us'][p]:.2f}" for r in top)
               + (f"  [{bad} BAD: output differs]" if bad else "") + f"  ({ks.seconds:.1f} s)")
-    floors = {p: sum(launch_bytes(k, s, p) for k in sp.LAYER) / rate * 1e6 for p in POSITIONS}
+    floors = {p: sum(sp.launch_bytes(k, s, p) for k in sp.LAYER) / rate * 1e6 for p in POSITIONS}
     ref = chains.get("current")
     ctab = []
     for name, res in chains.items():
@@ -416,9 +412,12 @@ def report(b: Bench, s: dict, sweeps: dict, chains: dict) -> list:
 
 def suggestions(shapes: dict) -> list:
     """The TUNED entries the numbers support: per key, the largest saving >= SAVE_MIN us and
-    SAVE_FRAC of the current; O and down: the best the fused TP all-reduce can launch."""
+    SAVE_FRAC of the current; O and down: the best the fused TP all-reduce can launch.  Each
+    says how its shape's chain of the chosen plans differs a layer from the current plans'."""
     found = {}
-    for s, sweeps in shapes.values():
+    for s, sweeps, chains in shapes.values():
+        chosen = chains.get("best, TP-fusable O/down", chains["best"]) if "best" in chains else chains["current"]
+        change = {p: chosen[p][0] - chains["current"][p][0] for p in POSITIONS}
         for kind, ks in sweeps.items():
             cur = ks.cur
             picks = [ks.best_tp()] if kind in ("o", "down") else [ks.best()]
@@ -431,7 +430,8 @@ def suggestions(shapes: dict) -> list:
                     continue
                 key = sp.table_key(kind, s)
                 note = (f"{s['name']} {row_name(kind, p)}: {cur['v'].label(s)} {cur['us'][p]:.2f} -> "
-                        f"{rec['v'].label(s)} {rec['us'][p]:.2f} us" + (" (not TP-fusable)" if i else ""))
+                        f"{rec['v'].label(s)} {rec['us'][p]:.2f} us" + (" (not TP-fusable)" if i else "")
+                        + f"; its shape's chain {', '.join(f'@{q} {c:+.2f}' for q, c in change.items())} us/layer")
                 found.setdefault(key, []).append((i, -save, rec["v"].kwargs(s), note))
     lines = []
     for key, options in found.items():
@@ -454,9 +454,9 @@ def main() -> int:
     check_current_plans(names)
     stream = device.new_stream()
     rate = copy_rate(stream)
-    items = [(sp.KERNELS[k], v.gen) for n in names for k in sp.KINDS
-             for v in [sp.current(k, sp.shape(n)), *sp.sweep(k, sp.shape(n))]]
-    failed = compile_all(items)
+    items = {(sp.KERNELS[k].name, tuple(v.gen)): (sp.KERNELS[k], v.gen) for n in names for k in sp.KINDS
+             for v in [sp.current(k, sp.shape(n)), *sp.sweep(k, sp.shape(n))]}
+    failed = compile_all(items.values())
     t_compile = time.monotonic() - t0
     b = Bench(device, stream, rate)
     print(f"device {device.name}, {b.sms} SMs; copy rate {rate / 1e12:.3f} TB/s; {len(items)} plans compiled in "
@@ -467,10 +467,10 @@ def main() -> int:
         b.setup(s)
         left = args.budget - (time.monotonic() - t0) - 6 * (len(names) - i)   # ~6 s a shape for its chains
         deadline = time.monotonic() + left / (len(names) - i)
-        sweeps = sweep_shape(b, s, deadline)
+        sweeps = sweep_shape(b, s, deadline, failed)
         chains = {n: chain(b, plans) for n, plans in chain_sets(sweeps).items()}
         rows += report(b, s, sweeps, chains)
-        shapes[name] = (s, sweeps)
+        shapes[name] = (s, sweeps, chains)
         err = int(b.error.numpy(stream=stream)[0])
         if err:
             print(f"WARNING: the kernels set the error word to {err} at {name}")
