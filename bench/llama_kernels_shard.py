@@ -286,10 +286,11 @@ class KernelSweep:
                 self.run(rec["v"], rec["stage"])
 
 
-def sweep_shape(b: Bench, s: dict, deadline: float, failed: set) -> dict:
+def sweep_shape(b: Bench, s: dict, shape_deadline: float, failed: set) -> dict:
     out = {}
-    for kind in sp.KINDS:
+    for i, kind in enumerate(sp.KINDS):
         t0 = time.monotonic()
+        deadline = t0 + (shape_deadline - t0) / (len(sp.KINDS) - i)   # an equal share of what is left
         ks = KernelSweep(b, kind, s)
         ks.sweep(sp.sweep(kind, s), "sweep", deadline, failed)
         around = [v for v in sp.refine(ks.best()["v"], s) if (v.tile, tuple(v.gen)) not in ks.recs]
