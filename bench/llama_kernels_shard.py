@@ -24,8 +24,9 @@ x floor, registers, CTAs a SM holds, "fill": the share of the SMs' room one wave
 estimated saving a layer and a token, the runners-up; then a chain of 16 layers (qkv, attention, O,
 gate/up, down) in one graph, us a layer at both positions, with the current plans, the fastest, the
 fastest the fused TP all-reduce can launch (O and down: <= 132 CTAs, rows in pairs), and the fastest
-leaving half the SMs' room free (fill <= 0.5: the next kernel's CTAs fit beside them under PDL).
-Last, the kernels/llama_tuned.py TUNED entries the numbers support, ready to paste.
+leaving half the SMs' room free among those (fill <= 0.5: the next kernel's CTAs fit beside them
+under PDL).  Last, the kernels/llama_tuned.py TUNED entries the numbers support, ready to paste
+(and, commented, a shape's room-leaving set where its chain was the fastest).
 
     PYTHONPATH=. python bench/llama_kernels_shard.py [--shape all|1b|1b/2|1b/4|8b|8b/2|8b/4 ...] [--budget 280]
 
@@ -258,9 +259,12 @@ class KernelSweep:
         return self.best(lambda r: r["v"].tp_ok(self.s))
 
     def room(self) -> dict:
-        """The fastest plan whose wave leaves half the SMs' room free (else the fastest)."""
-        roomy = [r for r in self.recs.values() if r["fill"] <= 0.5 and self.score(r) < math.inf]
-        return self.best(lambda r: r["fill"] <= 0.5) if roomy else self.best()
+        """The fastest plan the fused TP all-reduce can launch whose wave leaves half the SMs' room
+        free (else the fastest it can launch)."""
+        def roomy(r):
+            return r["fill"] <= 0.5 and r["v"].tp_ok(self.s)
+        found = any(roomy(r) and self.score(r) < math.inf for r in self.recs.values())
+        return self.best(roomy) if found else self.best_tp()
 
     def sweep(self, variants, stage: str, deadline: float, failed: set) -> None:
         for v in variants:
@@ -336,7 +340,7 @@ def chain_sets(sweeps: dict) -> dict:
     sets = {"current": {k: ks.cur["v"] for k, ks in sweeps.items()},
             "best": {k: ks.best()["v"] for k, ks in sweeps.items()},
             "best, TP-fusable O/down": {k: ks.best_tp()["v"] for k, ks in sweeps.items()},
-            "best leaving room": {k: ks.room()["v"] for k, ks in sweeps.items()}}
+            "TP-fusable leaving room": {k: ks.room()["v"] for k, ks in sweeps.items()}}
     out, seen = {}, set()
     for name, plans in sets.items():
         key = tuple((plans[k].tile, tuple(plans[k].gen)) for k in sp.LAYER)
@@ -439,6 +443,18 @@ def suggestions(shapes: dict) -> list:
         options.sort(key=lambda o: (o[0], o[1]))
         lines.append(f"    {key!r}: {options[0][2]!r},  # {options[0][3]}")
         lines += [f"    # or {o[2]!r}  # {o[3]}" for o in options[1:]]
+    for s, sweeps, chains in shapes.values():   # where leaving room beat the fastest plans in the chain
+        room, p = chains.get("TP-fusable leaving room"), POSITIONS[0]
+        rivals = [chains[n][p][0] for n in ("current", "best, TP-fusable O/down", "best") if n in chains]
+        if room is None or room[p][0] > 0.99 * min(rivals):
+            continue
+        lines.append(f"    # {s['name']}: the chain of TP-fusable plans leaving room was fastest "
+                     f"({room[p][0]:.2f} us a layer at {p}, others {', '.join(f'{r:.2f}' for r in rivals)}); its entries:")
+        for kind in sp.LAYER:
+            ks = sweeps[kind]
+            rec = ks.room()
+            if rec is not ks.cur:
+                lines.append(f"    #   {sp.table_key(kind, s)!r}: {rec['v'].kwargs(s)!r},  # {kind} {rec['v'].label(s)}")
     return lines
 
 
