@@ -26,6 +26,7 @@ from deviceop.kernel import In, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
+from .llama_tuned import choose
 
 HERE = Path(__file__).resolve().parent
 LOG2E = 1.4426950408889634
@@ -44,13 +45,19 @@ def attn_chunks(n: int, splits: int, min_chunk: int) -> tuple[int, int]:
     return length, -(-n // length)
 
 
-def attn_plan(cap: int, head_dim: int, group: int, *, splits: int = 16, min_chunk: int = 64,
-              prefetch: bool = False, warps: int = 16, max_smem: int = 64 * 1024) -> tuple[int, list]:
-    """(out tile, generics) of attn_decode for a KV capacity: ``splits`` chunks a KV head (doubled,
-    up to 64, while a chunk of the capacity needs more than ``max_smem`` bytes of K and V), LMAX the
-    rows of the longest chunk, about ``warps`` warps a CTA (RG = warps // group row groups).
-    ``prefetch``: the caller keeps the PREFETCH contract."""
+def attn_plan(cap: int, head_dim: int, group: int, *, splits: int | None = None, min_chunk: int | None = None,
+              prefetch: bool = False, warps: int | None = None, max_smem: int = 64 * 1024,
+              kv_heads: int | None = None, tuned: bool = True) -> tuple[int, list]:
+    """(out tile, generics) of attn_decode for a KV capacity: ``splits`` (16) chunks a KV head
+    (doubled, up to 64, while a chunk of the capacity needs more than ``max_smem`` bytes of K and
+    V), chunks of at least ``min_chunk`` (64) rows, LMAX the rows of the longest chunk, about
+    ``warps`` (16) warps a CTA (RG = warps // group row groups).  ``prefetch``: the caller keeps
+    the PREFETCH contract.  With ``kv_heads`` (the grid is kv_heads x splits), what the caller
+    leaves None llama_tuned.TUNED may choose for (head_dim, group, kv_heads)."""
     _need(cap >= 1, f"attn_plan: capacity {cap} must be at least 1")
+    t = choose("attn", (head_dim, group, kv_heads), dict(splits=splits, min_chunk=min_chunk, warps=warps),
+               tuned and kv_heads is not None)
+    splits, min_chunk, warps = t["splits"] or 16, t["min_chunk"] or 64, t["warps"] or 16
     s = splits
     lmax = max(min_chunk, _round16(-(-cap // s)))
     while _smem(lmax, head_dim) > max_smem and s < 64 and (group * head_dim) % (2 * s) == 0:

@@ -43,6 +43,7 @@ from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
+from .llama_tuned import choose
 from ._refmath import matvec64
 
 HERE = Path(__file__).resolve().parent
@@ -212,12 +213,16 @@ rms_qkv_rope = Kernel(
 
 
 def qkv_plan(d: int, hq: int, hkv: int, hd: int, *, sms: int = H100_SMS, ctas: int | None = None,
-             ch: int | None = None, warps: int | None = None, nb: int = 2) -> tuple[int, list]:
+             ch: int | None = None, warps: int | None = None, nb: int | None = None,
+             tuned: bool = True) -> tuple[int, list]:
     """(q tile, generics) of rms_qkv_rope: the CTA count (a divisor of both the q
     size and the pair count) nearest 2 per SM (or ``ctas``), a warp per pair (or
-    ``warps`` warps taking every warps-th pair), ``nb`` chunks in flight a warp.
+    ``warps`` warps taking every warps-th pair), ``nb`` (2) chunks in flight a warp;
+    what the caller leaves None, llama_tuned.TUNED may choose for this shape.
     H100, 1B shape, 16 launches with PDL (two runs): 256 CTAs of 6 warps 5.48 /
     5.47 us (this), 128 of 12 5.49 / 5.51, 256 of 3 6.33, 128 of 8 with NB=3 6.25."""
+    t = choose("qkv", (d, hq, hkv, hd), dict(ctas=ctas, ch=ch, warps=warps, nb=nb), tuned)
+    ctas, ch, warps, nb = t["ctas"], t["ch"], t["warps"], t["nb"] or 2
     pairs, nq = qkv_pairs(hq, hkv, hd), hq * hd
     common = math.gcd(pairs, nq)
     options = [c for c in range(1, common + 1) if common % c == 0 and pairs // c <= 32]
@@ -265,14 +270,17 @@ matvec_residual = Kernel(
 
 def matvec_residual_plan(n: int, k: int, *, sms: int = H100_SMS, ctas: int | None = None, nr: int | None = None,
                          ch: int | None = None, warps: int | None = None, ks: int | None = None,
-                         nb: int = 2) -> tuple[int, list]:
+                         nb: int | None = None, tuned: bool = True) -> tuple[int, list]:
     """(tile, generics) of matvec_residual: the CTA count dividing N nearest one a SM
     (or ``ctas``) of 16 warps (or fewer when the CTA has fewer row groups); rows of
     K >= 4096 go in pairs (NR=2) with K cut in KS slices of >= 2048 (KS <= 4),
-    shorter ones alone.  H100, 1B shapes, 16 launches with PDL, us: O (K=2048) 128
+    shorter ones alone; NB=2 buffers.  What the caller leaves None, llama_tuned.TUNED
+    may choose for this shape.  H100, 1B shapes, 16 launches with PDL, us: O (K=2048) 128
     CTAs NR=1 W=16 3.88 / 3.93 (this, two runs), 256 NR=1 W=8 4.03 / 4.04, 128 NR=2
     W=8 4.04 / 4.06; down (K=8192) 128 KS=4 NR=2 W=16 11.78 (this), KS=2 11.89 /
     11.88, 256 KS=2 NR=2 W=8 12.02 / 12.03, 256 NR=1 W=8 12.51 / 12.49."""
+    t = choose("matvec", (n, k), dict(ctas=ctas, nr=nr, ch=ch, warps=warps, ks=ks, nb=nb), tuned)
+    ctas, nr, ch, warps, ks, nb = t["ctas"], t["nr"], t["ch"], t["warps"], t["ks"], t["nb"] or 2
     long = k >= 4096
     nr = nr or (2 if long else 1)
     if ks is None:
@@ -319,8 +327,11 @@ rms_gate_up_silu = Kernel(  # w_gate_up: the cat of gate_proj and up_proj
 
 
 def gate_up_plan(d: int, inter: int, *, sms: int = H100_SMS, ctas: int | None = None, ch: int | None = None,
-                 warps: int | None = None) -> tuple[int, list]:
-    """(tile, generics) of rms_gate_up_silu: the CTA count dividing I nearest 2 per SM (or ``ctas``)."""
+                 warps: int | None = None, tuned: bool = True) -> tuple[int, list]:
+    """(tile, generics) of rms_gate_up_silu: the CTA count dividing I nearest 2 per SM (or ``ctas``)
+    of up to 8 warps; what the caller leaves None, llama_tuned.TUNED may choose for this shape."""
+    t = choose("gate_up", (d, inter), dict(ctas=ctas, ch=ch, warps=warps), tuned)
+    ctas, ch, warps = t["ctas"], t["ch"], t["warps"]
     grid = _grid(inter, ctas if ctas is not None else 2 * sms, 1)
     ppc = inter // grid
     return ppc, [d, ch or _chunk(d, 2), warps or min(8, ppc), ppc]
@@ -378,13 +389,16 @@ def lm_head_rows(vocab: int, rpc: int) -> int:
     return -(-vocab // rpc) * rpc
 
 
-def lm_head_plan(d: int, vocab: int, *, sms: int = H100_SMS, ctas_per_sm: int = 1, nr: int = 2,
-                 ch: int | None = None, warps: int = 16) -> tuple[int, int, list]:
-    """(tile, logits length, generics) of rms_lm_head_argmax: ``ctas_per_sm`` CTAs a
-    SM, all resident at once with equal rows, so every CTA streams the same bytes
-    (a warp at most NR rows more than another); the rows past ``vocab`` are padding.
+def lm_head_plan(d: int, vocab: int, *, sms: int = H100_SMS, ctas_per_sm: int | None = None, nr: int | None = None,
+                 ch: int | None = None, warps: int | None = None, tuned: bool = True) -> tuple[int, int, list]:
+    """(tile, logits length, generics) of rms_lm_head_argmax: ``ctas_per_sm`` (1) CTAs a
+    SM of ``warps`` (16), all resident at once with equal rows, so every CTA streams the same bytes
+    (a warp at most NR (2) rows more than another); the rows past ``vocab`` are padding.
+    What the caller leaves None, llama_tuned.TUNED may choose for this shape.
     H100, 1B shape, with PDL: 1 CTA of 16 warps a SM, NR=2: 172.8 us (3.04 TB/s,
     1.00x the copy rate); 2, 3 or 4 a SM, NR 1 or 2: 173.9-176.0 us."""
+    t = choose("lm_head", (d, vocab), dict(ctas_per_sm=ctas_per_sm, nr=nr, ch=ch, warps=warps), tuned)
+    ctas_per_sm, nr, ch, warps = t["ctas_per_sm"] or 1, t["nr"] or 2, t["ch"], t["warps"] or 16
     rpc = -(-vocab // (sms * ctas_per_sm * nr)) * nr
     return rpc, lm_head_rows(vocab, rpc), [d, nr, ch or _chunk(d, nr), warps, rpc]
 

@@ -161,12 +161,16 @@ matvec_allreduce = Kernel(
     reference=_matvec_allreduce_ref, limits=_matvec_allreduce_limits, validate=_matvec_allreduce_check)
 
 
-def matvec_allreduce_plan(n: int, k: int, world: int, *, sms: int = H100_SMS) -> tuple[int, list]:
-    """(tile, generics) of matvec_allreduce: matvec_residual's plan (the CTA count dividing N
-    nearest one a SM), its row tile made even."""
-    rpc, gen = matvec_residual_plan(n, k, sms=sms)
+def matvec_allreduce_plan(n: int, k: int, world: int, *, sms: int = H100_SMS, tuned: bool = True) -> tuple[int, list]:
+    """(tile, generics) of matvec_allreduce: matvec_residual's plan for this shape where every
+    CTA of it can be resident at once and its rows travel in pairs a thread (llama_tuned.TUNED's
+    choice may not), else its rules' (the CTA count dividing N nearest one a SM), the row tile
+    made even."""
+    rpc, gen = matvec_residual_plan(n, k, sms=sms, tuned=tuned)
+    if n // rpc > min(sms, MAX_RESIDENT) or rpc % 2 or rpc // 2 > 32 * gen[3]:
+        rpc, gen = matvec_residual_plan(n, k, sms=sms, tuned=False)
     if rpc % 2:  # rows travel in pairs: whole pairs of NR-row groups a CTA
-        rpc, gen = matvec_residual_plan(n, k, sms=sms, ctas=_grid(n, sms, 2 * gen[1]))
+        rpc, gen = matvec_residual_plan(n, k, sms=sms, ctas=_grid(n, sms, 2 * gen[1]), tuned=False)
     return rpc, gen + [world]
 
 

@@ -37,9 +37,9 @@ from .tp import Shard, agree, shard_weights
 from .weights import BF16, check_weights, host_memory_bytes, layer_names
 
 
-# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers); attention's
-# CTAs have attn_plan's 16 warps.
-ATTN_SPLITS, ATTN_MIN_CHUNK = 16, 64
+# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers): attention
+# takes attn_plan's choices (16 splits, chunks of >= 64 rows, 16 warps) or those measured better at
+# a shard's KV heads (kernels/llama_tuned.py).
 # The decode loop keeps attn_decode's PREFETCH contract: the position is written only by the control
 # step that ends an iteration, and each step's QKV kernel appends entry pos alone, so attention loads
 # the older entries before its griddepcontrol.wait.
@@ -153,13 +153,17 @@ def launch_plans(cfg: LlamaConfig, capacity: int, shard: Shard) -> dict:
     plans = {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, shard.heads, shard.kv_heads, hd),
              "o": proj.matvec_residual_plan(d, shard.q_size), "gate_up": proj.gate_up_plan(d, shard.inter),
              "down": proj.matvec_residual_plan(d, shard.inter), "head": proj.lm_head_plan(d, shard.vocab),
-             # attention: SPLITS chunks a KV head (a fixed grid; the chunks follow the device-side length)
-             "attn": attn_k.attn_plan(capacity, hd, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK,
-                                      prefetch=ATTN_PREFETCH)}
+             # attention: a fixed grid of splits a KV head (the chunks follow the device-side length)
+             "attn": attn_k.attn_plan(capacity, hd, cfg.group, **attn_args(shard))}
     if shard.size > 1:  # the O and down projections with the all-reduce in their epilogue
         plans["o_ar"] = matvec_allreduce_plan(d, shard.q_size, shard.size)
         plans["down_ar"] = matvec_allreduce_plan(d, shard.inter, shard.size)
     return plans
+
+
+def attn_args(shard: Shard) -> dict:
+    """attn_plan's keyword arguments for a shard (its KV heads set the grid with the splits)."""
+    return dict(prefetch=ATTN_PREFETCH, kv_heads=shard.kv_heads)
 
 
 def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> list:
@@ -200,7 +204,7 @@ class LlamaDecoder:
         plans = launch_plans(cfg, capacity, sh)
         check_weights(cfg, weights)
         check_memory(cfg, weights, capacity, dop.Device(0))
-        attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, splits=ATTN_SPLITS, min_chunk=ATTN_MIN_CHUNK)
+        attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, **attn_args(sh))
         if group is not None:  # before any allocation: ranks building different decoders would hang later
             agree(group, "the model (config, KV capacity, PDL)", (repr(cfg.to_dict()), capacity, pdl))
         self.group = group if sh.size > 1 else None
