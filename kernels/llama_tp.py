@@ -138,6 +138,9 @@ def _matvec_allreduce_limits(g):
 
 def _matvec_allreduce_check(g, out, x, w, residual, peers, state, rank, slot_lines, line0, epoch0, timeout_ns):
     _aligned(x, w, who="matvec_allreduce uses")
+    for name, t in (("residual", residual), ("out", out.tensor)):  # a thread's two rows: one float2 load / store
+        _need(t.data_ptr % 8 == 0, f"matvec_allreduce moves rows in pairs (8-byte loads and stores): {name} must "
+                                   "start 8-byte aligned; pass a view an even number of floats in, or a fresh tensor")
     grid, rpc = out.tensor.shape[0] // g["RPC"], g["RPC"]
     _need(grid <= MAX_RESIDENT, f"matvec_allreduce: {grid} CTAs, but every CTA waits for its peers' and all must be "
                                 f"resident at once: at most {MAX_RESIDENT}; give fewer, longer tiles")

@@ -148,9 +148,10 @@ def test_refusals_name_the_limit():
         bufs = dist.PeerBuffers(group, max_bytes=4096, epochs=300, attach=False)
         x = dop.empty(256, stream=s)
 
-        def launch(n, rpc, line0=0, epoch0=1, warps=1):
+        def launch(n, rpc, line0=0, epoch0=1, warps=1, out=None, res=None):
             w = dop.from_numpy(_bf16(np.ones((n, 256))), stream=s)
-            out, res = dop.empty(n, stream=s), dop.empty(n, stream=s)
+            out = dop.empty(n, stream=s) if out is None else out
+            res = dop.empty(n, stream=s) if res is None else res
             matvec_allreduce(out.partition([rpc]), x, w, res, bufs.peers, bufs.state, group.rank, bufs.slot_lines,
                              line0, epoch0, bufs.timeout_ns).generics([256, 1, 1, warps, rpc, 1, 2, 2]).sync_on(s)
         with pytest.raises(dop.ShapeError, match=f"resident at once: at most {MAX_RESIDENT}"):
@@ -161,6 +162,13 @@ def test_refusals_name_the_limit():
             launch(512, 8, line0=bufs.slot_lines, warps=4)
         with pytest.raises(dop.ShapeError, match="past the state"):
             launch(512, 8, epoch0=290, warps=4)
+        # rows travel as float2 (8-byte loads of the residual, stores of out): a view one float in is refused
+        shifted = dop.empty(513, stream=s)[1:]
+        with pytest.raises(dop.ShapeError, match="residual must start 8-byte aligned"):
+            launch(512, 8, warps=4, res=shifted)
+        with pytest.raises(dop.ShapeError, match="out must start 8-byte aligned"):
+            launch(512, 8, warps=4, out=shifted)
+        launch(512, 8, warps=4, out=dop.empty(514, stream=s)[2:], res=dop.empty(514, stream=s)[2:])  # 8 bytes in
         with pytest.raises(dop.ShapeError, match="epochs=10"):
             dist.PeerBuffers(group, max_bytes=8192, epochs=10)
         bufs.close()
