@@ -176,6 +176,44 @@ def test_refusals_name_the_limit():
     assert dist.run_reference(2, rank) == [True, True]
 
 
+def test_a_counter_always_stands_for_the_same_lines(rng):
+    """An epoch tells a line's writes apart only while its counter serves the same lines: another
+    row tile on the same epochs (CTA i's lines move, and counter i may meet a line another counter
+    wrote with the epoch it waits for: stale data, silently), a second channel over the same lines,
+    or the one-shot all-reduce on these buffers is refused; the same layout again, and a second
+    channel on its own epochs and lines, run."""
+    import deviceop as dop
+    import deviceop.distributed as dist
+    from deviceop.kernels.llama_tp import matvec_allreduce
+
+    def rank(group):
+        s = group.stream
+        bufs = dist.PeerBuffers(group, max_bytes=4096, epochs=64, attach=False)
+        x = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=s)
+        w = dop.from_numpy(_bf16(rng.standard_normal((256, 256))), stream=s)
+        res = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=s)
+
+        def launch(rpc, line0, epoch0, n=256):
+            out = dop.empty(n, stream=s)
+            matvec_allreduce(out.partition([rpc]), x, w[:n], res[:n], bufs.peers, bufs.state, group.rank,
+                             bufs.slot_lines, line0, epoch0, bufs.timeout_ns).generics([256, 2, 1, 4, rpc, 1, 2, 1]) \
+                .sync_on(s)
+            return out.numpy(stream=s)
+        first = launch(8, 0, 1)  # 32 CTAs: counters 1..32, 4 lines each from line 0
+        np.testing.assert_array_equal(launch(8, 0, 1), first)  # the same layout again
+        with pytest.raises(dop.ShapeError, match="always stand for the same lines"):
+            launch(16, 0, 1)  # 16 CTAs of 8 lines on counters 1..16
+        with pytest.raises(dop.ShapeError, match="always stand for the same lines"):
+            launch(8, 64, 33)  # its own counters, but lines 64.. are counters 17..32's
+        with pytest.raises(dop.ShapeError, match="always stand for the same lines"):
+            bufs.all_reduce(dop.empty(128, stream=s)).sync_on(s)  # counter 1 for lines 0..63
+        launch(16, 128, 33)  # its own counters and lines: a second channel
+        launch(8, 0, 1, n=128)  # a prefix of the first layout: the same counters, the same lines
+        bufs.close()
+        return True
+    assert dist.run_reference(1, rank) == [True]
+
+
 # -- GPUs ----------------------------------------------------------------------------------
 
 def rank_main(rank: int, world: int, store: str) -> int:
