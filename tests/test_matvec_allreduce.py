@@ -10,16 +10,13 @@ device loop (the epochs advance on the device: no replay meets a stale line); a 
 skips a call leaves the others NaN and an error within the timeout, not a hang."""
 import hashlib
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+import helpers
 from deviceop.distributed.launch import NO_MULTICAST  # loads no NCCL
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bf16(a):
@@ -231,29 +228,13 @@ def rank_main(rank: int, world: int, store: str) -> int:
     return 0
 
 
-def _gpu_count() -> int:
-    from cuda.bindings import driver as cu
-    return cu.cuDeviceGetCount()[1] if cu.cuInit(0)[0] == 0 else 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_on_gpus(world, tmp_path):
     pytest.importorskip("nccl.core", reason="nccl4py is not installed (scripts/gpu-check installs it from .whl/)")
-    if _gpu_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {_gpu_count()}")
-    env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(tmp_path / "store")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0] + "\n[timed out]")
-    failed = [(r, log) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r}:\n{log[-3000:]}" for r, log in failed)
+    if helpers.gpu_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {helpers.gpu_count()}")
+    helpers.run_ranks(__file__, world, tmp_path / "store")
 
 
 if __name__ == "__main__":
