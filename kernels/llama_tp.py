@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deviceop.distributed.oneshot import MAX_WORLD, exchange
+from deviceop.distributed.oneshot import MAX_WORLD, claim_lines, exchange
 from deviceop.kernel import In, Kernel, Out, Scalar
 
 from ._checks import _aligned, _need
@@ -138,6 +138,9 @@ def _matvec_allreduce_limits(g):
 
 def _matvec_allreduce_check(g, out, x, w, residual, peers, state, rank, slot_lines, line0, epoch0, timeout_ns):
     _aligned(x, w, who="matvec_allreduce uses")
+    for name, t in (("residual", residual), ("out", out.tensor)):  # a thread's two rows: one float2 load / store
+        _need(t.data_ptr % 8 == 0, f"matvec_allreduce moves rows in pairs (8-byte loads and stores): {name} must "
+                                   "start 8-byte aligned; pass a view an even number of floats in, or a fresh tensor")
     grid, rpc = out.tensor.shape[0] // g["RPC"], g["RPC"]
     _need(grid <= MAX_RESIDENT, f"matvec_allreduce: {grid} CTAs, but every CTA waits for its peers' and all must be "
                                 f"resident at once: at most {MAX_RESIDENT}; give fewer, longer tiles")
@@ -146,6 +149,7 @@ def _matvec_allreduce_check(g, out, x, w, residual, peers, state, rank, slot_lin
                                                  f"not fit slots of {slot_lines} lines; make larger PeerBuffers")
     _need(1 <= epoch0 and epoch0 + grid <= state.shape[0], f"matvec_allreduce: epochs [{epoch0}, {epoch0 + grid}) "
                                                            f"are past the state's {state.shape[0]} words")
+    claim_lines(state, epoch0, grid, line0, rpc // 2, "matvec_allreduce")
 
 
 MAX_RESIDENT = H100_SMS  # CTAs of up to 16 warps, one a SM: what an H100 or H200 keeps resident at once

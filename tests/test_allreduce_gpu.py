@@ -9,22 +9,14 @@ no stale flags, flashinfer #3053); dist.all_reduce's "auto" choosing it; and a r
 that skips an all-reduce: the others get NaN and an error within the timeout, not a
 hang, and fresh buffers work again."""
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from deviceop.distributed.launch import NO_MULTICAST  # loads no NCCL: nccl4py is imported at init
+import helpers
 from helpers import ranked_sum
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _gpu_count() -> int:
-    from cuda.bindings import driver as cu
-    return cu.cuDeviceGetCount()[1] if cu.cuInit(0)[0] == 0 else 0
 
 
 def check_forms(group, bufs, seed):
@@ -138,20 +130,9 @@ def test_one_rank_on_one_gpu(tmp_path):
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_on_several_gpus(world, tmp_path):
     _nccl4py()
-    if _gpu_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {_gpu_count()}")
-    env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(tmp_path / "store")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0] + "\n[timed out]")
-    failed = [(r, log) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r}:\n{log[-3000:]}" for r, log in failed)
+    if helpers.gpu_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {helpers.gpu_count()}")
+    helpers.run_ranks(__file__, world, tmp_path / "store")
 
 
 if __name__ == "__main__":

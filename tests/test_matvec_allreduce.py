@@ -10,16 +10,13 @@ device loop (the epochs advance on the device: no replay meets a stale line); a 
 skips a call leaves the others NaN and an error within the timeout, not a hang."""
 import hashlib
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+import helpers
 from deviceop.distributed.launch import NO_MULTICAST  # loads no NCCL
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bf16(a):
@@ -148,9 +145,10 @@ def test_refusals_name_the_limit():
         bufs = dist.PeerBuffers(group, max_bytes=4096, epochs=300, attach=False)
         x = dop.empty(256, stream=s)
 
-        def launch(n, rpc, line0=0, epoch0=1, warps=1):
+        def launch(n, rpc, line0=0, epoch0=1, warps=1, out=None, res=None):
             w = dop.from_numpy(_bf16(np.ones((n, 256))), stream=s)
-            out, res = dop.empty(n, stream=s), dop.empty(n, stream=s)
+            out = dop.empty(n, stream=s) if out is None else out
+            res = dop.empty(n, stream=s) if res is None else res
             matvec_allreduce(out.partition([rpc]), x, w, res, bufs.peers, bufs.state, group.rank, bufs.slot_lines,
                              line0, epoch0, bufs.timeout_ns).generics([256, 1, 1, warps, rpc, 1, 2, 2]).sync_on(s)
         with pytest.raises(dop.ShapeError, match=f"resident at once: at most {MAX_RESIDENT}"):
@@ -161,11 +159,56 @@ def test_refusals_name_the_limit():
             launch(512, 8, line0=bufs.slot_lines, warps=4)
         with pytest.raises(dop.ShapeError, match="past the state"):
             launch(512, 8, epoch0=290, warps=4)
+        # rows travel as float2 (8-byte loads of the residual, stores of out): a view one float in is refused
+        shifted = dop.empty(513, stream=s)[1:]
+        with pytest.raises(dop.ShapeError, match="residual must start 8-byte aligned"):
+            launch(512, 8, warps=4, res=shifted)
+        with pytest.raises(dop.ShapeError, match="out must start 8-byte aligned"):
+            launch(512, 8, warps=4, out=shifted)
+        launch(512, 8, warps=4, out=dop.empty(514, stream=s)[2:], res=dop.empty(514, stream=s)[2:])  # 8 bytes in
         with pytest.raises(dop.ShapeError, match="epochs=10"):
             dist.PeerBuffers(group, max_bytes=8192, epochs=10)
         bufs.close()
         return True
     assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_a_counter_always_stands_for_the_same_lines(rng):
+    """An epoch tells a line's writes apart only while its counter serves the same lines: another
+    row tile on the same epochs (CTA i's lines move, and counter i may meet a line another counter
+    wrote with the epoch it waits for: stale data, silently), a second channel over the same lines,
+    or the one-shot all-reduce on these buffers is refused; the same layout again, and a second
+    channel on its own epochs and lines, run."""
+    import deviceop as dop
+    import deviceop.distributed as dist
+    from deviceop.kernels.llama_tp import matvec_allreduce
+
+    def rank(group):
+        s = group.stream
+        bufs = dist.PeerBuffers(group, max_bytes=4096, epochs=64, attach=False)
+        x = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=s)
+        w = dop.from_numpy(_bf16(rng.standard_normal((256, 256))), stream=s)
+        res = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=s)
+
+        def launch(rpc, line0, epoch0, n=256):
+            out = dop.empty(n, stream=s)
+            matvec_allreduce(out.partition([rpc]), x, w[:n], res[:n], bufs.peers, bufs.state, group.rank,
+                             bufs.slot_lines, line0, epoch0, bufs.timeout_ns).generics([256, 2, 1, 4, rpc, 1, 2, 1]) \
+                .sync_on(s)
+            return out.numpy(stream=s)
+        first = launch(8, 0, 1)  # 32 CTAs: counters 1..32, 4 lines each from line 0
+        np.testing.assert_array_equal(launch(8, 0, 1), first)  # the same layout again
+        with pytest.raises(dop.ShapeError, match="always stand for the same lines"):
+            launch(16, 0, 1)  # 16 CTAs of 8 lines on counters 1..16
+        with pytest.raises(dop.ShapeError, match="always stand for the same lines"):
+            launch(8, 64, 33)  # its own counters, but lines 64.. are counters 17..32's
+        with pytest.raises(dop.ShapeError, match="always stand for the same lines"):
+            bufs.all_reduce(dop.empty(128, stream=s)).sync_on(s)  # counter 1 for lines 0..63
+        launch(16, 128, 33)  # its own counters and lines: a second channel
+        launch(8, 0, 1, n=128)  # a prefix of the first layout: the same counters, the same lines
+        bufs.close()
+        return True
+    assert dist.run_reference(1, rank) == [True]
 
 
 # -- GPUs ----------------------------------------------------------------------------------
@@ -185,29 +228,13 @@ def rank_main(rank: int, world: int, store: str) -> int:
     return 0
 
 
-def _gpu_count() -> int:
-    from cuda.bindings import driver as cu
-    return cu.cuDeviceGetCount()[1] if cu.cuInit(0)[0] == 0 else 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_on_gpus(world, tmp_path):
     pytest.importorskip("nccl.core", reason="nccl4py is not installed (scripts/gpu-check installs it from .whl/)")
-    if _gpu_count() < world:
-        pytest.skip(f"needs {world} GPUs, this machine has {_gpu_count()}")
-    env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(tmp_path / "store")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            logs.append(p.communicate()[0] + "\n[timed out]")
-    failed = [(r, log) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r}:\n{log[-3000:]}" for r, log in failed)
+    if helpers.gpu_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {helpers.gpu_count()}")
+    helpers.run_ranks(__file__, world, tmp_path / "store")
 
 
 if __name__ == "__main__":

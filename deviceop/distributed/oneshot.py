@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,37 @@ def _check(g, out, *args):
     _need(state.size >= 1 + nbytes // BLOCK_BYTES, "one-shot all_reduce: the state tensor is too small")
     for a in (t, *tensors):
         _need(a.data_ptr % 16 == 0, "one-shot all_reduce: tensors must start 16-byte aligned")
+    claim_lines(state, 1, nbytes // BLOCK_BYTES, 0, LINES, "one-shot all_reduce")
+
+
+# state's allocation -> the layouts its epoch counters serve: (first counter's word, counters,
+# first line, lines a counter)
+_layouts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def claim_lines(state, epoch0: int, groups: int, line0: int, group_lines: int, who: str) -> None:
+    """Refuse a call that would use ``state``'s epoch counters [epoch0, epoch0 + groups) for
+    other lines than earlier calls did (the lines from ``line0``, ``group_lines`` a counter).
+    An epoch tells a line's writes apart only while its counter always serves the same
+    lines: a call that moved them (another grid or row tile on the same epochs, a second
+    channel over the same lines, the one-shot all-reduce on a fused kernel's buffers) could
+    take a line that an earlier call of another counter wrote with the epoch it waits for,
+    and sum stale data without any error."""
+    c0 = state.data_ptr // 4 + epoch0  # the counter's word: views of one state agree
+    new = (c0, groups, line0, group_lines)
+    held = _layouts.setdefault(state._alloc, set())
+    if new in held:
+        return
+    for c, n, line, per in held:
+        overlap = (c < c0 + groups and c0 < c + n) or (line < line0 + groups * group_lines and line0 < line + n * per)
+        if overlap and (per != group_lines or line - c * per != line0 - c0 * group_lines):
+            raise ShapeError(
+                f"{who}: epoch counters [{epoch0}, {epoch0 + groups}) for lines from {line0}, {group_lines} a counter, "
+                f"but earlier calls on these buffers use counters from {epoch0 + c - c0} for lines from {line}, {per} a "
+                "counter: a counter must always stand for the same lines (else a call can read a line another "
+                "counter wrote with the epoch it waits for). Give each layout (grid, row tile) its own epochs and "
+                "lines (epoch0=, line0=), or its own PeerBuffers")
+    held.add(new)
 
 
 # -- the NumPy reference: the kernel's protocol on host memory -------------------------
