@@ -17,6 +17,7 @@ from cuda.bindings import driver as cu
 from ..dtypes import producer_name
 from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
+from .graph_backend import GraphBackend
 from . import foreign as foreign_work
 from .driver import check
 from .module import CudaModule
@@ -38,6 +39,7 @@ class Device:
     ordinal: int
     name: str
     _fallback: type  # the device class where the driver sees no GPU (set by runtime/reference.py)
+    graphs: GraphBackend  # its graph work: runtime/graphs.py on a GPU, a TapeGraphs on the reference device
 
     def __new__(cls, ordinal: int = 0):
         if cls is Device:
