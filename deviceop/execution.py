@@ -140,6 +140,23 @@ def too_deep(op, exc: RecursionError) -> StateError:
 
 SCOPE = "CudaGraph.scope"  # what an open capture scope holds the execution lock as
 
+# How an op becomes a graph (DeviceOp.graph_on): CudaGraph.capture (graph/cudagraph.py), which
+# deviceop/graph/__init__.py installs with set_capture when it is imported (``import deviceop``
+# does).  This layer may not import the graph layer above it (tests/test_architecture.py).
+_capture = None
+
+
+def set_capture(capture) -> None:
+    """Install ``capture(op, stream, parallel) -> CudaGraph`` as what ``capture_graph`` calls:
+    deviceop/graph/__init__.py installs ``CudaGraph.capture`` (the one caller)."""
+    global _capture
+    _capture = capture
+
+
+def capture_graph(op, stream, parallel: bool):
+    """Capture ``op`` on ``stream`` into a replayable graph: ``CudaGraph.capture`` (see set_capture)."""
+    return _capture(op, stream, parallel)
+
 
 # thread ident -> the ``executing`` that holds that thread's execution lock.  A dict, not a
 # thread-local: a capture beginning on a stream looks here for other threads' executions

@@ -21,13 +21,8 @@ from .errors import KernelFaultError, StateError
 from .runtime.device import Device
 from .tensor import Tensor
 from .values import _first, _last, _reshape, _selector, _unpartition, launched_kernels, reshape_dims, unzip_count
-from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, check_stream, describe_chain,  # noqa: F401
-                        executing, not_a_stream, stats, too_deep, warn_if_unexecuted)
-
-# How an op becomes a graph (CudaGraph.capture): installed by deviceop.graph, the layer above,
-# so that this layer reaches graphs only through it and through ExecutionContext.capture.
-_capture_graph = None
-
+from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, capture_graph, check_stream,  # noqa: F401
+                        describe_chain, executing, not_a_stream, stats, too_deep, warn_if_unexecuted)
 
 class DeviceOp:
     """A lazy value.  Subclasses implement ``_execute(ctx)``."""
@@ -145,7 +140,9 @@ class DeviceOp:
         self._armed = False
         check_stream(f"graph_on({self.describe()})", stream)
         try:
-            return _capture_graph(self, stream, parallel)  # (the capture is ended, and the stream usable, on any error)
+            # CudaGraph.capture, installed by deviceop/graph/__init__.py (execution.set_capture); the
+            # capture is ended, and the stream usable, on any error
+            return capture_graph(self, stream, parallel)
         except RecursionError as exc:
             raise too_deep(self, exc) from exc
 

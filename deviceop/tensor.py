@@ -325,4 +325,4 @@ class Tensor:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
 
 
-_launch.tensor_type = Tensor  # the launchers' fast path reads a Tensor's pointer without a call
+_launch.set_tensor_type(Tensor)  # the launchers' fast path reads a Tensor's pointer without a call

@@ -144,3 +144,31 @@ def test_no_module_is_over_450_lines():
     long = {name: n for name, path in MODULES.items()
             if path.is_relative_to(PKG) and (n := len(path.read_text().splitlines())) > 450}
     assert not long, f"split these modules by concern: {long}"
+
+
+# What a layer gets from one above it, which it may not import: (the module that reads it, the
+# name it reads, the registry function that sets it, the one module that calls that function).
+INSTALLED = [("deviceop.execution", "_capture", "set_capture", "deviceop.graph"),
+             ("deviceop.runtime.launch", "tensor_type", "set_tensor_type", "deviceop.tensor"),
+             ("deviceop.runtime.device", "_fallback", "set_fallback", "deviceop.runtime.reference")]
+
+
+def test_what_a_layer_gets_from_above_is_installed_through_one_documented_call():
+    """op.graph_on's capture, the launchers' tensor type and Device's fallback are set by a call
+    a reader can follow (execution.set_capture, launch.set_tensor_type, Device.set_fallback),
+    from one module each, never by assigning another module's attribute."""
+    import deviceop as dop
+    from deviceop import execution
+    from deviceop.runtime import device, launch
+
+    assert execution._capture == dop.CudaGraph.capture
+    assert launch.tensor_type is dop.Tensor
+    assert device.Device._fallback is dop.ReferenceDevice
+    for reader, name, setter, installer in INSTALLED:
+        callers = sorted(m for m, path in MODULES.items()
+                         if re.search(rf"\b{setter}\(", path.read_text()) and m != reader)
+        assert callers == [installer], f"{setter}: called from {callers}"
+        assigned = sorted(m for m, path in MODULES.items()
+                          if m != reader for node in ast.walk(ast.parse(path.read_text()))
+                          if isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, ast.Store))
+        assert not assigned, f"{name} is assigned in {assigned}: call {setter} instead"

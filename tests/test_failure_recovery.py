@@ -167,51 +167,54 @@ def _destroy(stream, graph):
 
 
 def _stage_faults():
-    """(name, attribute of CudaGraph, replacement factory, expected exception).  Each
-    replacement fails the way that stage fails for real, cleaning up what the real
-    stage cleans up itself, so that what is tested is everything around it."""
+    """(name, where, attribute, replacement factory, expected exception): ``where`` "graphs" is
+    the device's graph backend (runtime/graph_backend.py's GraphBackend), "CudaGraph" the class.
+    Each replacement fails the way that stage fails for real, cleaning up what the real stage
+    cleans up itself, so that what is tested is everything around it (graph/capture.py's Recording)."""
     def begin_fails(orig):
         def begin(stream):
             raise dop.CudaError("cuStreamBeginCapture", 1, "CUDA_ERROR_INVALID_VALUE", "injected")
-        return staticmethod(begin)
+        return begin
 
     def interrupted_after_begin(orig):
         def begin(stream):
             orig(stream)               # the capture has begun ...
-            raise KeyboardInterrupt    # ... and Ctrl-C lands before _begin returns
-        return staticmethod(begin)
+            raise KeyboardInterrupt    # ... and Ctrl-C lands before begin returns
+        return begin
 
     def end_fails(orig):
-        def end(stream, cap):
-            _destroy(stream, orig(stream, cap))
+        def end(stream, label):
+            _destroy(stream, orig(stream, label))
             raise dop.CaptureError("injected: the capture was invalidated")
-        return staticmethod(end)
+        return end
 
     def instantiate_out_of_memory(orig):
         def instantiate(stream, graph, label):
             _destroy(stream, graph)
             raise dop.OutOfMemoryError(f"cuGraphInstantiate({label})", 2, "CUDA_ERROR_OUT_OF_MEMORY", "injected")
-        return staticmethod(instantiate)
+        return instantiate
 
     def interrupted_in_constructor(orig):
         def adopt(self, capture, output):
             raise KeyboardInterrupt
         return adopt
 
-    return [("begin fails", "_begin", begin_fails, dop.CudaError),
-            ("interrupt after the capture began", "_begin", interrupted_after_begin, KeyboardInterrupt),
-            ("end of capture fails", "_end", end_fails, dop.CaptureError),
-            ("instantiate runs out of memory", "_instantiate", instantiate_out_of_memory, dop.OutOfMemoryError),
-            ("interrupt while the CudaGraph is built", "_adopt", interrupted_in_constructor, KeyboardInterrupt)]
+    return [("begin fails", "graphs", "begin", begin_fails, dop.CudaError),
+            ("interrupt after the capture began", "graphs", "begin", interrupted_after_begin, KeyboardInterrupt),
+            ("end of capture fails", "graphs", "end", end_fails, dop.CaptureError),
+            ("instantiate runs out of memory", "graphs", "instantiate", instantiate_out_of_memory,
+             dop.OutOfMemoryError),
+            ("interrupt while the CudaGraph is built", "CudaGraph", "_adopt", interrupted_in_constructor,
+             KeyboardInterrupt)]
 
 
 @pytest.mark.parametrize("style", ["graph_on", "scope"])
 def test_a_failure_in_each_capture_stage_is_survived(stream, spy, style, monkeypatch, rng):
     x = upload(rng.standard_normal(N), stream)
-    for name, attr, make, exc in _stage_faults():
+    for name, where, attr, make, exc in _stage_faults():
         with monkeypatch.context() as m:
-            m.setattr(_Graph, attr, make(_Graph.__dict__[attr].__func__ if isinstance(
-                _Graph.__dict__[attr], staticmethod) else _Graph.__dict__[attr]))
+            target = stream.device.graphs if where == "graphs" else _Graph
+            m.setattr(target, attr, make(getattr(target, attr)))
             bufs = [dop.empty(N, stream=stream) for _ in range(STEPS)]
             with pytest.raises(exc) as info:
                 if style == "graph_on":

@@ -92,3 +92,25 @@ def test_the_checkout_finder_serves_deviceop_kernels_and_nothing_else():
     assert finders[0].find_spec("kernels") is None and finders[0].find_spec("deviceop.examples") is None
     tiles = importlib.import_module("deviceop.kernels.conv_tiles")
     assert tiles.__file__ == str(ROOT / "kernels" / "conv_tiles.py")
+
+
+def test_cuda_core_is_a_dependency_of_the_benchmarks_only():
+    """deviceop reaches the driver through cuda.bindings (and CuPy's launch wrapper); cuda.core is
+    the benchmarks' baseline (the bench extra).  A module of the library that imported it would
+    fail on an install without the extra: declare it in dependencies then."""
+    import ast
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("cuda-core")]
+    assert [d for d in project["optional-dependencies"]["bench"] if d.startswith("cuda-core")]
+    importing = []
+    for path in [*(ROOT / "deviceop").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "cuda.core" or n.startswith("cuda.core.") for n in names) or \
+                    isinstance(node, ast.ImportFrom) and node.module == "cuda" and \
+                    any(a.name == "core" for a in node.names):
+                importing.append(str(path.relative_to(ROOT)))
+    assert not importing, f"these import cuda.core, which deviceop does not depend on: {importing}"

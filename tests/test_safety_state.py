@@ -168,7 +168,7 @@ def test_a_capture_whose_graph_cannot_be_made_resets_its_shared_ops(stream, rng,
     def refuse(stream, graph, label):  # as the real one does on failure: the graph is destroyed
         stream.device.graphs.destroy(graph)
         raise dop.OutOfMemoryError("cuGraphInstantiate", 2, "CUDA_ERROR_OUT_OF_MEMORY", "injected", "free memory")
-    monkeypatch.setattr(CudaGraph, "_instantiate", staticmethod(refuse))
+    monkeypatch.setattr(stream.device.graphs, "instantiate", refuse)  # the device's GraphBackend
     with pytest.raises(dop.OutOfMemoryError):
         s.clone().graph_on(stream)
     s2 = scaled(nan_buffer(stream), x, 3.0)

@@ -2,9 +2,10 @@
 a captured graph, device loops and branches, the shape-keyed GraphCache, and Module/GraphModel.
 
 The top layer: it imports the ones below, and installs ``CudaGraph.capture``
-as what ``op.graph_on(stream)`` calls, so that the op layer never imports it.
+as what ``op.graph_on(stream)`` calls (``execution.set_capture``), so that the op
+layer never imports it.
 """
-from .. import op as _op
+from ..execution import set_capture
 from .branches import if_, switch
 from .cache import CacheStats, GraphCache, Workspace, default_sizes
 from .capture import Capture
@@ -16,7 +17,7 @@ from .model import GraphModel, Module
 from .nodes import KernelNode, Node
 from .switch_cache import SwitchGraphCache
 
-_op._capture_graph = CudaGraph.capture
+set_capture(CudaGraph.capture)  # what DeviceOp.graph_on calls (the op layer cannot import this one)
 
 __all__ = ["CacheStats", "Capture", "ChildGraphNode", "CudaGraph", "GraphCache", "GraphLaunch", "GraphModel",
            "KernelNode", "Loop", "MemcpyNode", "MemsetNode", "Module", "Node", "Scope", "SwitchGraphCache", "While",

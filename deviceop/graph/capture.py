@@ -1,13 +1,17 @@
 """The state of one capture in progress, and how a launch becomes a node."""
 from __future__ import annotations
 
+import threading
+
 from ..api import memset
-from ..errors import GraphSafetyError, LaunchError
+from ..errors import CaptureError, GraphSafetyError, LaunchError
+from ..execution import _running
 from ..kernel import KernelLaunch
 from ..op import DeviceOp, SharedOp
 from .copy_nodes import MemcpyNode, MemsetNode
 from .nodes import KernelNode
 from .parallel import Dag, copy_footprint, fill_footprint, kernel_footprint
+from ..runtime.stream import capturing, stream_key
 
 
 class ReplayCheck:
@@ -128,6 +132,81 @@ class Capture:
     def forget(self) -> None:
         """The graph was made: nothing to undo, and no op kept alive for it."""
         self.fresh = []
+
+
+class Recording:
+    """One capture on ``stream`` into ``cap``, begin to end: the one sequence that
+    ``graph_on``, ``CudaGraph.scope`` and ``recapture`` (and the foreign work their ops
+    run) go through, driving the device's graph backend (``stream.device.graphs``)::
+
+        with Recording(stream, cap) as rec:
+            ...               # record work on stream
+        rec.graph, rec.exec_  # captured; instantiated (None with instantiate=False)
+
+    Every failure ends the capture and hands back what it ran (``cap.undo()``): a
+    refusal before it begins changes nothing; a begin that fails or is interrupted
+    is aborted; work that raises is aborted (the partial graph destroyed); an end
+    that fails (a broken capture) or an instantiate that fails leaves no graph (the
+    backend destroys it).  No stream is left capturing and no graph leaked.
+
+    While the capture is open the stream notes which thread captures it
+    (runtime.stream.capturing): eager work other threads enqueue on it is refused
+    instead of being recorded into this graph (execution.executing).  A capture
+    does not begin while another thread is enqueueing work on the stream."""
+
+    __slots__ = ("stream", "cap", "graph", "exec_", "_instantiate")
+
+    def __init__(self, stream, cap: Capture, instantiate: bool = True):
+        self.stream, self.cap, self._instantiate = stream, cap, instantiate
+        self.graph = self.exec_ = None
+
+    def __enter__(self) -> "Recording":
+        stream, cap = self.stream, self.cap
+        if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
+            raise CaptureError("this stream is already capturing; end that capture first")
+        cap.before = stream.record_event(timing=False)
+        me, key = threading.current_thread(), stream_key(stream)
+        capturing[key] = (me.ident, me.name, cap.label)  # first, then look: see execution.executing
+        busy = [i for i, e in _running.copy().items() if e.stream is not None and stream_key(e.stream) == key
+                and i != me.ident]
+        if busy:
+            capturing.pop(key, None)
+            raise CaptureError(f"capturing {cap.label}: another thread is executing work on this stream now "
+                               "(sync_on / async_on), which the capture would record into the graph. Capture on a "
+                               "stream of your own (device.new_stream()), or once that work is enqueued")
+        try:
+            stream.device.graphs.begin(stream)
+        except BaseException:  # also a KeyboardInterrupt after the driver began it, before it returned
+            self.abort()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        stream, cap = self.stream, self.cap
+        if exc_type is not None:
+            try:
+                self.abort()
+            finally:
+                cap.undo()
+            return False
+        try:
+            try:
+                self.graph = stream.device.graphs.end(stream, cap.label)
+            finally:
+                capturing.pop(stream_key(stream), None)  # other threads may enqueue on the stream again
+            if self._instantiate:
+                self.exec_ = stream.device.graphs.instantiate(stream, self.graph, cap.label)
+        except BaseException:
+            cap.undo()
+            raise
+        return False
+
+    def abort(self) -> None:
+        """End a failed capture and destroy whatever it recorded (the ops it ran are the caller's)."""
+        try:
+            self.stream.device.graphs.abort(self.stream)
+        finally:
+            capturing.pop(stream_key(self.stream), None)
 
 
 def preload(op: DeviceOp, device) -> None:

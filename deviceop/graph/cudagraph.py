@@ -9,18 +9,19 @@ graph is destroyed and the stream is usable again); instantiate, upload,
 synchronize.  The graph keeps every tensor and kernel it touches alive until
 it is closed or collected.
 
-The driver work is the stream's device's ``graphs`` (runtime/graphs.py on a
-GPU; on the reference device a graph is the tape of recorded steps).
+Begin, end (or abort) and instantiate are graph/capture.py's ``Recording``, for
+every path.  The driver work is the stream's device's ``graphs`` (runtime/graphs.py
+on a GPU; on the reference device a graph is the tape of recorded steps).
 """
 from __future__ import annotations
 
 import threading
 
 from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, StateError
-from ..execution import SCOPE, _running, executing_now, refuse_reentry
+from ..execution import SCOPE, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
-from ..runtime.stream import capturing, refuse_if_captured_elsewhere, stream_key
-from .capture import Capture, ReplayCheck, not_recordable, preload
+from ..runtime.stream import capturing, refuse_if_captured_elsewhere
+from .capture import Capture, Recording, ReplayCheck, not_recordable, preload
 from .child import Ambiguous, ChildGraphNode, GraphLaunch
 from .nodes import KernelNode, Node
 from .render import render_dot
@@ -57,95 +58,29 @@ class CudaGraph:
     @classmethod
     def capture(cls, op: DeviceOp, stream, parallel: bool = False) -> "CudaGraph":
         """Capture ``op`` on ``stream`` (what ``op.graph_on(stream, parallel)`` does)."""
-        graph, output, cap = cls._record(op, stream, parallel)
+        rec, output = cls._record(op, stream, parallel, instantiate=True)
         try:
-            made = cls(stream, graph, cls._instantiate(stream, graph, cap.label), output, cap)
+            made = cls(stream, rec.graph, rec.exec_, output, rec.cap)
         except BaseException:
-            cap.undo()  # no graph: nothing will ever fill the buffers the shared ops returned
+            rec.cap.undo()  # no graph: nothing will ever fill the buffers the shared ops returned
             raise
-        cap.forget()
+        rec.cap.forget()
         return made
 
     @classmethod
-    def _record(cls, op: DeviceOp, stream, parallel: bool = False):
-        """Capture ``op`` into a new (not instantiated) graph: ``(graph, output, capture)``."""
+    def _record(cls, op: DeviceOp, stream, parallel: bool = False, instantiate: bool = False):
+        """Capture ``op`` into a new graph (graph/capture.py's Recording): ``(recording, output)``."""
         cap = Capture(op.describe(), _flag("parallel", parallel))
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
             preload(op, stream.device)
-            graph = cls._begin_or_abort(stream, cap)
-            try:
-                output = op._run(ExecutionContext(stream, cap))
-            except BaseException as exc:
-                cls._abort(stream, graph)
-                cap.undo()
-                if isinstance(exc, CudaError):  # a driver call broke the capture: say which op was captured
+            with Recording(stream, cap, instantiate) as rec:
+                try:
+                    output = op._run(ExecutionContext(stream, cap))
+                except CudaError as exc:  # a driver call broke the capture: say which op was captured
                     raise CaptureError(f"capturing {op.describe()} failed: {exc}") from exc
-                raise  # deviceop errors name their op; user errors and interrupts go on unchanged
-            try:
-                return cls._end_capture(stream, cap), output, cap
-            except BaseException:
-                cap.undo()
-                raise
-
-    # The stages of a capture (each a staticmethod: tests put a failing one in its place)
-    @staticmethod
-    def _begin(stream):
-        stream.device.graphs.begin(stream)
-        return True
-
-    @staticmethod
-    def _begin_or_abort(stream, cap: Capture):
-        """``_begin``, ending the capture again if anything interrupts it — also a
-        KeyboardInterrupt that lands after the driver began it, before it returned.
-
-        While the capture is open the stream notes which thread captures it
-        (runtime.stream.capturing): eager work other threads enqueue on it is refused instead of
-        being recorded into this graph (execution.executing).  A capture does not begin
-        while another thread is enqueueing work on the stream."""
-        if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
-            raise CaptureError("this stream is already capturing; end that capture first")
-        cap.before = stream.record_event(timing=False)
-        me, key = threading.current_thread(), stream_key(stream)
-        capturing[key] = (me.ident, me.name, cap.label)  # first, then look: see execution.executing
-        busy = [i for i, e in _running.copy().items() if e.stream is not None and stream_key(e.stream) == key
-                and i != me.ident]
-        if busy:
-            capturing.pop(key, None)
-            raise CaptureError(f"capturing {cap.label}: another thread is executing work on this stream now "
-                               "(sync_on / async_on), which the capture would record into the graph. Capture on a "
-                               "stream of your own (device.new_stream()), or once that work is enqueued")
-        try:
-            return CudaGraph._begin(stream)
-        except BaseException:
-            CudaGraph._abort(stream, None)
-            raise
-
-    @staticmethod
-    def _abort(stream, graph) -> None:
-        """End a failed capture and destroy whatever it recorded."""
-        try:
-            stream.device.graphs.abort(stream)
-        finally:
-            capturing.pop(stream_key(stream), None)
-
-    @staticmethod
-    def _end_capture(stream, cap: Capture):
-        """``_end``; then other threads may enqueue on the stream again."""
-        try:
-            return CudaGraph._end(stream, cap)
-        finally:
-            capturing.pop(stream_key(stream), None)
-
-    @staticmethod
-    def _end(stream, cap: Capture):
-        """End a capture that went well: the captured graph."""
-        return stream.device.graphs.end(stream, cap.label)
-
-    @staticmethod
-    def _instantiate(stream, graph, label: str):
-        """Instantiate and upload ``graph`` (destroyed if that fails)."""
-        return stream.device.graphs.instantiate(stream, graph, label)
+                # deviceop errors name their op; user errors and interrupts go on unchanged
+        return rec, output
 
     @classmethod
     def scope(cls, stream, body=None, *, parallel: bool = False):
@@ -243,7 +178,8 @@ class CudaGraph:
         self._check_open()
         stream = self._stream
         if isinstance(work, DeviceOp):
-            graph, output, cap = CudaGraph._record(work, stream, self.parallel)
+            rec, output = CudaGraph._record(work, stream, self.parallel)
+            graph, cap = rec.graph, rec.cap
         elif callable(work):
             scope = Scope(stream, instantiate=False, parallel=self.parallel)
             with scope as s:
@@ -282,7 +218,7 @@ class CudaGraph:
                 graphs.destroy(graph)
                 raise GraphUpdateError(f"cuGraphExecUpdate refused the recapture of {cap.label} ({reason}): its "
                                        "topology or node kinds differ; pass reinstantiate=True to rebuild the graph")
-            exec_ = CudaGraph._instantiate(stream, graph, cap.label)
+            exec_ = graphs.instantiate(stream, graph, cap.label)  # (graph destroyed if that fails)
             old = (self._exec, self._graph, self._shown)
             self._exec, self._graph, self._shown = exec_, graph, None
             self._origin = self._defined = [n.handle for n in cap.nodes]
@@ -381,7 +317,7 @@ class Scope:
 
     def __init__(self, stream, instantiate: bool = True, parallel: bool = False):
         self.stream, self.graph, self._parallel = stream, None, parallel
-        self._cap, self._ctx, self._graph_handle, self._lock_cm = None, None, None, None
+        self._cap, self._ctx, self._rec, self._lock_cm = None, None, None, None
         self._instantiate, self.recorded = instantiate, None  # recorded: (graph, capture) when not instantiating
         self._thread = None  # the thread that opened the scope
 
@@ -407,7 +343,7 @@ class Scope:
         self._lock_cm.thread = threading.current_thread()  # its ident may be reused once it ends
         try:
             self._cap = Capture("CudaGraph.scope", self._parallel)
-            self._graph_handle = CudaGraph._begin_or_abort(self.stream, self._cap)
+            self._rec = Recording(self.stream, self._cap, self._instantiate).__enter__()
             self._ctx = ExecutionContext(self.stream, self._cap)
             self._thread = threading.get_ident()
         except BaseException:
@@ -420,8 +356,7 @@ class Scope:
             if self._ctx is not None:  # entered, never exited: end the capture as a failed one
                 self._ctx = None
                 try:
-                    CudaGraph._abort(self.stream, self._graph_handle)
-                    self._cap.undo()
+                    self._rec.__exit__(StateError, None, None)  # aborted, every op it ran handed back
                 finally:
                     self._lock_cm.release_from_anywhere()  # the lock of the thread that entered it
         except Exception:
@@ -430,17 +365,14 @@ class Scope:
     def __exit__(self, exc_type, exc, tb):
         self._ctx = None
         try:
+            self._rec.__exit__(exc_type, exc, tb)  # ends (or aborts) the capture; instantiates
             if exc_type is not None:
-                CudaGraph._abort(self.stream, self._graph_handle)
-                self._cap.undo()
+                return False
+            if not self._instantiate:
+                self.recorded = (self._rec.graph, self._cap)
                 return False
             try:
-                graph = CudaGraph._end_capture(self.stream, self._cap)
-                if not self._instantiate:
-                    self.recorded = (graph, self._cap)
-                    return False
-                self.graph = CudaGraph(self.stream, graph,
-                                       CudaGraph._instantiate(self.stream, graph, self._cap.label), None, self._cap)
+                self.graph = CudaGraph(self.stream, self._rec.graph, self._rec.exec_, None, self._cap)
             except BaseException:
                 self._cap.undo()
                 raise

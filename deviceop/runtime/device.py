@@ -17,6 +17,7 @@ from cuda.bindings import driver as cu
 from ..dtypes import producer_name
 from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
+from .graph_backend import GraphBackend
 from . import foreign as foreign_work
 from .driver import check
 from .module import CudaModule
@@ -37,11 +38,15 @@ class Device:
     is_reference: bool = False
     ordinal: int
     name: str
-    _fallback: type  # the device class where the driver sees no GPU (set by runtime/reference.py)
+    # the device class where the driver sees no GPU: ReferenceDevice, installed by runtime/reference.py
+    # (set_fallback) when it is imported, which runtime/__init__.py does before anyone can call this;
+    # that module subclasses this one, so this one cannot import it back (tests/test_architecture.py)
+    _fallback: type
+    graphs: GraphBackend  # its graph work: runtime/graphs.py on a GPU, a TapeGraphs on the reference device
 
     def __new__(cls, ordinal: int = 0):
         if cls is Device:
-            cls = CudaDevice if driver.driver_available() else Device._fallback
+            cls = CudaDevice if driver.driver_available() else Device._fallback  # (see _fallback)
         try:
             ordinal = operator.index(ordinal)
         except TypeError:
@@ -56,6 +61,12 @@ class Device:
                     inst._setup(ordinal)
                     _instances[key] = inst
         return inst
+
+    @staticmethod
+    def set_fallback(cls: type) -> None:
+        """Make ``cls`` what ``Device(n)`` is where the driver sees no GPU; runtime/reference.py
+        installs ReferenceDevice (the one caller)."""
+        Device._fallback = cls
 
     def _setup(self, ordinal: int) -> None:  # pragma: no cover - overridden
         raise NotImplementedError

@@ -5,8 +5,10 @@ each node), conditional nodes (WHILE, IF, IF/ELSE, SWITCH), child-graph nodes,
 inspection (nodes, edges, DOT).
 
 A CUDA device's ``graphs`` is this module; the reference device's is an
-object with the same functions over host tapes (runtime/reference.py), so the
+object with the same functions over host tapes (runtime/tape.py), so the
 graph layer above (deviceop/graph/) never asks which device it runs on.
+``GraphBackend`` (runtime/graph_backend.py) is that interface, written down:
+a function added here belongs there and in the tape too (tests/test_graph_backend.py).
 """
 from __future__ import annotations
 

@@ -91,9 +91,17 @@ class PreparedLaunch:
         self.function._launch_failed(exc, stream, f"cuLaunchKernel({self.function.name})")
 
 
-# The tensor type whose ``_ptr`` the generated launchers read without a call: set by
-# deviceop.tensor when it is imported (the runtime knows tensors only by that duck type).
+# The tensor type whose ``_ptr`` the generated launchers read without a call (set_tensor_type):
+# deviceop/tensor.py installs its Tensor when it is imported; the runtime, a layer below it,
+# knows tensors only by that duck type.  Until then no argument takes the fast path.
 tensor_type: type = type(None)
+
+
+def set_tensor_type(cls: type) -> None:
+    """Make ``cls`` (whose ``_ptr`` is its device address) what the launchers built from now
+    on test for with ``type(arg) is``; deviceop/tensor.py installs ``Tensor`` (the one caller)."""
+    global tensor_type
+    tensor_type = cls
 
 
 class Function(ParamLayout):
@@ -212,6 +220,7 @@ class Function(ParamLayout):
         otherwise.  Arguments are parameters defaulting to a sentinel: a missing
         one is the sentinel, extras land in ``*extra``; both cost one test."""
         names = [f"a{i}" for i in range(len(self.signature))]
+        # Tensor: deviceop.tensor.Tensor, installed by deviceop/tensor.py (set_tensor_type)
         env = {"Tensor": tensor_type, "LaunchConfig": LaunchConfig, "as_config": _as_config,
                "acquire": self._lock.acquire, "release": self._lock.release,
                "pack_into": self._struct.pack_into, "buf": self._buffer, "params": self._params_addr,

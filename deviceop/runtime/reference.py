@@ -423,4 +423,4 @@ class ReferenceFunction(ParamLayout):
 
 
 ReferenceDevice.graphs = TapeGraphs(ReferenceStream)
-Device._fallback = ReferenceDevice  # what Device(n) is where the driver sees no GPU
+Device.set_fallback(ReferenceDevice)  # what Device(n) is where the driver sees no GPU

@@ -238,8 +238,9 @@ def _shape(tape) -> list:
 
 
 class TapeGraphs:
-    """The reference device's ``graphs`` (the functions of runtime/graphs.py):
-    a graph is the tape its capture recorded, and instantiating it is taking it."""
+    """The reference device's ``graphs``: the GraphBackend (runtime/graph_backend.py)
+    that runtime/graphs.py is on a GPU, over tapes.  A graph is the tape its capture
+    recorded, and instantiating it is taking it."""
 
     def __init__(self, stream_type):
         self._stream_type = stream_type  # what a loop body is captured on
@@ -291,7 +292,9 @@ class TapeGraphs:
         tape = stream._tape
         return tape[-1] if tape else None
 
-    node_id = staticmethod(id)
+    @staticmethod
+    def node_id(node) -> int:
+        return id(node)  # a step is its own node: one object, one id
 
     @staticmethod
     def capture_deps(stream) -> list:
