@@ -123,7 +123,9 @@ def _groups(world, tmp_path, fakes, fn, timeout=1.0):
     return out
 
 
-def _wait_until(done, seconds=2.0):
+def _wait_until(done, seconds=10.0):
+    """Poll ``done`` until it holds (at once, normally); the bound is generous so that a loaded
+    2-core machine, where a watchdog beat can come late, does not fail a working feature."""
     deadline = time.monotonic() + seconds
     while not done() and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -169,7 +171,7 @@ def test_a_rank_whose_nccl_cannot_make_a_unique_id_fails_every_rank_at_once(tmp_
     fakes = [FakeNccl(uid_error=RuntimeError('Failure finding "libnccl.so.2"')), FakeNccl()]
     start = time.monotonic()
     out = _groups(2, tmp_path, fakes, lambda group, fake: group, timeout=5.0)
-    assert time.monotonic() - start < 2  # rank 1 did not wait out the 5 s timeout
+    assert time.monotonic() - start < 4  # rank 1 did not wait out the 5 s timeout (slack for a loaded machine)
     assert isinstance(out[0], dop.DistributedError) and "libnccl.so.2" in str(out[0])
     assert isinstance(out[1], dop.DistributedError) and "rank 0" in str(out[1])
 
