@@ -197,6 +197,7 @@ def fidelity(cfg, group, args) -> dict:
     reference = hf.reference_copy(model)
     prompts = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, (args.kl_prompts, args.prompt_len))
     report = hf.compare(llama, reference, model, prompts, args.kl_steps)
+    llama.close()  # every rank: its private peer buffers
     del llama, reference, model, weights
     torch.cuda.empty_cache()
     return {"prompts": args.kl_prompts, "steps": args.kl_steps, "mean_kl": report["mean_kl"],
@@ -243,7 +244,7 @@ def worker(args) -> int:
                                   "tokens": t["tokens"]}
             log(f"deviceop: {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
             result["sampled_tokens"] = llama.generate(prompt, 16, SAMPLING)
-            del llama
+            llama.close()  # every rank: its private peer buffers
             for variant in ("oneshot", "nccl") if size > 1 else ():
                 # the same with unfused one-shot and with NCCL's all-reduces (a failure is this row's: every
                 # rank meets it alike)
@@ -253,7 +254,7 @@ def worker(args) -> int:
                     t = llama.time_generation(prompt, args.new, Sampling(), args.reps)
                     result[key] = {"us_per_token": round(t["us_per_token"], 1), "tokens": t["tokens"]}
                     log(f"deviceop, {variant} all-reduces: {t['us_per_token']:.1f} us/token")
-                    del llama
+                    llama.close()  # every rank: its private peer buffers
                 except dop.DeviceOpError as exc:
                     result[key] = {"error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
                     log(f"deviceop, {variant} all-reduces failed: {result[key]['error']}")

@@ -133,3 +133,16 @@ def test_the_tp_kernels_compile_for_sm90():
     for k in (tp_argmax_pair, tp_argmax_pick):
         program, _ = k.compile((), arch="sm_90")
         assert program.cubin[:4] == b"\x7fELF"
+
+
+def test_closing_a_tensor_parallel_model_frees_its_private_buffers_and_refuses_later_calls(model):
+    def rank(group):
+        with Llama(CFG, model["weights"], capacity=CAP, group=group) as llama:
+            fused = llama.decoder.fused
+            assert llama.generate(model["prompt"], NEW) == model["greedy"]
+        assert fused._closed  # the projections' peer buffers, closed on every rank
+        with pytest.raises(dop.StateError, match="closed"):
+            llama.generate(model["prompt"], NEW)
+        llama.close()  # idempotent
+        return True
+    assert dist.run_reference(2, rank) == [True, True]

@@ -45,13 +45,39 @@ class Llama:
         self.group = group
         self.device = group.device if group is not None else dop.Device(0)
         self.cuda_stream = stream if stream is not None else self.device.new_stream()
-        self.decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
-                                    allreduce=allreduce)
+        self._decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
+                                     allreduce=allreduce)
         self.cfg = cfg
         self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
         self._steps: dict = {}   # same key -> graph of one step
         self.prefill_chunk = prefill_chunk  # generate's default: None ingests the prompt token by token
         self._prefills: dict = {}  # chunk -> ChunkedPrefill (examples/llama/prefill.py)
+
+    @property
+    def decoder(self) -> LlamaDecoder:
+        if self._decoder is None:
+            raise dop.StateError("this Llama was closed: make a new one (Llama(cfg, weights, ...))")
+        return self._decoder
+
+    def close(self) -> None:
+        """Free what the model holds besides its tensors: a tensor-parallel rank's private peer
+        buffers (collective: every rank of the group calls it, after its last generation).  The
+        captured generations are dropped; any later call raises StateError.  Idempotent."""
+        if self._decoder is None:
+            return
+        self.cuda_stream.synchronize()
+        self._loops.clear()
+        self._steps.clear()
+        self._prefills.clear()
+        decoder, self._decoder = self._decoder, None
+        decoder.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
     @staticmethod
     def _group(cfg: LlamaConfig, tp: int | None, group):

@@ -302,6 +302,14 @@ class LlamaDecoder:
         self.fused = dist.PeerBuffers(self.group, max_bytes=-(-8 * d // 512) * 512, epochs=sum(grids), attach=False)
         self.fused_at = {"o_ar": (0, 1), "down_ar": (d // 2, 1 + grids[0])}  # (line0, epoch0)
 
+    def close(self) -> None:
+        """Free the peer buffers this decoder made for itself (collective: every rank calls it,
+        once the device finished its generations; graphs that captured its steps must not be
+        replayed after).  Idempotent."""
+        if self.fused is not None:
+            fused, self.fused = self.fused, None
+            fused.close()
+
     def _projection(self, kind: str, out: dop.Tensor, x: dop.Tensor, w, residual: dop.Tensor) -> list:
         """``out = residual + w @ x`` summed over the ranks: the O or down projection (``kind``)
         with its all-reduce fused where the decoder has buffers for it, else the projection and
