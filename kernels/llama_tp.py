@@ -142,8 +142,9 @@ def _matvec_allreduce_check(g, out, x, w, residual, peers, state, rank, slot_lin
         _need(t.data_ptr % 8 == 0, f"matvec_allreduce moves rows in pairs (8-byte loads and stores): {name} must "
                                    "start 8-byte aligned; pass a view an even number of floats in, or a fresh tensor")
     grid, rpc = out.tensor.shape[0] // g["RPC"], g["RPC"]
-    _need(grid <= MAX_RESIDENT, f"matvec_allreduce: {grid} CTAs, but every CTA waits for its peers' and all must be "
-                                f"resident at once: at most {MAX_RESIDENT}; give fewer, longer tiles")
+    resident = min(MAX_RESIDENT, getattr(out.tensor.device, "sm_count", 0) or MAX_RESIDENT)  # reference: 0 SMs
+    _need(grid <= resident, f"matvec_allreduce: {grid} CTAs, but every CTA waits for its peers' and all must be "
+                            f"resident at once: at most {resident} here (one a SM); give fewer, longer tiles")
     _need(0 <= rank < g["WORLD"], f"matvec_allreduce: rank {rank} is not in 0..{g['WORLD'] - 1}")
     _need(line0 + grid * rpc // 2 <= slot_lines, f"matvec_allreduce: lines [{line0}, {line0 + grid * rpc // 2}) do "
                                                  f"not fit slots of {slot_lines} lines; make larger PeerBuffers")

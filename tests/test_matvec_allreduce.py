@@ -239,3 +239,26 @@ def test_on_gpus(world, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
+
+
+def test_a_grid_larger_than_the_devices_sms_is_refused(monkeypatch):
+    """Every CTA waits for its peers' same CTA: on a GPU of fewer SMs than CTAs some could never
+    be resident, and the call would only end at the timeout, in NaN."""
+    import deviceop as dop
+    import deviceop.distributed as dist
+    from deviceop.kernels.llama_tp import matvec_allreduce, matvec_allreduce_plan
+    from deviceop.runtime.reference import ReferenceDevice
+    monkeypatch.setattr(ReferenceDevice, "sm_count", 64)  # as a GPU with 64 SMs reports it
+
+    def rank(group):
+        s = group.stream
+        tile, gen = matvec_allreduce_plan(2048, 256, 2)  # 128 CTAs
+        bufs = dist.PeerBuffers(group, max_bytes=16384, epochs=2048 // tile, attach=False)
+        w = dop.from_numpy(_bf16(np.ones((2048, 256))), stream=s)
+        out, res, x = dop.empty(2048, stream=s), dop.empty(2048, stream=s), dop.empty(256, stream=s)
+        with pytest.raises(dop.ShapeError, match="at most 64 here"):
+            matvec_allreduce(out.partition([tile]), x, w, res, bufs.peers, bufs.state, group.rank, bufs.slot_lines,
+                             0, 1, bufs.timeout_ns).generics(gen).sync_on(s)
+        bufs.close()
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
