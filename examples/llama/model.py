@@ -446,6 +446,7 @@ class LlamaDecoder:
         last logits are not finite: a NaN or inf anywhere in a step reaches the KV cache, so
         every later step's logits, and the tokens chosen from them would be garbage."""
         if self.fused is not None:
+            self.stream.synchronize()  # the buffers' error word is read on the group's stream
             self.fused.check()  # a projection's all-reduce gave up waiting for a peer: its outputs were NaN
         error = int(self.error.numpy(stream=self.stream)[0])
         if error:
