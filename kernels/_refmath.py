@@ -18,9 +18,11 @@ work stays on one thread.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -28,7 +30,7 @@ from deviceop.runtime import refcache
 
 BLOCK = 1 << 16  # float64 elements a promoted block holds (512 KiB: an L2's worth)
 _local = threading.local()  # one buffer a thread: references may run on several
-SPLIT = 4  # blocks from which a kept copy's product is shared with the helper thread
+CHUNKS, MAX_CHUNK = 8, 16  # a kept copy's product: about 8 chunks for two threads to take, of at most 16 blocks
 _pool, _pool_lock = None, threading.Lock()
 
 
@@ -37,22 +39,20 @@ def matvec64(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, np.float64)
     n, k = w.shape
     size = max(BLOCK, k)
-    buf = getattr(_local, "buf", None)
-    if buf is None or buf.size < size:
-        buf = _local.buf = np.empty(size)
     out = np.empty(n)
     rows = size // k
     kept = refcache.float64_of(w)
     if kept is not None:  # the same block products on the same values, without the promotion
-        starts = range(0, n, rows)
-        if len(starts) < SPLIT or _helper() is None:
-            _blocks(kept, x, out, rows, starts)
-        else:  # half the blocks on a helper thread: reading the float64 copy is memory bound
-            half = (len(starts) + 1) // 2
-            other = _helper().submit(_blocks, kept, x, out, rows, starts[half:])
-            _blocks(kept, x, out, rows, starts[:half])
-            other.result()
+        chunks = _chunks(n, rows)
+        helper = _helper() if len(chunks) > 1 else None
+        if helper is None:
+            _products(kept, x, out, rows, chunks, itertools.count(), len(chunks))
+        else:
+            helper.share(kept, x, out, rows, chunks)
         return out
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < size:
+        buf = _local.buf = np.empty(size)
     for r in range(0, n, rows):
         block = w[r:r + rows]
         promoted = buf[:block.size].reshape(block.shape)
@@ -61,9 +61,71 @@ def matvec64(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _blocks(w64, x, out, rows: int, starts) -> None:
-    for r in starts:  # np.dot (BLAS gemv, as np.matmul) lets go of the GIL, so two threads overlap
-        np.dot(w64[r:r + rows], x, out=out[r:r + rows])
+@functools.lru_cache(maxsize=256)
+def _chunks(n: int, rows: int) -> tuple:
+    """The blocks of a kept copy's product, grouped: (first block, blocks) a chunk, about
+    CHUNKS chunks (a thread takes one at a time), the last, partial block alone."""
+    full = n // rows
+    size = max(1, min(MAX_CHUNK, -(-full // CHUNKS)))
+    chunks = [(b, min(size, full - b)) for b in range(0, full, size)]
+    if full * rows < n:
+        chunks.append((full, 0))
+    return tuple(chunks)
+
+
+def _products(w64, x, out, rows: int, chunks, taken, left) -> None:
+    """Take chunks from the counter ``taken`` until ``left`` are taken, and multiply each one's
+    blocks: np.matmul of a stack of blocks [count, rows, K] calls BLAS's gemv on each block
+    exactly as np.dot of the block does, in one call that lets go of the GIL throughout."""
+    k = w64.shape[1]
+    for i in taken:
+        if i >= left:
+            return
+        first, count = chunks[i]
+        r = first * rows
+        if count:
+            e = r + count * rows
+            np.matmul(w64[r:e].reshape(count, rows, k), x, out=out[r:e].reshape(count, rows))
+        else:  # the last block, fewer rows
+            np.dot(w64[r:], x, out=out[r:])
+
+
+class _Helper:
+    """One helper thread that shares a kept copy's product with the caller: both take the
+    next chunk of blocks from one counter until none is left (a block is the same product
+    whichever thread does it), so when the machine is busy and the helper starts late, the
+    caller does the blocks instead of waiting for a fixed half.  A product costs one put on
+    a queue; the caller waits only for a chunk the helper took and has not finished."""
+
+    def __init__(self):
+        self.jobs = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="deviceop-matvec64", daemon=True).start()
+
+    def share(self, w64, x, out, rows: int, chunks) -> None:
+        job = [itertools.count(), len(chunks), threading.Lock(), w64, x, out, rows, chunks, None]
+        self.jobs.put(job)
+        _products(w64, x, out, rows, chunks, job[0], len(chunks))
+        with job[2]:  # the helper takes and finishes a chunk under this lock: none is in flight now
+            job[1] = 0  # later takes find nothing left
+        if job[8] is not None:  # a chunk the helper took failed: it is not in ``out``
+            raise job[8]
+
+    def _serve(self) -> None:
+        while True:
+            job = self.jobs.get()
+            taken, lock = job[0], job[2]
+            while True:
+                with lock:
+                    if job[1] == 0:
+                        break
+                    i = next(taken)
+                    if i >= job[1]:
+                        break
+                    try:
+                        _products(*job[3:8], iter((i,)), job[1])
+                    except BaseException as exc:  # the caller raises it
+                        job[8] = exc
+            del job  # hold no activations between products
 
 
 def _helper():
@@ -72,5 +134,5 @@ def _helper():
     if _pool is None and (os.cpu_count() or 1) > 1:
         with _pool_lock:
             if _pool is None:
-                _pool = ThreadPoolExecutor(1, thread_name_prefix="deviceop-matvec64")
+                _pool = _Helper()
     return _pool
