@@ -136,3 +136,11 @@ def _helper():
             if _pool is None:
                 _pool = _Helper()
     return _pool
+
+
+def _forget_helper() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has no helper thread: it starts its own
+
+
+os.register_at_fork(after_in_child=_forget_helper)
