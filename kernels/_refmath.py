@@ -14,11 +14,11 @@ reference device keeps such copies only of memory whose every write it sees
 (deviceop/runtime/refcache.py), and runs the very same block products on them,
 so a result is bit for bit the one of promoting at each launch.  Two threads
 casting blocks ran no faster than one here (the casts did not overlap), so the
-work stays on one thread.
+promotion stays on one thread; a kept copy's product is memory bound, and the
+caller and one helper thread share it, taking blocks from one counter.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import queue
@@ -30,7 +30,7 @@ from deviceop.runtime import refcache
 
 BLOCK = 1 << 16  # float64 elements a promoted block holds (512 KiB: an L2's worth)
 _local = threading.local()  # one buffer a thread: references may run on several
-CHUNKS, MAX_CHUNK = 8, 16  # a kept copy's product: about 8 chunks for two threads to take, of at most 16 blocks
+SHARE = 4  # blocks from which a kept copy's product is shared with the helper thread
 _pool, _pool_lock = None, threading.Lock()
 
 
@@ -43,12 +43,12 @@ def matvec64(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     rows = size // k
     kept = refcache.float64_of(w)
     if kept is not None:  # the same block products on the same values, without the promotion
-        chunks = _chunks(n, rows)
-        helper = _helper() if len(chunks) > 1 else None
+        blocks = -(-n // rows)
+        helper = _helper() if blocks >= SHARE else None
         if helper is None:
-            _products(kept, x, out, rows, chunks, itertools.count(), len(chunks))
+            _products(kept, x, out, rows, itertools.count(), blocks)
         else:
-            helper.share(kept, x, out, rows, chunks)
+            helper.share(kept, x, out, rows, blocks)
         return out
     buf = getattr(_local, "buf", None)
     if buf is None or buf.size < size:
@@ -61,71 +61,51 @@ def matvec64(w: np.ndarray, x: np.ndarray) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=256)
-def _chunks(n: int, rows: int) -> tuple:
-    """The blocks of a kept copy's product, grouped: (first block, blocks) a chunk, about
-    CHUNKS chunks (a thread takes one at a time), the last, partial block alone."""
-    full = n // rows
-    size = max(1, min(MAX_CHUNK, -(-full // CHUNKS)))
-    chunks = [(b, min(size, full - b)) for b in range(0, full, size)]
-    if full * rows < n:
-        chunks.append((full, 0))
-    return tuple(chunks)
-
-
-def _products(w64, x, out, rows: int, chunks, taken, left) -> None:
-    """Take chunks from the counter ``taken`` until ``left`` are taken, and multiply each one's
-    blocks: np.matmul of a stack of blocks [count, rows, K] calls BLAS's gemv on each block
-    exactly as np.dot of the block does, in one call that lets go of the GIL throughout."""
-    k = w64.shape[1]
+def _products(w64, x, out, rows: int, taken, blocks: int) -> None:
+    """Take block numbers from the counter ``taken`` until ``blocks`` are taken, and multiply
+    each block (np.dot: BLAS's gemv, with the GIL let go; np.matmul keeps it)."""
     for i in taken:
-        if i >= left:
+        if i >= blocks:
             return
-        first, count = chunks[i]
-        r = first * rows
-        if count:
-            e = r + count * rows
-            np.matmul(w64[r:e].reshape(count, rows, k), x, out=out[r:e].reshape(count, rows))
-        else:  # the last block, fewer rows
-            np.dot(w64[r:], x, out=out[r:])
+        r = i * rows
+        np.dot(w64[r:r + rows], x, out=out[r:r + rows])
 
 
 class _Helper:
     """One helper thread that shares a kept copy's product with the caller: both take the
-    next chunk of blocks from one counter until none is left (a block is the same product
-    whichever thread does it), so when the machine is busy and the helper starts late, the
-    caller does the blocks instead of waiting for a fixed half.  A product costs one put on
-    a queue; the caller waits only for a chunk the helper took and has not finished."""
+    next block from one counter until none is left (a block is the same product whichever
+    thread does it), so when the machine is busy and the helper starts late, the caller
+    does the blocks instead of waiting for a fixed half.  A product costs one put on a
+    queue; the caller waits only for a block the helper took and has not finished."""
 
     def __init__(self):
         self.jobs = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="deviceop-matvec64", daemon=True).start()
 
-    def share(self, w64, x, out, rows: int, chunks) -> None:
-        job = [itertools.count(), len(chunks), threading.Lock(), w64, x, out, rows, chunks, None]
+    def share(self, w64, x, out, rows: int, blocks: int) -> None:
+        job = [itertools.count(), blocks, threading.Lock(), w64, x, out, rows, None]
         self.jobs.put(job)
-        _products(w64, x, out, rows, chunks, job[0], len(chunks))
-        with job[2]:  # the helper takes and finishes a chunk under this lock: none is in flight now
+        _products(w64, x, out, rows, job[0], blocks)
+        with job[2]:  # the helper takes and finishes a block under this lock: none is in flight now
             job[1] = 0  # later takes find nothing left
-        if job[8] is not None:  # a chunk the helper took failed: it is not in ``out``
-            raise job[8]
+        if job[7] is not None:  # a block the helper took failed: it is not in ``out``
+            raise job[7]
 
     def _serve(self) -> None:
         while True:
             job = self.jobs.get()
-            taken, lock = job[0], job[2]
+            taken, lock, w64, x, out, rows = job[0], job[2], job[3], job[4], job[5], job[6]
             while True:
                 with lock:
-                    if job[1] == 0:
-                        break
                     i = next(taken)
                     if i >= job[1]:
                         break
+                    r = i * rows
                     try:
-                        _products(*job[3:8], iter((i,)), job[1])
+                        np.dot(w64[r:r + rows], x, out=out[r:r + rows])
                     except BaseException as exc:  # the caller raises it
-                        job[8] = exc
-            del job  # hold no activations between products
+                        job[7] = exc
+            del job, w64, x, out  # hold no activations between products
 
 
 def _helper():
