@@ -95,8 +95,18 @@ def _fp32_semantics(ref):
 
 
 def _rms(x: np.ndarray, eps: float) -> float:
-    x64 = x.astype(np.float64)
-    return 1.0 / math.sqrt(float(np.mean(x64 * x64)) + float(np.float32(eps)))
+    return _rms64(x.astype(np.float64), eps)
+
+
+def _rms64(x64: np.ndarray, eps: float) -> float:
+    sq = x64 * x64  # np.mean's sum and division without its Python wrapper (a launch's cost, the same bits)
+    return 1.0 / math.sqrt(float(np.add.reduce(sq)) / sq.size + float(np.float32(eps)))
+
+
+def _normed(hidden: np.ndarray, norm_w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of ``hidden`` times ``norm_w``, in float64."""
+    x64 = hidden.astype(np.float64)
+    return x64 * norm_w.astype(np.float64) * _rms64(x64, eps)
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -151,13 +161,13 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 @_fp32_semantics
 def _rms_qkv_rope_ref(g, q, hidden, norm_w, w_qkv, inv_freq, pos, k_cache, v_cache, error, eps, cap):
     hd, hq, hkv = g["HD"], g["HQ"], g["HKV"]
-    xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
+    xn = _normed(hidden, norm_w, eps)
     y = matvec64(w_qkv, xn)
     p = int(pos[0])
     ang = rope_angles(p, inv_freq).astype(np.float64)
     cos, sin = np.cos(ang), np.sin(ang)
-    qh = _rope(y[: hq * hd].reshape(hq, hd), cos, sin)
-    kh = _rope(y[hq * hd: (hq + hkv) * hd].reshape(hkv, hd), cos, sin)
+    qk = _rope(y[: (hq + hkv) * hd].reshape(hq + hkv, hd), cos, sin)  # q's heads and k's, one rotation
+    qh, kh = qk[:hq], qk[hq:]
     vh = y[(hq + hkv) * hd:].reshape(hkv, hd)
     q[...] = qh.reshape(-1)
     if 0 <= p < cap:
@@ -307,7 +317,7 @@ def _silu(x):
 @_fp32_semantics
 def _rms_gate_up_silu_ref(g, act, hidden, norm_w, w_gate_up, eps):
     inter = act.shape[0]
-    xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
+    xn = _normed(hidden, norm_w, eps)
     y = matvec64(w_gate_up, xn)
     act[...] = _silu(y[:inter]) * y[inter:]
 
@@ -341,7 +351,7 @@ def gate_up_plan(d: int, inter: int, *, sms: int = H100_SMS, ctas: int | None = 
 
 @_fp32_semantics
 def _rms_lm_head_argmax_ref(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
-    xn = hidden.astype(np.float64) * norm_w.astype(np.float64) * _rms(hidden, eps)
+    xn = _normed(hidden, norm_w, eps)
     full = matvec64(w, xn)
     logits[:vocab] = full
     logits[vocab:] = -np.inf

@@ -154,3 +154,40 @@ def test_a_budget_that_is_not_a_number_is_refused(ref, rng, monkeypatch):
     monkeypatch.setenv("DEVICEOP_REFERENCE_CACHE_MB", "0")  # none kept: promoted at every product
     got = matvec64(w._array, np.ones(K))
     assert not kept(w) and np.array_equal(got, promoted(w.numpy(stream=ref), np.ones(K)))
+
+
+@pytest.mark.parametrize("n", [40, 113, 5 * 113, 200 * 113 + 7])
+def test_a_shared_product_is_every_block_once_whichever_thread_takes_it(ref, rng, n):
+    """A kept copy's product is shared between the caller and a helper thread a block at a
+    time; one partial block, whole blocks only, many blocks: the promoted bits."""
+    w, x = fresh(rng, ref, ml_dtypes.bfloat16, (n, 576)), rng.standard_normal(576)
+    assert np.array_equal(matvec64(w._array, x), promoted(w.numpy(stream=ref), x))
+    assert kept(w) and np.array_equal(matvec64(w._array, x), promoted(w.numpy(stream=ref), x))
+
+
+def test_the_caller_does_not_wait_for_a_helper_that_has_not_started(ref, rng):
+    """On a busy machine the helper thread may start late: the caller takes every block itself."""
+    import threading
+    from deviceop.kernels import _refmath
+    idle = _refmath._Helper.__new__(_refmath._Helper)  # a helper whose thread never runs
+    idle.jobs = __import__("queue").SimpleQueue()
+    w, x = fresh(rng, ref, ml_dtypes.bfloat16, (3072, 576)), rng.standard_normal(576)
+    want = matvec64(w._array, x)
+    rows = BLOCK // 576
+    out = np.empty(3072)
+    done = threading.Thread(target=idle.share, args=(refcache.float64_of(w._array), x, out, rows,
+                                                       -(-3072 // rows)))
+    done.start()
+    done.join(timeout=30)
+    assert not done.is_alive() and np.array_equal(out, want)
+
+
+def test_a_view_given_another_dtype_in_place_is_not_served_the_old_copy(ref, rng):
+    """float64_of remembers its answer per view object; a view's dtype (or shape) can be
+    reassigned in place, and then it is another matrix."""
+    w, x = fresh(rng, ref, ml_dtypes.bfloat16, (R, K)), rng.standard_normal(K)
+    view = w._array[:]
+    matvec64(view, x)
+    assert refcache.is_kept(view)
+    view.dtype = np.float16  # the same bytes read as float16
+    assert np.array_equal(matvec64(view, x), promoted(view, x))

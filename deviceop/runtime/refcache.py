@@ -36,6 +36,8 @@ _spans: list[tuple[int, int, int]] = []    # (lo, hi, id(owner)) of owners with 
 _starts: list[int] = []
 _bytes = 0
 _writes = 0                                # bumped by every write: a copy made across one is not kept
+_hits: dict[int, tuple] = {}               # id(view) -> (weakref, shape, strides, dtype, copy): float64_of's answers,
+                                           # forgotten whenever any copy is dropped (a launch passes the same views)
 CACHEABLE = ("bfloat16", "float16", "float32")
 
 
@@ -107,6 +109,7 @@ def _drop(key: int, lo: int = 0, hi: int = 1 << 64) -> None:
         if a < hi and lo < b:
             del entries[k]
             _bytes -= copy.nbytes
+            _hits.clear()
     if not entries:
         del _entries[key]
         _reindex()
@@ -163,6 +166,7 @@ def wrote_anything() -> None:
     if _entries:
         with _lock:
             _entries.clear()
+            _hits.clear()
             _spans.clear()
             _starts.clear()
             _bytes = 0
@@ -196,6 +200,9 @@ def float64_of(w):
     """A float64 copy of the matrix ``w`` kept while its memory is unchanged, or None
     (memory not owned, not a float matrix, or past the budget: promote it each time)."""
     global _bytes
+    hit = _hits.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == w.shape and hit[2] == w.strides and hit[3] is w.dtype:
+        return hit[4]  # the same view as a launch before, its copy still kept
     if w.ndim != 2 or w.dtype.name not in CACHEABLE:
         return None
     owner = owner_of(w)
@@ -209,6 +216,7 @@ def float64_of(w):
     k = (iface["data"][0], w.shape, w.strides, w.dtype.str)
     hit = _entries.get(key, {}).get(k)
     if hit is not None:
+        _remember(w, hit[2])
         return hit[2]
     size = w.size * 8
     if _bytes + size > budget():
@@ -223,4 +231,11 @@ def float64_of(w):
         _bytes += size
         if new:
             _reindex()
+        _remember(w, copy)
     return copy
+
+
+def _remember(w, copy) -> None:
+    """float64_of(w) is ``copy`` until a copy is dropped (or ``w`` dies: its id may be reused)."""
+    key = id(w)
+    _hits[key] = (weakref.ref(w, lambda _, key=key: _hits.pop(key, None)), w.shape, w.strides, w.dtype, copy)
