@@ -396,7 +396,8 @@ def main(argv=None) -> int:
                 "reason": why if (model in args.models) else "not run (--models)"}
     heads = [head("tp2_speedup_vs_tp1", "1b", 2), head("tp2_speedup_vs_tp1_8b", "8b", 2),
              head("tp4_speedup_vs_tp1_8b", "8b", 4)]
-    excess = [r["kl_excess_vs_hf_bf16"] for r in rows if "kl_excess_vs_hf_bf16" in r and not r["variant"].endswith("TP=1")]
+    excess = [r["kl_excess_vs_hf_bf16"] for r in rows
+              if "kl_excess_vs_hf_bf16" in r and not r["variant"].endswith("TP=1")]
     if excess:  # the issue's rule: at every TP, KL against float32 at most Hugging Face bf16's
         heads.append({**headline("tp_kl_excess_vs_hf_bf16", max(excess), 0.0, "lower"),
                       "note": "the largest over the models and TP > 1 run"})
@@ -414,7 +415,8 @@ def main(argv=None) -> int:
                  "torch graph us/token", "deviceop vs TP=1", "torch vs TP=1", "KL vs fp32: deviceop / HF bf16",
                  "note"],
                 [[r["variant"], r.get("deviceop_us_per_token", r.get("us_per_op")),
-                  r.get("deviceop_oneshot_unfused_us_per_token") or "", r.get("deviceop_nccl_allreduce_us_per_token") or "",
+                  r.get("deviceop_oneshot_unfused_us_per_token") or "",
+                  r.get("deviceop_nccl_allreduce_us_per_token") or "",
                   r.get("torch_graph_us_per_token", ""), r.get("deviceop_speedup_vs_tp1") or "",
                   r.get("torch_speedup_vs_tp1") or "",
                   f"{r['kl_deviceop']:.3e} / {r['kl_hf_bf16']:.3e}" if "kl_deviceop" in r else "",

@@ -307,3 +307,24 @@ def test_the_interop_benchs_kernels_compile_and_its_in_out_kernel_computes_its_s
     np.testing.assert_allclose(resid.numpy(stream=stream), v, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(xn.numpy(stream=stream)[0], v * r * g0, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(rstd.numpy(stream=stream), [r], rtol=1e-5)
+
+
+def test_kernels_of_one_binary_share_its_module_but_each_finds_its_own_symbol(monkeypatch):
+    """The GPU loads a binary once (load_module caches by the image); a second kernel of it
+    must look its symbol up with its own program's names, not the first kernel's (seen on the
+    H100: demo::scale_sums was looked up as the cached saxpy program knew it, and not found)."""
+    from deviceop.kernel.binary import BinaryProgram
+    from deviceop.runtime import device as device_mod
+    asked = []
+
+    class Module:  # the module loaded for the first kernel of the binary
+        program = BinaryProgram(b"", "sm_90", None, "one-image", {"saxpy": "saxpy"})
+
+        def get_function(self, name, signature, *, label=None, symbol=None):
+            asked.append(symbol or self.program.symbol(name))
+
+    monkeypatch.setattr(device_mod, "load_module", lambda program, device: Module())
+    symbol = "_ZN4demo10scale_sumsILi2EEEvPfS1_PKfi"
+    second = BinaryProgram(b"", "sm_90", None, "one-image", {"demo::scale_sums": symbol})
+    device_mod.CudaDevice.load_function(object(), second, "demo::scale_sums", [], None, {})
+    assert asked == [symbol]
