@@ -299,21 +299,30 @@ class GraphCache:
         return entry
 
     def _replay(self, entry: _Entry, batch: int, inputs):
-        stream = self.stream
+        self._copy_inputs(entry, batch, entry.size, inputs)
+        entry.graph.replay(self.stream)
+        return self._outputs(entry, batch, entry.size, entry.outputs, entry.single)
+
+    def _copy_inputs(self, entry: _Entry, batch: int, size: int, inputs) -> None:
+        """A replay's refusals, then ``inputs`` (``batch`` rows) copied into the graph's inputs of
+        ``size`` rows, the padding zeroed: nothing is copied in before a refusal."""
         if executing_now() is not None:  # refused before the inputs are copied in, as graph.replay() is
             raise refuse_reentry("graph.replay() of a GraphCache", executing_now())
-        refuse_if_captured_elsewhere("a GraphCache replay", stream)
+        refuse_if_captured_elsewhere("a GraphCache replay", self.stream)
         if self.key_fn is not None:  # the default key already holds every shape and dtype
             self._check_shapes(inputs, entry.inputs)
         for x, t, row in zip(inputs, entry.inputs, entry.row_bytes):
-            self._copy_in(t, x, batch * row, (entry.size - batch) * row)
-        entry.graph.replay(stream)
+            self._copy_in(t, x, batch * row, (size - batch) * row)
+
+    def _outputs(self, entry: _Entry, batch: int, size: int, outputs, single: bool):
+        """The first ``batch`` rows of the graph's ``outputs`` (of ``size`` rows), views kept per
+        batch, copied out when the cache copies."""
         views = entry.views.get(batch)
         if views is None:
-            views = entry.views[batch] = tuple(o if batch == entry.size else o[:batch] for o in entry.outputs)
+            views = entry.views[batch] = tuple(o if batch == size else o[:batch] for o in outputs)
         if self.copy:
-            views = tuple(_copy_of(v, stream) for v in views)
-        return views[0] if entry.single else views
+            views = tuple(_copy_of(v, self.stream) for v in views)
+        return views[0] if single else views
 
     @staticmethod
     def _check_shapes(inputs, static) -> None:

@@ -26,12 +26,10 @@ import time
 import numpy as np
 
 from ..errors import StateError
-from ..execution import executing_now, refuse_reentry
 from ..interop import from_numpy
 from ..op import DeviceOp
-from ..runtime.stream import refuse_if_captured_elsewhere
 from .branches import switch
-from .cache import GraphCache, Workspace, _Entry, _copy_of, _outputs_of
+from .cache import GraphCache, Workspace, _Entry, _outputs_of
 
 
 class _SwitchEntry(_Entry):
@@ -86,21 +84,8 @@ class SwitchGraphCache(GraphCache):
         return entry
 
     def _replay(self, entry: _SwitchEntry, batch: int, inputs):
-        stream = self.stream
-        if executing_now() is not None:  # refused before the inputs are copied in, as graph.replay() is
-            raise refuse_reentry("graph.replay() of a GraphCache", executing_now())
-        refuse_if_captured_elsewhere("a GraphCache replay", stream)
         size = self.size_for(batch)
-        if self.key_fn is not None:
-            self._check_shapes(inputs, entry.inputs)
-        for x, t, row in zip(inputs, entry.inputs, entry.row_bytes):
-            self._copy_in(t, x, batch * row, (size - batch) * row)
-        stream.memset32(entry.cell.data_ptr, entry.branch[size], 1)  # the branch the graph takes
-        entry.graph.replay(stream)
-        outputs, single = entry.by_size[size]
-        views = entry.views.get(batch)
-        if views is None:
-            views = entry.views[batch] = tuple(o if batch == size else o[:batch] for o in outputs)
-        if self.copy:
-            views = tuple(_copy_of(v, stream) for v in views)
-        return views[0] if single else views
+        self._copy_inputs(entry, batch, size, inputs)
+        self.stream.memset32(entry.cell.data_ptr, entry.branch[size], 1)  # the branch the graph takes
+        entry.graph.replay(self.stream)
+        return self._outputs(entry, batch, size, *entry.by_size[size])
