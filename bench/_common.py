@@ -13,6 +13,17 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def load_example(name: str):
+    """examples/<name>.py imported as module ``example_<name>`` (a benchmark may share its name,
+    as bench/token_loop.py does examples/token_loop.py's)."""
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def versions() -> dict:
     import deviceop as dop
     from deviceop.runtime import driver

@@ -15,7 +15,6 @@ host-bound loop cannot beat — and host µs of one node update.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -25,11 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import numpy as np  # noqa: E402
 
-from _common import gpu_device, headline, print_headlines, print_table, write_result  # noqa: E402
+from _common import gpu_device, headline, load_example, print_headlines, print_table, write_result  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("example_dynamic_params", ROOT / "examples" / "dynamic_params.py")
-ex = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ex)
+ex = load_example("dynamic_params")
 
 
 def timed(run, iters: int, reps: int, stream) -> tuple[float, float, float]:

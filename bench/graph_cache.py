@@ -12,7 +12,6 @@ time and the memory of the whole cache (every size), for both libraries.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -23,12 +22,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, headline, print_headlines, print_table, write_result  # noqa: E402
+from _common import gpu_device, headline, load_example, print_headlines, print_table, write_result  # noqa: E402
 from token_model import Config, random_weights  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("example_variable_batch", ROOT / "examples" / "variable_batch.py")
-ex = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ex)
+ex = load_example("variable_batch")
 
 BATCHES = [1, 2, 4, 8, 5, 13, 16, 32, 64]
 

@@ -21,7 +21,6 @@ against the other.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -32,12 +31,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, headline, print_headlines, print_table, replay_us, write_result  # noqa: E402
+from _common import (gpu_device, headline, load_example, print_headlines, print_table, replay_us,  # noqa: E402
+                     write_result)
 from deviceop.kernels import matvec_add_bf16  # noqa: E402
 
-spec = importlib.util.spec_from_file_location("example_variable_batch", ROOT / "examples" / "variable_batch.py")
-ex = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(ex)
+ex = load_example("variable_batch")
 
 
 def branches(stream, rng, n_rows: int, k: int, bn: int, count: int = 4):

@@ -27,21 +27,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 import deviceop as dop  # noqa: E402
-from _common import gpu_device, print_headlines, headline, print_table, write_result  # noqa: E402
+from _common import gpu_device, headline, load_example, print_headlines, print_table, write_result  # noqa: E402
 from _copy import copy_rate  # noqa: E402
 from token_model import Config, random_weights  # noqa: E402
 
 
-def _load_example(name: str):
-    """Import examples/<name>.py under another module name (this file is token_loop.py too)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_example = _load_example("token_loop")
+_example = load_example("token_loop")
 capture_combinators, capture_scope, eager_forward = (_example.capture_combinators, _example.capture_scope,
                                                      _example.eager_forward)
 
