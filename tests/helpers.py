@@ -64,3 +64,17 @@ def run_ranks(script: str, world: int, store) -> None:
             logs.append(p.communicate()[0] + "\n[timed out]")
     failed = [(r, log) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode != 0]
     assert not failed, "\n".join(f"--- rank {r}:\n{log[-3000:]}" for r, log in failed)
+
+
+def upload(a, stream):
+    """``a`` as a float32 deviceop tensor on ``stream``."""
+    import deviceop as dop
+    return dop.from_numpy(np.asarray(a, dtype=np.float32), stream=stream)
+
+
+class Boom(Exception):
+    """The failure a test injects into an op or a capture."""
+
+
+def boom(_=None):
+    raise Boom("injected")

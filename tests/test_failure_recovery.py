@@ -26,6 +26,7 @@ from deviceop import CudaGraph, GraphCache, api, zip_
 from deviceop.graph import CudaGraph as _Graph
 from deviceop.testing import DriverSpy
 from deviceop.kernels import add, affine
+from helpers import upload
 
 N = 256
 INJECTED = []  # (test, fault) for every fault injected and survived: the summary counts them
@@ -37,10 +38,6 @@ def spy(device):
     with DriverSpy() as s:
         yield s
     gc.collect()
-
-
-def upload(a, stream):
-    return dop.from_numpy(np.asarray(a, dtype=np.float32), stream=stream)
 
 
 def chain(stream, x, bufs, fault_at=None, fault=None):

@@ -29,20 +29,9 @@ import pytest
 import deviceop as dop
 from deviceop import CudaGraph, api, zip_
 from deviceop.kernels import add, affine
+from helpers import Boom, boom, upload
 
 N = 256
-
-
-class Boom(Exception):
-    """The failure injected into an op."""
-
-
-def boom(_=None):
-    raise Boom("injected")
-
-
-def upload(a, stream):
-    return dop.from_numpy(np.asarray(a, dtype=np.float32), stream=stream)
 
 
 def scale(out, x, alpha=2.0):

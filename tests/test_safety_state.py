@@ -26,20 +26,9 @@ from deviceop.testing import ForeignArray
 from deviceop import CudaGraph, api, zip_
 from deviceop.op import stats
 from deviceop.kernels import add, affine
+from helpers import Boom, boom, upload
 
 N = 256
-
-
-class Boom(Exception):
-    """The fault injected into a capture."""
-
-
-def boom(_=None):
-    raise Boom("injected")
-
-
-def upload(a, stream):
-    return dop.from_numpy(np.asarray(a, dtype=np.float32), stream=stream)
 
 
 def nan_buffer(stream, n=N):

@@ -21,12 +21,9 @@ import pytest
 import deviceop as dop
 from deviceop import CudaGraph, api, zip_
 from deviceop.kernels import affine
+from helpers import upload
 
 N = 256
-
-
-def upload(a, stream):
-    return dop.from_numpy(np.asarray(a, dtype=np.float32), stream=stream)
 
 
 def scale(out, x, alpha):
