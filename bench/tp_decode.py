@@ -19,7 +19,9 @@ PyTorch user would write, and the latency of the all-reduce they both wait on; o
   (bench/allreduce.py is the all-reduce's own benchmark: sizes, bf16, NCCL symmetric windows).
 * Weights: random bf16 (normal(0, 0.02) matrices, norms 1 + 0.1 normal) made on each GPU from a
   seeded generator per tensor, so every rank and every TP holds the same model; each rank keeps
-  its share.  Greedy tokens of every TP are compared with TP=1's.
+  its share.  Greedy tokens of every TP are compared with TP=1's, up to the first step where
+  TP=1's own top two logits are closer than bf16 resolves (its tie step: another summation order
+  may pick either there).
 * Fidelity at every TP: bench/llama_decode.py's protocol (``--kl-prompts`` prompts, ``--kl-steps``
   steps; examples/llama/hf.py's compare) on a Hugging Face model initialised from the seed: the
   mean KL of deviceop's teacher-forced logits against the float32 model, beside Hugging Face
@@ -48,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "examples")]
 
 from deviceop.distributed.launch import NO_MULTICAST  # noqa: E402 - after sys.path; loads no NCCL
+from llama import hf  # noqa: E402 - NumPy only until a worker asks for torch
 # NCCL's default graph-mixing support puts event nodes in a captured collective, which a conditional
 # (dop.while_) body refuses: the "NCCL all-reduces" row's cuGraphInstantiate failed with INVALID_VALUE
 # on 2x H200 (2026-11-27) and ran with this set to 0 (this benchmark never mixes graphs and eager NCCL)
@@ -86,7 +89,6 @@ def torch_tp_step(cfg, weights: dict, capacity: int, rank: int, size: int):
     """examples/llama/hf.py's TorchDecodeStep on this rank's Megatron share, with NCCL all-reduces."""
     import torch
     import torch.distributed as tdist
-    from llama import hf
     from llama.tp import Shard, shard_weights
     from llama.weights import layer_names
 
@@ -189,7 +191,6 @@ def fidelity(cfg, group, args) -> dict:
     import numpy as np
     import torch
 
-    from llama import hf
     from llama.generate import Llama
     model = hf.build_hf_model(cfg, args.seed, device="cuda")
     weights, _ = hf.deviceop_weights(model)
@@ -243,6 +244,11 @@ def worker(args) -> int:
             result["deviceop"] = {"us_per_token": round(t["us_per_token"], 1), "host_us": round(t["host_us"], 1),
                                   "tokens": t["tokens"]}
             log(f"deviceop: {t['us_per_token']:.1f} us/token, host {t['host_us']:.1f} us")
+            if size == 1:  # where TP=1's own top two logits are closer than bf16 resolves, another TP may differ
+                first = args.prompt_len - 1
+                rows = llama.logits_along(np.concatenate([prompt, t["tokens"]]),
+                                          range(first, first + len(t["tokens"])))
+                result["deviceop"]["tie_step"] = hf.tie_step(rows)
             result["sampled_tokens"] = llama.generate(prompt, 16, SAMPLING)
             llama.close()  # every rank: its private peer buffers
             for variant in ("oneshot", "nccl") if size > 1 else ():
@@ -369,14 +375,17 @@ def main(argv=None) -> int:
                 row[f"{arm}_error"] = r[arm]["error"]
         if "error" in r or "error" in r.get("deviceop", {}):
             row["error"] = r.get("error") or r["deviceop"]["error"]
-        base = results.get((model, 1), {}).get("deviceop", {}).get("tokens")
+        base = results.get((model, 1), {}).get("deviceop", {})
         for arm in ("deviceop", "deviceop_oneshot", "deviceop_nccl"):
             mine = r.get(arm, {}).get("tokens")
-            if tp > 1 and base and mine:
-                mismatch = next((i for i, (a, b) in enumerate(zip(base, mine)) if a != b), None)
-                row[f"{arm}_greedy_first_mismatch_vs_tp1"] = mismatch
-                if mismatch is not None or len(base) != len(mine):
-                    failures.append(f"{model} TP={tp} ({arm}): greedy tokens differ from TP=1's at {mismatch}")
+            if tp > 1 and base.get("tokens") and mine:
+                mismatch = hf.first_mismatch(base["tokens"], mine)
+                if mismatch is None and len(base["tokens"]) != len(mine):
+                    mismatch = min(len(base["tokens"]), len(mine))
+                row[f"{arm}_greedy_first_mismatch_vs_tp1"], row["tp1_tie_step"] = mismatch, base.get("tie_step")
+                if not hf.greedy_agrees({"deviceop_first_mismatch": mismatch, "tie_step": base.get("tie_step")}):
+                    failures.append(f"{model} TP={tp} ({arm}): greedy tokens differ from TP=1's at step {mismatch}, "
+                                    f"before TP=1's first bf16 tie ({base.get('tie_step')})")
         sampled, base_sampled = r.get("sampled_tokens"), results.get((model, 1), {}).get("sampled_tokens")
         if tp > 1 and sampled and base_sampled:
             row["sampled_tokens_equal_tp1"] = sampled == base_sampled
