@@ -156,15 +156,23 @@ class HopperKernel(CutlassKernel):
 _SIZES = ("n", "h", "wd", "c", "k", "r")
 
 
+def _workspace(n: str, h: str, w: str, k: str) -> In:
+    """The split-K workspace: each slice's fp32 tile, [tiles][slices][TM * TN]."""
+    mt, nt = _tiles(n, h, w, k)
+    return In("partials", "float32", shape=(f"{mt}*({nt})*SK*TM*TN",))
+
+
 def _wgmma_kernel(y_dtype: str, split_in_cluster: bool = True) -> Kernel:
     """The two-launch conv as declared for split-K in a cluster per tile (the grid's z
-    slices one cluster), or, ``split_in_cluster=False``, for split-K through the global
-    workspace (no clusters; the launch's workspace_split must be 1).  One CUDA kernel:
-    the two declarations differ only in how they launch, and share their CUBINs."""
+    slices one cluster; ``partials`` unused), or, ``split_in_cluster=False``, for split-K
+    through the global workspace ``partials`` (no clusters; the launch's workspace_split
+    must be 1).  One CUDA kernel: the two declarations differ only in how they launch,
+    and share their CUBINs."""
     suffix = "f16" if y_dtype == "float16" else "f32"
+    partials = In("partials", "float32", rank=1) if split_in_cluster else _workspace("n", "h", "wd", "k")
     return HopperKernel(
         f"conv2d_gn_stats_wgmma{'' if split_in_cluster else '_workspace'}_{suffix}", HERE / "conv_wgmma.cu",
-        [*_conv_params(y_dtype, *_SIZES), _tmaps("n", "h", "wd", "k"), In("partials", "float32", rank=1),
+        [*_conv_params(y_dtype, *_SIZES), _tmaps("n", "h", "wd", "k"), partials,
          _semaphore("counters", "n", "h", "wd", "k")]
         + [Scalar(n, "int32") for n in (*_SIZES, "pad", "cpg", "gs", "with_stats", "workspace_split")],
         entry="conv2d_gn_stats_wgmma", generics=["YT", "TM", "TN", "STAGES", "LOADS"],

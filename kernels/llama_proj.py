@@ -9,9 +9,9 @@ fp32 activations and accumulation; every kernel is PDL-ready (``.pdl()``).
   v_cache bf16 [HKV, cap, HD], error int32 [1], eps, cap)``: also writes k_cache, v_cache (row pos), error
 * ``matvec_residual<K, NR, CH, W, RPC, KS, NB>(out [N] tile [RPC], x [K], w bf16 [N, K], residual [N])``
 * ``rms_gate_up_silu<K, CH, W, PPC>(act [I] tile [PPC], hidden [K], norm_w bf16 [K], w_gate_up bf16 [2I, K], eps)``
-* ``rms_lm_head_argmax<K, NR, CH, W, RPC>(logits [Vp] tile [RPC], hidden [K], norm_w bf16 [K], w bf16 [V, K],
-  token int32 [1], work uint64 [2], error int32 [1], eps, vocab)``: also writes token (and error);
-  ``work`` zeroed once by the caller
+* ``rms_lm_head_argmax<K, NR, CH, W, RPC>(logits [(vocab+RPC-1)//RPC*RPC] tile [RPC], hidden [K], norm_w bf16 [K],
+  w bf16 [vocab, K], token int32 [1], work uint64 [2], error int32 [1], eps, vocab)``: also writes token (and
+  error); ``work`` zeroed once by the caller; the logits past vocab are padding
 
 Generics: K the input width (a multiple of 8; where 256*CH does not divide it,
 the last chunk of a row is partial), CH the 16-byte loads per lane per row per
@@ -373,10 +373,8 @@ def _rms_lm_head_argmax_limits(g):
 
 
 def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
-    name, RPC, vp = "rms_lm_head_argmax", g["RPC"], logits.tensor.shape[0]
+    name = "rms_lm_head_argmax"  # logits' length, vocab padded to whole tiles, is its shape's
     _need(vocab >= 1, f"{name}: vocab={vocab} must be at least 1")
-    _need(vocab <= vp < vocab + RPC, f"{name}: logits has {vp} rows; it needs vocab={vocab} rows padded to a "
-                                     f"multiple of RPC={RPC}, less than one tile more ({lm_head_rows(vocab, RPC)})")
     for a, an, b, bn in ((work, "work", token, "token"), (error, "error", token, "token"),
                          (error, "error", work, "work")):
         if a.overlaps(b):
@@ -384,9 +382,11 @@ def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, 
     _aligned(name, hidden, norm_w, w, work)
 
 
+LOGITS_ROWS = "(vocab+RPC-1)//RPC*RPC"  # vocab rows padded to whole tiles of RPC (lm_head_rows)
+
 rms_lm_head_argmax = Kernel(  # work: a uint64 [2] workspace, zeroed once
     "rms_lm_head_argmax", SOURCE,
-    [Out("logits", "float32", shape=("VP",), tile=("RPC",)), In("hidden", "float32", shape=("K",)),
+    [Out("logits", "float32", shape=(LOGITS_ROWS,), tile=("RPC",)), In("hidden", "float32", shape=("K",)),
      In("norm_w", "bfloat16", shape=("K",)), In("w", "bfloat16", shape=("vocab", "K")),
      In("token", "int32", shape=(1,)), In("work", "uint64", shape=(2,)), In("error", "int32", shape=(1,)),
      Scalar("eps", "float32"), Scalar("vocab", "int32")],

@@ -1,6 +1,6 @@
 """The greedy choice across vocabulary shards of tensor-parallel Llama decode (kernels/llama_tp.cu).
 
-* ``tp_argmax_pair(pairs fp32 [P] tile [P], logits fp32 [Vp], token int32 [1], n_pairs, rank, offset)``:
+* ``tp_argmax_pair(pairs fp32 [n_pairs] tile [n_pairs], logits fp32 [Vp], token int32 [1], n_pairs, rank, offset)``:
   ``pairs`` zero but for this rank's pick: ``pairs[2 rank] = logits[token]`` (``token``: its local
   argmax, from rms_lm_head_argmax) and ``pairs[2 rank + 1] = offset + token``, its global index;
 * an all-reduce *sum* of ``pairs`` over the ranks (adding zeros is exact in any order: the sum is
@@ -53,11 +53,8 @@ def _pair_ref(g, pairs, logits, token, n_pairs, rank, offset):
 
 
 def _pair_check(g, pairs, logits, token, n_pairs, rank, offset):
-    t = pairs.tensor
-    _need(pairs.tile_shape == t.shape and t.shape == (n_pairs,),
-          f"tp_argmax_pair is one CTA: pairs {t.shape} must be [n_pairs={n_pairs}] partitioned whole")
+    # the shapes say pairs is [n_pairs] partitioned whole (one CTA) and token an int32 [1]
     _need(0 <= rank and 2 * rank + 1 < n_pairs, f"tp_argmax_pair: rank {rank} has no pair in {n_pairs} floats")
-    _need(token.shape == (1,), f"tp_argmax_pair: token {token.shape} must be this rank's int32 [1] argmax")
     _need(0 <= offset and offset + logits.shape[0] <= MAX_INDEX,
           f"tp_argmax_pair: global indices up to {offset + logits.shape[0]} do not all fit a float32 exactly "
           f"(vocabularies below {MAX_INDEX} do)")
@@ -68,22 +65,20 @@ def _pick_ref(g, token, pairs, n):
     token[0] = 0xFFFFFFFF - (max(keys) & 0xFFFFFFFF)
 
 
-def _pick_check(g, token, pairs, n):
-    _need(token.tile_shape == (1,) and token.tensor.shape == (1,), "tp_argmax_pick runs one thread: token must be "
-                                                                   "an int32 [1] partitioned with [1]")
+def _pick_check(g, token, pairs, n):  # the shapes say token is an int32 [1] partitioned with [1] (one thread)
     _need(1 <= n and 2 * n <= pairs.shape[0], f"tp_argmax_pick: n={n} ranks but pairs holds {pairs.shape[0]} "
                                               "floats (two a rank); pass the world size")
 
 
 tp_argmax_pair = Kernel(
     "tp_argmax_pair", SOURCE,
-    [Out("pairs", "float32", rank=1), In("logits", "float32", rank=1), In("token", "int32", rank=1),
-     Scalar("n_pairs", "int32"), Scalar("rank", "int32"), Scalar("offset", "int32")],
+    [Out("pairs", "float32", shape=("n_pairs",), tile=("n_pairs",)), In("logits", "float32", rank=1),
+     In("token", "int32", shape=(1,)), Scalar("n_pairs", "int32"), Scalar("rank", "int32"), Scalar("offset", "int32")],
     block=128, reference=_pair_ref, validate=_pair_check)
 
 tp_argmax_pick = Kernel(
     "tp_argmax_pick", SOURCE,
-    [Out("token", "int32", rank=1), In("pairs", "float32", rank=1), Scalar("n", "int32")],
+    [Out("token", "int32", shape=(1,), tile=(1,)), In("pairs", "float32", rank=1), Scalar("n", "int32")],
     block=1, reference=_pick_ref, validate=_pick_check)
 
 def _place_ref(g, out, src, offset, n):
@@ -93,20 +88,22 @@ def _place_ref(g, out, src, offset, n):
         out[lo:hi] = src[lo - offset:hi - offset]
 
 
-def _place_check(g, out, src, offset, n):
+def _place_limits(g):
     B = g["B"]
     _need(B % 128 == 0 and 128 <= B <= 4096, f"tp_place: B={B} must be a multiple of 128 in [128, 4096] "
                                              "(4 elements a thread)")
-    _need(out.tile_shape == (B,), f"tp_place<B={B}>: partition out with [{B}], not {list(out.tile_shape)}")
-    _need(n == src.shape[0] and 0 <= offset and offset + n <= out.tensor.shape[0],
-          f"tp_place: rows [{offset}, {offset + n}) of src {src.shape} must lie in out {out.tensor.shape}; "
-          "pass n = src.shape[0]")
 
 
-tp_place = Kernel(
+def _place_check(g, out, src, offset, n):  # the shapes say out's tile is [B] and src is [n]
+    _need(0 <= offset and offset + n <= out.tensor.shape[0],
+          f"tp_place: rows [{offset}, {offset + n}) of src {src.shape} must lie in out {out.tensor.shape}")
+
+
+tp_place = Kernel(  # B is out's tile: a launch may leave out .generics()
     "tp_place", SOURCE,
-    [Out("out", "float32", rank=1), In("src", "float32", rank=1), Scalar("offset", "int32"), Scalar("n", "int32")],
-    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, validate=_place_check)
+    [Out("out", "float32", shape=(-1,), tile=("B",)), In("src", "float32", shape=("n",)), Scalar("offset", "int32"),
+     Scalar("n", "int32")],
+    generics=["B"], block=lambda g: g["B"] // 4, reference=_place_ref, limits=_place_limits, validate=_place_check)
 
 PLACE_TILE = 1024  # tp_place's tile: a gathered vocabulary vector is padded to a multiple of it
 

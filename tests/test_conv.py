@@ -255,6 +255,21 @@ def test_the_split_fixup_is_recorded_in_the_plan_and_refused_where_it_has_no_mea
                   one_launch=True, stream=stream)
 
 
+def test_the_split_k_workspace_is_sized_by_the_declaration(stream, rng):
+    """Slices meeting in the global workspace write a fp32 tile each: the declaration's shape
+    says partials' length (tiles x slices x TM*TN), so a short one is refused, not overrun."""
+    n, h, w, c, k, groups = 2, 16, 16, 64, 200, 20
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, tile="wg128x160", split_k=3, split_fixup="workspace", stream=stream)
+    need = plan.mt * plan.nt * 3 * 128 * 160
+    assert plan.partials.shape == (need,)
+    plan.partials = dop.empty([need - 128 * 160], stream=stream)   # one slice's tile short
+    host = [dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, k)]
+    with pytest.raises(dop.ShapeError, match=rf"argument partials has shape \[{need - 128 * 160}\], but its axis 0 "
+                                             rf"is \(\(n\*h\*wd\+TM-1\)//TM\)\*\(\(k\+TN-1\)//TN\)\*SK\*TM\*TN .* "
+                                             rf"= {need} .*; pass a partials of shape \[{need}\]"):
+        plan(dop.empty([n, h, w, k], "float16", stream=stream), *host).sync_on(stream)
+
+
 def test_heuristic_fills_the_sms_at_n1():
     """At N=1 the pick puts work on at least 90 % of the 132 SMs: not always all of
     them, because measured on the H100, C=1280 at 16x16 runs fastest as 120 CTAs of

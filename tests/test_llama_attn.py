@@ -313,6 +313,14 @@ def test_sample_refuses_bad_shapes_and_parameters(stream):
         _sample_try(stream, top_p=1.5)
     with pytest.raises(dop.DTypeError, match="uint64"):
         _sample_try(stream, seed=-1)
+    for words in ([1, 1, 4], [2, 1, 1], [1, 0, 1]):   # token, state, step: each an int32 [1], by the shapes
+        part = dop.empty([5, 68], stream=stream)
+        name, n = next((n, w) for n, w in zip(("token", "state", "step"), words) if w != 1)
+        with pytest.raises(dop.ShapeError, match=rf"sample: argument {name} has shape \[{n}\], but its axis 0 must "
+                                                 rf"be 1; pass an? {name} of shape \[1\]"):
+            sample(part.partition([1, 68]), dop.empty([5000], stream=stream),
+                   *[dop.from_numpy(np.zeros(w, np.int32), stream=stream) for w in words], 5000, 1.0, 0, 1.0, 1) \
+                .generics([32]).sync_on(stream)
     with pytest.raises(dop.DTypeError, match="float32"):
         part = dop.empty([5, 68], stream=stream)
         sample(part.partition([1, 68]), dop.empty([5000], "bfloat16", stream=stream), *[dop.empty([1], "int32")] * 3,

@@ -430,10 +430,16 @@ def test_lm_head_argmax_graph_replays_reset_the_counter(stream, rng):
 def test_lm_head_refuses_unpadded_or_mismatched_buffers(stream, rng):
     case = LmHead(rng, stream)
     s = stream
-    too_long = dop.empty([case.rows + case.tile], stream=s)   # a whole CTA of padding
-    with pytest.raises(dop.ShapeError, match="padded to a multiple of RPC"):
-        lp.rms_lm_head_argmax(too_long.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
-                              case.token, case.work, case.error, EPS, case.vocab).generics(case.gen).sync_on(s)
+    # logits is vocab rows padded to whole tiles: a whole CTA of padding more, or one less, is refused by
+    # the declaration's shape (vocab+RPC-1)//RPC*RPC, naming the length that fits
+    for rows in (case.rows + case.tile, case.rows - case.tile):
+        wrong = dop.empty([rows], stream=s)
+        with pytest.raises(dop.ShapeError, match=rf"argument logits has shape \[{rows}\], but its axis 0 is "
+                                                 rf"\(vocab\+RPC-1\)//RPC\*RPC = \(1000\+{case.tile}-1\)//"
+                                                 rf"{case.tile}\*{case.tile} = {case.rows} .*; pass a logits of "
+                                                 rf"shape \[{case.rows}\]"):
+            lp.rms_lm_head_argmax(wrong.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),
+                                  case.token, case.work, case.error, EPS, case.vocab).generics(case.gen).sync_on(s)
     with pytest.raises(dop.ShapeError, match=r"argument w has shape \[1000, \d+\], but its axis 0 is vocab: 999 "
                                              r"from the scalar argument vocab, 1000 here; pass vocab=1000 \(w\.shape\[0\]\)"):
         lp.rms_lm_head_argmax(case.logits.partition([case.tile]), case.x, t(case.norm_w, s), t(case.w, s),

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import deviceop as dop  # noqa: E402
 import deviceop.distributed as dist  # noqa: E402
-from deviceop.kernels.llama_tp import PAIRS, argmax_key, tp_argmax_pair, tp_argmax_pick  # noqa: E402
+from deviceop.kernels.llama_tp import PAIRS, argmax_key, tp_argmax_pair, tp_argmax_pick, tp_place  # noqa: E402
 from llama.generate import Llama  # noqa: E402
 from llama.model import Sampling, decode_kernels  # noqa: E402
 from llama.tp import TINY_TP, shard_weights, Shard  # noqa: E402
@@ -106,6 +106,37 @@ def test_the_vocabulary_shards_argmax_keeps_tp1s_tie_rule(stream, rng):
     logits[2][3] = np.nan
     assert pick(logits, [local[0], local[1], 3]) == 32 + 3 == int(np.argmax(np.concatenate(logits)))
     assert argmax_key(-0.0, 1) == argmax_key(0.0, 1)  # -0 and +0 tie, as the kernel's key has them
+
+
+def test_the_vocabulary_kernels_refuse_wrong_shapes_through_their_declarations(stream, rng):
+    """pairs [n_pairs] partitioned whole, token int32 [1], src [n], out's tile [B]: said by the
+    shapes (no hand-written check), each refusal naming the parameter, the values and the fix."""
+    logits = dop.from_numpy(rng.standard_normal(16).astype(np.float32), stream=stream)
+    i32 = lambda n: dop.from_numpy(np.zeros(n, np.int32), stream=stream)  # noqa: E731
+    pairs = dop.empty([PAIRS], stream=stream)
+    for launch, match in (
+            (lambda: tp_argmax_pair(pairs.partition([PAIRS]), logits, i32(1), PAIRS // 2, 0, 0),
+             rf"tp_argmax_pair<n_pairs={PAIRS // 2}>: argument pairs has shape \[{PAIRS}\], but its axis 0 is "
+             rf"n_pairs: {PAIRS // 2} from the scalar argument n_pairs, {PAIRS} here; pass n_pairs={PAIRS} "
+             r"\(pairs\.shape\[0\]\)"),
+            (lambda: tp_argmax_pair(pairs.partition([PAIRS // 2]), logits, i32(1), PAIRS, 0, 0),
+             rf"partition pairs with \[{PAIRS}\], not \[{PAIRS // 2}\]"),
+            (lambda: tp_argmax_pair(pairs.partition([PAIRS]), logits, i32(2), PAIRS, 0, 0),
+             r"argument token has shape \[2\], but its axis 0 must be 1; pass a token of shape \[1\]"),
+            (lambda: tp_argmax_pick(i32(2).partition([1]), pairs, 2),
+             r"tp_argmax_pick: argument token has shape \[2\], but its axis 0 must be 1"),
+            (lambda: tp_place(dop.empty([2048], stream=stream).partition([1024]), logits, 0, 15),
+             r"tp_place<n=15>: argument src has shape \[16\], but its axis 0 is n: 15 from the scalar argument n, "
+             r"16 here; pass n=16 \(src\.shape\[0\]\)"),
+            (lambda: tp_place(dop.empty([2048], stream=stream).partition([512]), logits, 0, 16).generics([1024]),
+             r"tp_place<B=1024>: partition out with \[1024\], not \[512\]")):
+        with pytest.raises(dop.ShapeError, match=match):
+            launch().sync_on(stream)
+    out = dop.empty([2048], stream=stream)
+    tp_place(out.partition([1024]), logits, 100, 16).sync_on(stream)  # B inferred from out's tile
+    expect = np.zeros(2048, np.float32)
+    expect[100:116] = logits.numpy(stream=stream)
+    np.testing.assert_array_equal(out.numpy(stream=stream), expect)
 
 
 @pytest.mark.parametrize("changes,tp,message", [
