@@ -170,6 +170,9 @@ class Group:
         would)."""
         self._check_open("group.synchronize()")
         stream = stream if stream is not None else self.stream
+        if getattr(stream, "device", None) is not self.device:
+            raise DistributedError(f"group.synchronize(stream={stream!r}) on rank {self.rank}: pass a stream of the "
+                                   f"group's device ({self.device.label}), such as group.stream, or none for it")
         timeout = self.timeout if timeout is None else check_timeout(timeout, "group.synchronize()")
         event, deadline, pause = stream.record_event(timing=False), time.monotonic() + timeout, 0.00005
         while not event.query():

@@ -134,6 +134,12 @@ def init(*, rank: int | None = None, world_size: int | None = None, local_rank: 
         local_var, local_rank = "local_rank", _int(local_rank)
         if local_rank is None or local_rank < 0:
             raise DistributedError("dist.init: local_rank= names this process's GPU on its node: an int >= 0")
+    if device is not None and not isinstance(device, Device):
+        ordinal = _int(device)
+        if ordinal is None:
+            raise DistributedError(f"dist.init(device={device!r}): pass a deviceop Device (dop.Device(n)) or its "
+                                   "ordinal n, or leave it out for the launcher's local rank's GPU")
+        device = _local_device(ordinal, "device")
     if device is None:  # (without a GPU, several ranks are refused below, naming run_reference)
         on_gpu = isinstance(Device(0), CudaDevice)
         device = _local_device(local_rank, local_var) if on_gpu or world_size == 1 else Device(0)

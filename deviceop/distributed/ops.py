@@ -29,7 +29,7 @@ import operator
 from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
 from ..op import DeviceOp, resolve, warn_if_unexecuted
 from ..tensor import SharedTensor, Tensor
-from .args import tensor_arg, written_arg
+from .args import check_device, tensor_arg, written_arg
 from .group import Group
 from .peer import peer_buffers
 
@@ -132,9 +132,10 @@ class Collective(DeviceOp):
         # a broadcast's root only reads its buffer (NCCL's in-place broadcast copies nothing there)
         reads_only = kind == "send" or (kind == "broadcast" and self.root == self.group.rank)
         written = None if reads_only else _written(out, f"dist.{kind}'s output")
-        for t in (read, written):
+        for t, what in ((read, "input"), (written, "output")):
             if t is None:
                 continue
+            check_device(t, self.group, f"dist.{kind}'s {what}")
             if t.dtype.name not in DTYPES:
                 raise DTypeError(f"dist.{kind} of a {t.dtype.name} tensor: collectives move "
                                  f"{', '.join(DTYPES)}; convert it first")

@@ -31,10 +31,12 @@ import weakref
 import numpy as np
 
 from ..errors import DistributedError, DTypeError, ShapeError
+from ..graph.capture import ReplayCheck
 from ..interop import from_numpy, zeros
+from ..op import DeviceOp, value, warn_if_unexecuted
 from ..tensor import SharedTensor, Tensor
-from .args import tensor_arg, written_arg
-from .group import check_timeout
+from .args import check_device, tensor_arg, written_arg
+from .group import Group, check_timeout
 from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD
 
 DEFAULT_MAX_BYTES = 64 << 10
@@ -64,6 +66,10 @@ class PeerBuffers:
 
     def __init__(self, group, max_bytes: int = DEFAULT_MAX_BYTES, timeout: float | None = None, *,
                  epochs: int | None = None, attach: bool = True):
+        if not isinstance(group, Group):
+            raise DistributedError(f"PeerBuffers takes the group of dist.init() or dist.run_reference, got a "
+                                   f"{type(group).__name__}")
+        group._check_open("dist.PeerBuffers")
         ws = group.world_size
         if ws > MAX_WORLD:
             raise DistributedError(f"one-shot all_reduce over {ws} ranks: it serves at most {MAX_WORLD} (one "
@@ -81,11 +87,15 @@ class PeerBuffers:
         self.timeout_ns = int(timeout * 1e9)
         self._nbytes = 2 * ws * self.slot_lines * 16  # [parity][source rank][line], 16-byte lines
         self._closed = False
+        self.replay_check = _BuffersReplayCheck(self)  # what graphs holding its all-reduces check at each replay
         stream = group.stream
         self._memory = group.device.peer_memory(self._nbytes)  # CUDA IPC (runtime/ipc.py), or host memory
         try:
             ident = self._memory.export()
-            found = group.exchange((socket.gethostname(), ident))
+            # the arguments travel with the address: a peer that sized its slots otherwise would be
+            # written past their end by this rank's stores (and this rank's by its)
+            args = {"max_bytes": max_bytes, "epochs": epochs, "attach": bool(attach)}
+            found = _agreed(group, group.exchange(("PeerBuffers", args, socket.gethostname(), ident)), args)
             hosts = {h for h, _ in found}
             if len(hosts) > 1:
                 raise DistributedError(f"one-shot all_reduce needs every rank on one machine (peer memory); the "
@@ -120,8 +130,7 @@ class PeerBuffers:
         more exact one than NCCL's, which rounds after each step).  Every rank must issue
         the same all-reduces in the same order; the first of each dtype and size is checked
         across ranks through one host exchange."""
-        if self._closed:
-            raise DistributedError("PeerBuffers.all_reduce on closed buffers: make new ones (dist.PeerBuffers(group))")
+        self._check_usable("PeerBuffers.all_reduce")
         xt = tensor_arg(x, "x")
         n, dt = xt.size, xt.dtype
         if dt.name not in CTYPES:
@@ -155,6 +164,8 @@ class PeerBuffers:
             else:
                 mode = "residual"
             inputs = tuple(t.view(n) for t in ins)
+        for t in (target, *inputs, xt):
+            check_device(t, self.group, "the one-shot all_reduce's tensor")
         for t in (target, *inputs):
             if not t.is_contiguous:
                 raise ShapeError("one-shot all_reduce needs contiguous tensors; copy the view first (.contiguous())")
@@ -164,8 +175,16 @@ class PeerBuffers:
         if mode in ("sum", "accumulate"):
             generics.append(mode == "accumulate")
         kernel = KERNELS[(mode, dt.name)]
-        return kernel(target.view(n).partition([block]), *inputs, self.peers, self.state, self.group.rank,
-                      self.slot_lines, self.timeout_ns).generics(generics)
+        return _Guarded(kernel(target.view(n).partition([block]), *inputs, self.peers, self.state, self.group.rank,
+                               self.slot_lines, self.timeout_ns).generics(generics), self)
+
+    def _check_usable(self, what: str) -> None:
+        """Refuse work on closed buffers (their memory is unmapped or freed) or a group that is
+        no longer open (its peers may have freed theirs)."""
+        if self._closed:
+            raise DistributedError(f"{what} on closed buffers (rank {self.group.rank}'s PeerBuffers): their memory "
+                                   "is freed; make new ones (dist.PeerBuffers(group)) and capture graphs again")
+        self.group._check_open(what)
 
     def accepts(self, x) -> bool:
         """Would ``all_reduce(x)`` take ``x`` (dtype, size, layout)?  What dist.all_reduce's
@@ -211,3 +230,69 @@ class PeerBuffers:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+
+def _agreed(group, found: list, args: dict) -> list:
+    """The ranks' ``(host, ident)`` of a PeerBuffers exchange, once every rank is seen making
+    PeerBuffers at this point with the same arguments; else DistributedError on every rank
+    (and the group aborted where some rank was doing something else: it got our entry)."""
+    strangers = [r for r, f in enumerate(found)
+                 if not (isinstance(f, tuple) and len(f) == 4 and f[0] == "PeerBuffers")]
+    if strangers:
+        group.abort("PeerBuffers made by only some ranks")
+        raise DistributedError(f"dist.PeerBuffers on rank {group.rank}: rank(s) {strangers} were not making "
+                               "PeerBuffers at this point (they exchanged something else): building them is "
+                               "collective, every rank at the same point with the same arguments; the group is aborted")
+    differ = {k: [f[1][k] for f in found] for k in args if any(f[1][k] != args[k] for f in found)}
+    if differ:
+        raise DistributedError("PeerBuffers: ranks disagree on " + ", ".join(f"{k} (rank by rank: {v})" for k, v in
+                                                                           differ.items())
+                               + ": every rank must make them with the same arguments (a peer's slots sized "
+                               "otherwise would be written past their end)")
+    return [(h, ident) for _, _, h, ident in found]
+
+
+class _BuffersReplayCheck(ReplayCheck):
+    """Kept by every graph that captured one of the buffers' all-reduces: a replay after the
+    buffers were closed (freed) or their group closed or aborted is refused."""
+
+    __slots__ = ("bufs",)
+
+    def __init__(self, bufs):
+        self.bufs = bufs
+
+    def check_replay(self) -> None:
+        self.bufs._check_usable("a replay of a graph holding a one-shot all_reduce")
+
+
+class _Guarded(DeviceOp):
+    """A one-shot all-reduce launch that checks its buffers and group when it runs (it may be
+    built before they close) and makes the graphs that capture it check them at each replay."""
+
+    __slots__ = ("op", "bufs")
+    graph_safe = True  # the launch's: a kernel node
+
+    def __init__(self, op, bufs):
+        super().__init__()
+        self.op, self.bufs = value(op), bufs
+        self._armed = True
+
+    __del__ = warn_if_unexecuted
+
+    def children(self):
+        return (self.op,)
+
+    def _wrapped(self):
+        return "", self.op, ""
+
+    def pdl(self, enabled: bool = True) -> "_Guarded":
+        """The launch's ``pdl`` (kernel/launch.py): the one-shot kernel waits on griddepcontrol."""
+        self.op.pdl(enabled)
+        return self
+
+    def _execute(self, ctx):
+        self.bufs._check_usable(self.op.describe())
+        result = self.op._run(ctx)
+        if ctx.capture is not None:
+            ctx.capture.keep.append(self.bufs.replay_check)
+        return result

@@ -34,7 +34,7 @@ from deviceop.kernels.llama_tp import (MAX_RESIDENT, PAIRS, PLACE_TILE, matvec_a
 
 from .config import INT32_MAX, LlamaConfig, kernel_limits
 from .tp import Shard, agree, shard_weights
-from .weights import BF16, check_weights, host_memory_bytes, layer_names
+from .weights import BF16, check_weights, host_memory_bytes, layer_names, weights_digest
 
 
 # Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers): attention
@@ -206,7 +206,10 @@ class LlamaDecoder:
         check_memory(cfg, weights, capacity, dop.Device(0))
         attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, **attn_args(sh))
         if group is not None:  # before any allocation: ranks building different decoders would hang later
-            agree(group, "the model (config, KV capacity, PDL)", (repr(cfg.to_dict()), capacity, pdl))
+            agree(group, "the model (config, KV capacity, PDL, allreduce)", (repr(cfg.to_dict()), capacity, pdl,
+                                                                             allreduce))
+            agree(group, "the weights (a sample of each: load the same checkpoint on every rank)",
+                  weights_digest(cfg, weights))
         self.group = group if sh.size > 1 else None
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
         self.w = DeviceWeights(cfg, weights, stream, sh, check=False)

@@ -1,0 +1,245 @@
+"""deviceop.distributed and tensor-parallel Llama misused as a demanding user would, on the
+reference backend (thread-ranks, NumPy): peer buffers whose ranks disagree or that outlive
+their group, tensors of another rank's device, arguments that are not what they claim to
+be, and tensor-parallel models whose ranks load different checkpoints or options.  Each
+test failed before the fix it documents (a crash, a raw error, or silently accepted)."""
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import deviceop as dop
+import deviceop.distributed as dist
+from deviceop.distributed.store import open_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from llama.generate import Llama  # noqa: E402
+from llama.tp import TINY_TP  # noqa: E402
+from llama.weights import random_weights  # noqa: E402
+
+
+def _up(group, array):
+    return dop.from_numpy(array, stream=group.stream)
+
+
+def _outcome(f):
+    """The class name of what ``f()`` raised, or "ok"."""
+    try:
+        f()
+    except Exception as exc:  # noqa: BLE001 - the test asserts which class
+        return type(exc).__name__
+    return "ok"
+
+
+# -- peer buffers -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("differ", ["max_bytes", "epochs", "attach"])
+def test_peer_buffers_whose_ranks_pass_different_arguments_are_refused_on_every_rank(differ):
+    """Different max_bytes made each rank address the peers' slots with its own size: the
+    first all-reduce wrote past a peer's buffer (a segfault on the reference device)."""
+    args = {"max_bytes": (1024, 4096), "epochs": (None, 200), "attach": (True, False)}[differ]
+
+    def rank(group):
+        with pytest.raises(dop.DistributedError, match=f"PeerBuffers: ranks disagree on .*{differ}.*same arguments"):
+            dist.PeerBuffers(group, **{differ: args[group.rank]})
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_peer_buffers_made_by_only_some_ranks_fail_naming_the_others_and_abort_the_group():
+    """Rank 1 exchanged something else at that point: rank 0 unpacked it and raised a raw
+    TypeError, and rank 1 went on with rank 0's buffer address as its barrier's answer."""
+    def rank(group):
+        if group.rank == 0:
+            with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] .*not making PeerBuffers"):
+                dist.PeerBuffers(group)
+        else:
+            group.barrier()
+        with pytest.raises(dop.DistributedError, match="aborted"):
+            group.barrier()  # aborted: neither rank goes on believing the other is with it
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_peer_buffers_take_a_group():
+    with pytest.raises(dop.DistributedError, match="PeerBuffers takes the group"):
+        dist.PeerBuffers(None)
+
+
+def test_a_one_shot_all_reduce_is_refused_built_run_or_replayed_once_its_buffers_or_group_are_closed(rng):
+    """Before: a graph holding the one-shot kernel replayed after its buffers were freed (reading
+    freed memory), and after its group was closed (while a collective's graph refuses), and an
+    all-reduce built before the close ran after it."""
+    data = rng.standard_normal((2, 128)).astype(np.float32)
+
+    def rank(group):
+        s, x = group.stream, _up(group, data[group.rank])
+        bufs = dist.PeerBuffers(group, max_bytes=512)
+        graph = dist.all_reduce(group, x).graph_on(s)  # "auto": the one-shot kernel
+        graph.replay()
+        pending = bufs.all_reduce(x)
+        bufs.close()
+        with pytest.raises(dop.DistributedError, match="closed buffers.*make new ones"):
+            graph.replay()
+        with pytest.raises(dop.DistributedError, match="closed buffers"):
+            pending.sync_on(s)
+        bufs = dist.PeerBuffers(group, max_bytes=512)
+        graph = bufs.all_reduce(x).graph_on(s)
+        graph.replay()
+        pending = bufs.all_reduce(x)
+        group.barrier()
+        group.close()
+        for f in (graph.replay, lambda: pending.sync_on(s), lambda: bufs.all_reduce(x)):
+            with pytest.raises(dist.GroupClosedError, match="closed"):
+                f()
+        return x.numpy()
+    got = dist.run_reference(2, rank)
+    assert np.array_equal(got[0], got[1])
+    assert np.allclose(got[0], 2 * data.sum(0), rtol=1e-5, atol=1e-5)  # summed by each graph's one replay
+
+
+# -- tensors and streams of another device --------------------------------------------------
+
+@pytest.mark.parametrize("algorithm", ["nccl", "oneshot"])
+def test_a_collective_refuses_a_tensor_of_another_device(algorithm, rng):
+    """Each thread-rank has a device of its own, as each process has its GPU: a tensor of the
+    process's Device(0), or of the other rank, was reduced as if it were the rank's (on GPUs,
+    NCCL is handed a pointer into another GPU)."""
+    data = rng.standard_normal((2, 128)).astype(np.float32)
+    tensors = {}
+
+    def rank(group):
+        if algorithm == "oneshot":
+            dist.PeerBuffers(group, max_bytes=512)
+        mine = tensors[group.rank] = _up(group, data[group.rank])
+        group.barrier()
+        for foreign in (dop.from_numpy(data[group.rank]), tensors[1 - group.rank]):
+            for make in (lambda: dist.all_reduce(group, foreign, algorithm=algorithm),
+                         lambda: dist.all_reduce(group, mine, out=foreign, algorithm=algorithm)):
+                with pytest.raises(dop.DistributedError, match="lives on .* group's device .*group.stream"):
+                    make()
+        for make in (lambda: dist.all_gather(group, foreign, dop.empty(256, stream=group.stream)),
+                     lambda: dist.send(group, foreign, 1 - group.rank),
+                     lambda: dist.broadcast(group, foreign)):
+            with pytest.raises(dop.DistributedError, match="lives on"):
+                make()
+        group.barrier()
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_synchronize_takes_a_stream_of_the_group_s_device():
+    def rank(group):
+        assert _outcome(lambda: group.synchronize(5)) == "DistributedError"  # was a raw AttributeError
+        assert _outcome(lambda: group.synchronize(dop.Device(0).new_stream())) == "DistributedError"
+        group.synchronize(group.device.new_stream())
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+# -- arguments of init and run_reference ----------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cuda:0", 1.5, object()])
+def test_init_refuses_a_device_that_is_not_one(device):
+    with pytest.raises(dop.DistributedError, match="device=.*a deviceop Device"):  # was a raw AttributeError
+        dist.init(rank=0, world_size=1, device=device)
+
+
+def test_init_takes_a_device_or_its_ordinal():
+    for device in (dop.Device(0), 0, np.int64(0)):
+        with dist.init(rank=0, world_size=1, device=device) as group:
+            assert group.device is dop.Device(0)
+
+
+@pytest.mark.parametrize("store", [5, object(), b"/tmp/x"])
+def test_a_store_that_is_neither_a_path_an_address_nor_a_store_is_refused(store):
+    with pytest.raises(dop.DistributedError, match="store=.*directory.*tcp://host:port.*set.*get"):
+        open_store(store, "explicit", 0, 2, 1.0)  # was returned as the store: a raw error at the first exchange
+
+
+def test_run_reference_takes_numpy_integers_and_refuses_what_it_cannot_call():
+    assert dist.run_reference(np.int64(2), lambda g: g.rank) == [0, 1]  # was "needs a world size >= 1, got 2"
+    with pytest.raises(dop.DistributedError, match="run_reference.*callable"):  # was a raw TypeError in a thread
+        dist.run_reference(2, None)
+
+
+# -- tensor-parallel Llama ------------------------------------------------------------------
+
+CFG = TINY_TP
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_weights(CFG, seed=int.from_bytes(os.urandom(4), "little"), std=0.1)
+
+
+@pytest.mark.parametrize("group", [2, "group", object()])
+def test_llama_refuses_a_group_that_is_not_one(weights, group):
+    with pytest.raises(dop.DistributedError, match="group=.*dist.init"):  # was a raw AttributeError
+        Llama(CFG, weights, capacity=16, group=group)
+
+
+def test_llama_tp_is_an_integer_never_a_bool(weights):
+    with pytest.raises(dop.ShapeError, match="tp=True"):  # was read as tp=1
+        Llama(CFG, weights, capacity=16, tp=True)
+    assert Llama(CFG, weights, capacity=16, tp=np.int64(1)).group is None  # NumPy's integers are ints
+
+
+def test_ranks_that_pick_different_allreduce_options_are_refused_before_any_buffer_is_made(weights):
+    """Rank 0's "auto" made peer buffers while rank 1's "nccl" went on: the two exchanges met and
+    PeerBuffers raised a raw ValueError unpacking rank 1's request."""
+    def rank(group):
+        with pytest.raises(dop.StateError, match="ranks disagree on the model.*allreduce"):
+            Llama(CFG, weights, capacity=16, group=group, allreduce=("auto", "nccl")[group.rank])
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_ranks_that_load_different_checkpoints_are_refused_at_init(weights):
+    """Rank 1 loading another checkpoint (same config) built and generated without a word."""
+    other = random_weights(CFG, seed=int.from_bytes(os.urandom(4), "little"), std=0.1)
+
+    def rank(group):
+        with pytest.raises(dop.StateError, match="ranks disagree on the weights"):
+            Llama(CFG, (weights, other)[group.rank], capacity=16, group=group, allreduce="nccl")
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_ranks_that_load_the_same_checkpoint_from_different_copies_agree(weights):
+    copy = {k: np.array(v) for k, v in weights.items()}  # equal values, other arrays
+
+    def rank(group):
+        with Llama(CFG, (weights, copy)[group.rank], capacity=16, group=group, allreduce="nccl") as llama:
+            return llama.decoder.shard.rank
+    assert dist.run_reference(2, rank) == [0, 1]
+
+
+def test_a_group_llama_made_from_the_launcher_is_closed_by_close_and_aborted_when_refused(weights, monkeypatch):
+    """``Llama(tp=N)`` makes its group with dist.init(); close() left it open (at exit its
+    atexit hook then aborted it, failing the other ranks), and a refused tp leaked it."""
+    groups, made = {}, []
+
+    def init():  # the launcher's group of this thread-rank, as dist.init() gives each process its own
+        made.append(groups[threading.get_ident()])
+        return made[-1]
+    monkeypatch.setattr(dist, "init", init)
+
+    def rank(group):
+        groups[threading.get_ident()] = group
+        with Llama(CFG, weights, capacity=16, tp=2) as llama:
+            assert llama.group is group
+        return "closed" in repr(group)
+    assert dist.run_reference(2, rank) == [True, True]
+
+    def refused(group):
+        groups[threading.get_ident()] = group
+        with pytest.raises(dop.ShapeError, match="tp=4 but the group has 2 ranks"):
+            Llama(CFG, weights, capacity=16, tp=4)
+        return "aborted" in repr(group)
+    made.clear()
+    assert dist.run_reference(2, refused) == [True, True]
+    assert len(made) == 2
