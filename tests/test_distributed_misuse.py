@@ -54,12 +54,25 @@ def test_peer_buffers_made_by_only_some_ranks_fail_naming_the_others_and_abort_t
     TypeError, and rank 1 went on with rank 0's buffer address as its barrier's answer."""
     def rank(group):
         if group.rank == 0:
-            with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] .*not making PeerBuffers"):
+            with pytest.raises(dop.DistributedError, match=r"different host exchanges.*rank\(s\) \[1\]: 'group.barrier"):
                 dist.PeerBuffers(group)
         else:
-            group.barrier()
+            with pytest.raises(dop.DistributedError, match=r"different host exchanges.*\[0\]: 'dist.PeerBuffers"):
+                group.barrier()
         with pytest.raises(dop.DistributedError, match="aborted"):
             group.barrier()  # aborted: neither rank goes on believing the other is with it
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
+@pytest.mark.parametrize("other", [lambda g: g.barrier(), lambda g: g.exchange(("x", "digest", None)),
+                                   lambda g: dist.PeerBuffers(g)])
+def test_ranks_at_different_kinds_of_host_exchange_fail_on_every_rank(other):
+    """check_same met a barrier: a raw TypeError unpacking the barrier's None; met an exchange of
+    a 3-tuple: "rank 1 cannot hash its value: None" (its third item read as the reason)."""
+    def rank(group):
+        with pytest.raises(dop.DistributedError, match="different host exchanges.*group.check_same"):
+            group.check_same("config", {"layers": 2}) if group.rank == 0 else other(group)
         return True
     assert dist.run_reference(2, rank) == [True, True]
 

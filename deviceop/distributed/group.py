@@ -76,10 +76,18 @@ class Group:
         """Every rank's ``obj`` (picklable), in rank order: a host-side all-gather through
         the launcher's store (or the reference hub), bounded by the group's timeout.
         Each rank gets its own copies (unpickled), thread-ranks too; an object pickle
-        cannot send fails the exchange on every rank."""
-        self._check_open("group.exchange()")
+        cannot send fails the exchange on every rank, and so do ranks at different kinds of
+        exchange (one in ``exchange``, another in ``barrier``, ``check_same`` or
+        ``dist.PeerBuffers``): the group is then aborted."""
+        return self._exchange(obj, "group.exchange()")
+
+    def _exchange(self, obj, kind: str) -> list:
+        """``exchange`` as ``kind`` (what deviceop's own exchanges call themselves): every rank
+        must be at an exchange of the same kind, or each raises instead of taking another
+        kind's objects for its own."""
+        self._check_open(kind)
         try:
-            payload = pickle.dumps(obj, protocol=4)
+            payload = pickle.dumps((kind, obj), protocol=4)
         except Exception as exc:  # noqa: BLE001 - pickle raises many kinds; the others must learn of it too
             payload = _Unsendable(f"{type(obj).__name__}: {exc}")
         with self.using("group.exchange()"):
@@ -94,7 +102,15 @@ class Group:
             raise DistributedError(f"group.exchange() #{seq}: rank(s) {sorted(bad)} passed an object pickle cannot "
                                    f"send ({'; '.join(dict.fromkeys(bad.values()))}); exchange plain data (numbers, "
                                    "strings, lists, dicts, NumPy arrays: a tensor's .numpy())")
-        return [pickle.loads(p) for p in found]
+        found = [pickle.loads(p) for p in found]
+        kinds = [k for k, _ in found]
+        if any(k != kind for k in kinds):
+            self.abort(f"{kind}: the ranks were at different exchanges")
+            raise DistributedError(f"{kind} #{seq} on rank {self.rank}: the ranks were at different host exchanges at "
+                                   f"this point: {describe_ranks(kinds)}. Every rank must make the same exchanges "
+                                   "(barrier, check_same, PeerBuffers, collectives' checks, a tensor-parallel model's "
+                                   "checks) in the same order; the group is aborted")
+        return [o for _, o in found]
 
     def using(self, what):
         """Hold the group for this thread while it exchanges or issues (re-entrant); another
@@ -109,7 +125,7 @@ class Group:
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (host side; the GPU's work is not waited for)."""
-        self.exchange(None)
+        self._exchange(None, "group.barrier()")
 
     def check_same(self, name: str, obj) -> str:
         """Refuse (DistributedError, on every rank) unless every rank passes an equal ``obj``
@@ -121,7 +137,7 @@ class Group:
             digest, unhashable = fingerprint(obj), None
         except DistributedError as exc:  # said on every rank: the others must not wait or pass
             digest, unhashable = None, str(exc)
-        digests = self.exchange((name, digest, unhashable))
+        digests = self._exchange((name, digest, unhashable), "group.check_same()")
         failed = {r: why for r, (_, _, why) in enumerate(digests) if why is not None}
         if failed:
             raise DistributedError(f"check_same({name!r}): rank(s) {sorted(failed)} cannot hash its value: "
@@ -146,7 +162,7 @@ class Group:
         if signature in self._agreed:
             return
         what = what if isinstance(what, str) else what.describe()  # (a Call: described when it is needed)
-        seen = self.exchange(("collective", signature))
+        seen = self._exchange(("collective", signature), "the collectives' check")
         differ = [r for r, s in enumerate(seen) if s != ("collective", signature)]
         if differ:
             self.abort(f"{what} disagreed across ranks")

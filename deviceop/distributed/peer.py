@@ -95,7 +95,7 @@ class PeerBuffers:
             # the arguments travel with the address: a peer that sized its slots otherwise would be
             # written past their end by this rank's stores (and this rank's by its)
             args = {"max_bytes": max_bytes, "epochs": epochs, "attach": bool(attach)}
-            found = _agreed(group, group.exchange(("PeerBuffers", args, socket.gethostname(), ident)), args)
+            found = _agreed(group._exchange((args, socket.gethostname(), ident), "dist.PeerBuffers"), args)
             hosts = {h for h, _ in found}
             if len(hosts) > 1:
                 raise DistributedError(f"one-shot all_reduce needs every rank on one machine (peer memory); the "
@@ -232,24 +232,16 @@ class PeerBuffers:
         return False
 
 
-def _agreed(group, found: list, args: dict) -> list:
+def _agreed(found: list, args: dict) -> list:
     """The ranks' ``(host, ident)`` of a PeerBuffers exchange, once every rank is seen making
-    PeerBuffers at this point with the same arguments; else DistributedError on every rank
-    (and the group aborted where some rank was doing something else: it got our entry)."""
-    strangers = [r for r, f in enumerate(found)
-                 if not (isinstance(f, tuple) and len(f) == 4 and f[0] == "PeerBuffers")]
-    if strangers:
-        group.abort("PeerBuffers made by only some ranks")
-        raise DistributedError(f"dist.PeerBuffers on rank {group.rank}: rank(s) {strangers} were not making "
-                               "PeerBuffers at this point (they exchanged something else): building them is "
-                               "collective, every rank at the same point with the same arguments; the group is aborted")
-    differ = {k: [f[1][k] for f in found] for k in args if any(f[1][k] != args[k] for f in found)}
+    them with the same arguments; else DistributedError on every rank."""
+    differ = {k: [a[k] for a, _, _ in found] for k in args if any(a[k] != args[k] for a, _, _ in found)}
     if differ:
         raise DistributedError("PeerBuffers: ranks disagree on " + ", ".join(f"{k} (rank by rank: {v})" for k, v in
                                                                            differ.items())
                                + ": every rank must make them with the same arguments (a peer's slots sized "
                                "otherwise would be written past their end)")
-    return [(h, ident) for _, _, h, ident in found]
+    return [(h, ident) for _, h, ident in found]
 
 
 class _BuffersReplayCheck(ReplayCheck):
