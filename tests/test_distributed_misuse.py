@@ -256,3 +256,36 @@ def test_a_group_llama_made_from_the_launcher_is_closed_by_close_and_aborted_whe
     made.clear()
     assert dist.run_reference(2, refused) == [True, True]
     assert len(made) == 2
+
+
+def test_a_rank_opens_only_its_own_device_never_device_0(monkeypatch):
+    """dist.init asked Device(0) whether there were GPUs: every rank's process opened a CUDA
+    context on GPU 0 (its memory there, whatever GPU the rank drives)."""
+    from deviceop.distributed import launch
+    asked, real = [], launch.Device
+
+    def device(ordinal=0):
+        asked.append(ordinal)
+        return real(0)  # (the reference device stands for GPU `ordinal`)
+    monkeypatch.setattr(launch, "Device", device)
+    with dist.init(rank=0, world_size=1, local_rank=1):
+        pass
+    assert asked == [1]
+
+
+def test_a_tensor_parallel_rank_checks_its_own_device_s_memory_and_refuses_a_stream_of_another(weights, monkeypatch):
+    """The decoder measured Device(0)'s free memory on every rank (opening GPU 0 in each process),
+    and a stream of another device was taken, failing later inside the first generation."""
+    from llama import model
+    seen, real = [], model.check_memory
+    monkeypatch.setattr(model, "check_memory", lambda cfg, w, cap, device: seen.append(device) or real(cfg, w, cap,
+                                                                                                        device))
+
+    def rank(group):
+        with pytest.raises(dop.DistributedError, match="stream=.*not a stream of the group's device"):
+            Llama(CFG, weights, capacity=16, group=group, stream=dop.Device(0).new_stream())
+        with Llama(CFG, weights, capacity=16, group=group, allreduce="nccl"):
+            pass
+        return group.device
+    devices = dist.run_reference(2, rank)
+    assert sorted(map(id, seen)) == sorted(map(id, devices))

@@ -47,6 +47,10 @@ class Llama:
                                      "(the prompt is then ingested token by token)")
             self.group = group
             self.device = group.device if group is not None else dop.Device(0)
+            if group is not None and stream is not None and getattr(stream, "device", None) is not group.device:
+                raise dop.DistributedError(f"stream={stream!r} is not a stream of the group's device "
+                                           f"({group.device.label}): pass group.stream, a stream of group.device, "
+                                           "or none")
             self.cuda_stream = stream if stream is not None else self.device.new_stream()
             self._decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
                                          allreduce=allreduce)

@@ -203,7 +203,7 @@ class LlamaDecoder:
         self.shard = sh = Shard(cfg, group.rank, group.world_size) if group is not None else Shard(cfg)
         plans = launch_plans(cfg, capacity, sh)
         check_weights(cfg, weights)
-        check_memory(cfg, weights, capacity, dop.Device(0))
+        check_memory(cfg, weights, capacity, stream.device)  # the rank's GPU (tensor parallel: not GPU 0)
         attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, **attn_args(sh))
         if group is not None:  # before any allocation: ranks building different decoders would hang later
             agree(group, "the model (config, KV capacity, PDL, allreduce)", (repr(cfg.to_dict()), capacity, pdl,
