@@ -289,3 +289,42 @@ def test_a_tensor_parallel_rank_checks_its_own_device_s_memory_and_refuses_a_str
         return group.device
     devices = dist.run_reference(2, rank)
     assert sorted(map(id, seen)) == sorted(map(id, devices))
+
+
+def test_a_fused_all_reduce_kernel_refuses_scalars_that_are_not_its_buffers(rng):
+    """matvec_allreduce (and the one-shot kernels) address the peers' memory from the scalars they
+    are given: a larger slot_lines stored past the end of every peer's buffer (a segfault on the
+    reference device), buffers closed before the launch were read after being freed, and another
+    rank's number made both ranks wait for a slot nobody writes."""
+    import ml_dtypes
+    from deviceop.kernels.llama_tp import matvec_allreduce
+    w_host = rng.standard_normal((512, 256)).astype(ml_dtypes.bfloat16)
+
+    def rank(group):
+        s = group.stream
+        bufs = dist.PeerBuffers(group, max_bytes=4096, epochs=300, attach=False, timeout=0.5)
+        other = dist.PeerBuffers(group, max_bytes=4096, epochs=300, attach=False, timeout=0.5)
+        x, w = dop.from_numpy(np.ones(256, np.float32), stream=s), dop.from_numpy(w_host, stream=s)
+        out, res = dop.empty(512, stream=s), dop.zeros(512, stream=s)
+
+        def launch(peers=bufs.peers, rank=group.rank, slot_lines=bufs.slot_lines, line0=0):
+            matvec_allreduce(out.partition([8]), x, w, res, peers, bufs.state, rank, slot_lines, line0, 1,
+                             bufs.timeout_ns).generics([256, 1, 1, 4, 8, 1, 2, 2]).sync_on(s)
+        for kwargs, words in ((dict(slot_lines=10 ** 6, line0=10 ** 5), "slot_lines=1000000 .*pass bufs.slot_lines"),
+                              (dict(rank=1 - group.rank), "rank .* pass group.rank"),
+                              (dict(peers=other.peers), "peers is not the peer table")):
+            with pytest.raises(dop.ShapeError, match=words):
+                launch(**kwargs)
+        launch()
+        bufs.check()  # no wait gave up: every launch refused was refused before it ran
+        got = out.numpy()
+        bufs.close()
+        with pytest.raises(dop.DistributedError, match="closed buffers"):
+            launch(line0=64)  # a launch not seen before: its checks run, and refuse
+        launch()  # one seen before (as a graph's replay) skips them: the error word's CLOSED bit
+        assert np.isnan(out.numpy()).all()  # makes it touch no peer memory (freed) and write NaN
+        other.close()
+        return got
+    got = dist.run_reference(2, rank)
+    want = 2 * (w_host.astype(np.float64) @ np.ones(256))
+    assert np.array_equal(got[0], got[1]) and np.allclose(got[0], want, rtol=1e-4, atol=1e-3)

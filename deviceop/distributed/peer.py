@@ -30,6 +30,7 @@ import weakref
 
 import numpy as np
 
+from .. import api
 from ..errors import DistributedError, DTypeError, ShapeError
 from ..graph.capture import ReplayCheck
 from ..interop import from_numpy, zeros
@@ -37,9 +38,10 @@ from ..op import DeviceOp, value, warn_if_unexecuted
 from ..tensor import SharedTensor, Tensor
 from .args import check_device, tensor_arg, written_arg
 from .group import Group, check_timeout
-from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD
+from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD, own_state
 
 DEFAULT_MAX_BYTES = 64 << 10
+CLOSED = 2  # the error word's bit that close() sets (1: a wait timed out)
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its open PeerBuffers
 
 
@@ -104,6 +106,7 @@ class PeerBuffers:
                                           group.rank)
             self.peers = from_numpy(np.array(addresses, dtype=np.uint64), stream=stream)
             self.state = zeros(1 + epochs, dtype="uint32", stream=stream)
+            own_state(self.state, self)  # kernels given this state check their scalars against these buffers
             stream.synchronize()  # zeroed everywhere before any rank's first store
             group.barrier()
             if attach:
@@ -218,6 +221,11 @@ class PeerBuffers:
             del _attached[self.group]
         try:
             self.group.device.synchronize()
+            # the error word's CLOSED bit: a kernel launched on these buffers after this (a graph that
+            # captured one, a repeated launch whose checks the launch cache skips) touches no peer
+            # memory, which is freed, and writes NaN
+            s = self.group.stream
+            api.memcpy(self.state[0:1], from_numpy(np.array([CLOSED], np.uint32), stream=s)).sync_on(s)
             self.group.barrier()  # no rank's kernels touch any buffer any more
         except DistributedError:  # the group is closed or aborted: a peer might still store into ours
             self._memory.release(None)
