@@ -114,6 +114,30 @@ def test_a_one_shot_all_reduce_is_refused_built_run_or_replayed_once_its_buffers
     assert np.allclose(got[0], 2 * data.sum(0), rtol=1e-5, atol=1e-5)  # summed by each graph's one replay
 
 
+def test_a_one_shot_all_reduce_that_gave_up_on_a_peer_fails_group_synchronize_as_nccl_does(rng):
+    """Rank 1 skipped an all-reduce ("auto": the one-shot kernel) whose signature was agreed
+    before: rank 0's wait gave up and wrote NaN, and group.synchronize() returned as if all were
+    well (with NCCL it raises and aborts the group)."""
+    data = rng.standard_normal((2, 128)).astype(np.float32)
+
+    def rank(group):
+        s = group.stream
+        dist.PeerBuffers(group, max_bytes=512, timeout=0.2)
+        x = _up(group, data[group.rank])
+        dist.all_reduce(group, x).sync_on(s)
+        if group.rank == 0:
+            dist.all_reduce(group, x).sync_on(s)  # rank 1 never issues it
+            with pytest.raises(dop.DistributedError, match="did not arrive within 0.2 s.*group is aborted"):
+                group.synchronize()
+            assert np.isnan(x.numpy()).all()
+        else:
+            group.synchronize()  # its own all-reduces all completed
+        with pytest.raises(dop.DistributedError, match="aborted"):
+            group.barrier()
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
 # -- tensors and streams of another device --------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["nccl", "oneshot"])

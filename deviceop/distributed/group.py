@@ -20,6 +20,7 @@ import math
 import pickle
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -61,6 +62,7 @@ class Group:
         # thread-safe, and two threads' calls would pair up across ranks in no particular order)
         self._user = threading.RLock()
         self.replay_check = _GroupReplayCheck(self)  # what graphs holding its collectives check at each replay
+        self.peer_buffers = weakref.WeakSet()  # its open dist.PeerBuffers, whose error words synchronize() reads
 
     @property
     def backend(self) -> str:
@@ -183,7 +185,8 @@ class Group:
         """Wait for ``stream``'s work (default: the group's stream), at most ``timeout`` seconds
         (the group's): a replay or collective stuck on a peer that hung or died aborts the
         group and raises DistributedError instead of waiting forever (``stream.synchronize()``
-        would)."""
+        would); so does a one-shot all-reduce (dist.PeerBuffers) that gave up waiting for a
+        peer and wrote NaN."""
         self._check_open("group.synchronize()")
         stream = stream if stream is not None else self.stream
         if getattr(stream, "device", None) is not self.device:
@@ -200,6 +203,12 @@ class Group:
                                        "collective waits for a peer that hung or died); the group is aborted")
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
+        for bufs in list(self.peer_buffers):  # a one-shot all-reduce that gave up on a peer wrote NaN: say so
+            try:
+                bufs.check(stream)
+            except DistributedError as exc:
+                self.abort(f"rank {self.rank}'s one-shot all-reduce gave up waiting for a peer")
+                raise DistributedError(f"{exc}; the group is aborted") from None
 
     # -- life ---------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:

@@ -41,7 +41,7 @@ from .group import Group, check_timeout
 from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD, own_state
 
 DEFAULT_MAX_BYTES = 64 << 10
-CLOSED = 2  # the error word's bit that close() sets (1: a wait timed out)
+TIMED_OUT, CLOSED = 1, 2  # the error word's bits: a kernel's wait timed out; close() was called
 _attached: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its open PeerBuffers
 
 
@@ -111,6 +111,7 @@ class PeerBuffers:
             group.barrier()
             if attach:
                 _attached[group] = self
+            group.peer_buffers.add(self)
         except BaseException:
             self._memory.release(None)  # a peer may have mapped it: leak it
             raise
@@ -198,12 +199,13 @@ class PeerBuffers:
         nbytes = t.size * t.dtype.itemsize
         return 0 < nbytes <= self.max_bytes and nbytes % BLOCK_BYTES == 0
 
-    def check(self) -> None:
+    def check(self, stream=None) -> None:
         """Raise DistributedError if an all-reduce on these buffers gave up waiting for a
-        peer (it then wrote NaN, as every later one does).  Reads one word: a host sync."""
+        peer (it then wrote NaN, as every later one does).  Reads one word on ``stream``
+        (default: the group's): a host sync.  ``group.synchronize()`` calls it."""
         if self._closed:
             return
-        if int(self.state.numpy(stream=self.group.stream)[0]):
+        if int(self.state.numpy(stream=stream if stream is not None else self.group.stream)[0]) & TIMED_OUT:
             raise DistributedError(
                 f"one-shot all_reduce on rank {self.group.rank}: a peer's data did not arrive within "
                 f"{self.timeout_ns / 1e9:g} s (a rank failed, hung or issued different all-reduces); the outputs since "
