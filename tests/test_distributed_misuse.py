@@ -138,6 +138,27 @@ def test_a_one_shot_all_reduce_that_gave_up_on_a_peer_fails_group_synchronize_as
     assert dist.run_reference(2, rank) == [True, True]
 
 
+@pytest.mark.parametrize("algorithm", ["nccl", "oneshot", "auto"])
+def test_all_reduce_refuses_the_same_mistakes_with_the_same_classes_whatever_the_algorithm(algorithm):
+    """"auto" picks the one-shot kernel where the group has peer buffers: it raised ShapeError
+    for an out of another dtype (NCCL's path: DTypeError) and for an out overlapping x
+    (AliasingError), so what a user caught changed with whether PeerBuffers existed."""
+    def rank(group):
+        s = group.stream
+        dist.PeerBuffers(group, max_bytes=4096)
+        x, big = dop.zeros(256, stream=s), dop.zeros(512, stream=s)
+        for kind, make in ((dop.DTypeError, lambda: dist.all_reduce(group, x, dop.empty(256, "bfloat16", stream=s),
+                                                                    algorithm=algorithm)),
+                           (dop.ShapeError, lambda: dist.all_reduce(group, x, dop.empty(128, stream=s),
+                                                                    algorithm=algorithm)),
+                           (dop.AliasingError, lambda: dist.all_reduce(group, big[:256], big[128:384],
+                                                                       algorithm=algorithm))):
+            with pytest.raises(kind):
+                make()
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
 # -- tensors and streams of another device --------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["nccl", "oneshot"])

@@ -31,7 +31,7 @@ import weakref
 import numpy as np
 
 from .. import api
-from ..errors import DistributedError, DTypeError, ShapeError
+from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
 from ..graph.capture import ReplayCheck
 from ..interop import from_numpy, zeros
 from ..op import DeviceOp, value, warn_if_unexecuted
@@ -152,15 +152,13 @@ class PeerBuffers:
         else:
             target = written_arg(out, "the all_reduce's out")
             ins = [xt] if residual is None else [xt, tensor_arg(residual, "residual")]
-            for t in ins:
+            for t in (*ins, target):  # the classes dist.all_reduce's NCCL path raises for the same mistakes
                 if t.dtype is not dt or t.size != n:
-                    raise ShapeError(f"one-shot all_reduce: x is {n} x {dt.name} but out and residual must match "
-                                     f"it, got {t.size} x {t.dtype.name}")
-            if target.dtype is not dt or target.size != n:
-                raise ShapeError(f"one-shot all_reduce: out holds {target.size} x {target.dtype.name}, x "
-                                 f"{n} x {dt.name}; they must match")
+                    kind = DTypeError if t.dtype is not dt else ShapeError
+                    raise kind(f"one-shot all_reduce: x is {n} x {dt.name} but out and residual must match it, "
+                               f"got {t.size} x {t.dtype.name}")
             if target.overlaps(xt):
-                raise ShapeError("one-shot all_reduce: out overlaps x; pass out=None to reduce in place")
+                raise AliasingError("one-shot all_reduce: out overlaps x; pass out=None to reduce in place")
             if residual is None:
                 mode = "sum"
             elif ins[1].data_ptr == target.data_ptr:
