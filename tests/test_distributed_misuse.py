@@ -373,3 +373,22 @@ def test_a_fused_all_reduce_kernel_refuses_scalars_that_are_not_its_buffers(rng)
     got = dist.run_reference(2, rank)
     want = 2 * (w_host.astype(np.float64) @ np.ones(256))
     assert np.array_equal(got[0], got[1]) and np.allclose(got[0], want, rtol=1e-4, atol=1e-3)
+
+
+def test_allreduce_auto_falls_back_to_nccl_where_peer_memory_cannot_reach_every_rank(weights, monkeypatch):
+    """Llama's allreduce="auto" promises NCCL where the one-shot kernel does not apply; on ranks
+    of several machines it raised PeerBuffers' "needs every rank on one machine" instead.
+    allreduce="oneshot" asks for peer memory, and is still refused there."""
+    import socket
+    real = socket.gethostname
+    monkeypatch.setattr(socket, "gethostname", lambda: threading.current_thread().name.replace("deviceop-rank-", "node")
+                        if threading.current_thread().name.startswith("deviceop-rank-") else real())
+
+    def rank(group):
+        with Llama(CFG, weights, capacity=16, group=group) as llama:
+            assert llama.decoder.allreduce == "nccl" and llama.decoder.fused is None
+            assert dist.peer.peer_buffers(group) is None
+        with pytest.raises(dop.DistributedError, match="one machine.*'node0', 'node1'"):
+            Llama(CFG, weights, capacity=16, group=group, allreduce="oneshot")
+        return True
+    assert dist.run_reference(2, rank) == [True, True]

@@ -51,6 +51,16 @@ def peer_buffers(group) -> "PeerBuffers | None":
     return _attached.get(group)
 
 
+def unreachable(group) -> str | None:
+    """Why dist.PeerBuffers cannot serve ``group`` (more than MAX_WORLD ranks, or ranks on
+    several machines), or None.  Collective (one host exchange): every rank calls it, and
+    every rank gets the same answer, so that "auto" picks the same all-reduce everywhere."""
+    if group.world_size > MAX_WORLD:
+        return f"{group.world_size} ranks, more than the {MAX_WORLD} it serves"
+    hosts = sorted(set(group._exchange(socket.gethostname(), "dist.PeerBuffers' reach")))
+    return f"the ranks run on several machines ({', '.join(hosts)})" if len(hosts) > 1 else None
+
+
 class PeerBuffers:
     """Receive buffers mapped on every rank of ``group`` and the one-shot all-reduce over
     them (module docstring).  Building one is collective: every rank, same arguments.

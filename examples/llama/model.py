@@ -26,6 +26,7 @@ import numpy as np
 
 import deviceop as dop
 from deviceop import api
+from deviceop.distributed.peer import unreachable
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
@@ -253,9 +254,11 @@ class LlamaDecoder:
             # the whole vocabulary's logits, gathered for sampling and teacher forcing (padded: tp_place)
             self.full_logits = buf([placed_rows(cfg.vocab_size)])
             self.allreduce = allreduce
-            if allreduce != "nccl":
+            if allreduce == "auto" and unreachable(group) is not None:
+                self.allreduce = "nccl"  # peer memory does not reach every rank (several machines, > 8 ranks)
+            if self.allreduce != "nccl":
                 self._peer_buffers(max(4 * d, 4 * self.full_logits.shape[0]))
-            if allreduce == "auto":
+            if self.allreduce == "auto":
                 self._fused_buffers(plans)
 
     @staticmethod
