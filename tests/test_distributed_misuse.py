@@ -392,3 +392,31 @@ def test_allreduce_auto_falls_back_to_nccl_where_peer_memory_cannot_reach_every_
             Llama(CFG, weights, capacity=16, group=group, allreduce="oneshot")
         return True
     assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_the_cli_at_tp_closes_the_group_it_made_and_drives_the_local_rank_s_gpu(tmp_path, monkeypatch):
+    """`torchrun -m examples.llama --tp 2` left its group open: the first rank to exit aborted it
+    (the atexit hook) while the others still ran; and every rank opened GPU 0 (Device(0)) to
+    pick its model, whatever GPU it drives."""
+    import json
+
+    import llama.__main__ as cli
+    from deviceop.runtime import driver
+    (tmp_path / "config.json").write_text(json.dumps(CFG.to_dict()))
+    groups = {}
+    monkeypatch.setattr(dist, "init", lambda: groups[threading.get_ident()])
+
+    def rank(group):
+        groups[threading.get_ident()] = group
+        code = cli.main(["--random", "--config", str(tmp_path), "--tokens", "--prompt-len", "3", "--max-new", "2",
+                         "--capacity", "16", "--tp", "2"])
+        return code, repr(group)
+    assert [(code, "closed" in state) for code, state in dist.run_reference(2, rank)] == [(0, True), (0, True)]
+
+    asked = []
+    monkeypatch.setattr(driver, "driver_available", lambda: True)
+    monkeypatch.setattr(cli.dop, "Device", lambda ordinal=0: asked.append(ordinal) or "GPU %d" % ordinal)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli.rank_device(4) == (3, "GPU 1") and asked == [1]
