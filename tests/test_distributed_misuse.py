@@ -420,3 +420,12 @@ def test_the_cli_at_tp_closes_the_group_it_made_and_drives_the_local_rank_s_gpu(
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert cli.rank_device(4) == (3, "GPU 1") and asked == [1]
+
+
+def test_a_group_of_one_rank_is_tp1_and_takes_chunked_prefill(weights):
+    """A script written for torchrun run as one process (dist.init(): a group of one) was refused
+    chunked prefill as if it were tensor parallel."""
+    def rank(group):
+        with Llama(CFG, weights, capacity=16, group=group, prefill_chunk=8) as llama:
+            return llama.prefill_chunk, llama.decoder.group
+    assert dist.run_reference(1, rank) == [(8, None)]

@@ -42,7 +42,7 @@ class Llama:
         group = self._group(cfg, tp, group)
         self._own_group = group if made else None  # made here from the launcher's environment: closed by close()
         try:
-            if group is not None and prefill_chunk:
+            if group is not None and group.world_size > 1 and prefill_chunk:  # (a group of one is TP=1)
                 raise dop.ShapeError("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 "
                                      "(the prompt is then ingested token by token)")
             self.group = group
