@@ -429,3 +429,14 @@ def test_a_group_of_one_rank_is_tp1_and_takes_chunked_prefill(weights):
         with Llama(CFG, weights, capacity=16, group=group, prefill_chunk=8) as llama:
             return llama.prefill_chunk, llama.decoder.group
     assert dist.run_reference(1, rank) == [(8, None)]
+
+
+def test_chunked_prefill_asked_of_a_tensor_parallel_generate_is_refused_naming_why(weights):
+    """Refused at construction, but generate(prefill_chunk=8) built the chunked prefill over the
+    rank's shard and failed in a kernel's shape check (k_cache [2, 16, 64] where HKV=4)."""
+    def rank(group):
+        with Llama(CFG, weights, capacity=16, group=group, allreduce="nccl") as llama:
+            with pytest.raises(dop.ShapeError, match="chunked prefill is not tensor parallel yet"):
+                llama.generate([5, 6, 7], 2, prefill_chunk=8)
+        return True
+    assert dist.run_reference(2, rank) == [True, True]

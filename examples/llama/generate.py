@@ -26,6 +26,10 @@ from .config import LlamaConfig
 from .model import NONFINITE, LlamaDecoder, Sampling
 
 
+NO_TP_PREFILL = ("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 (the prompt is "
+                 "then ingested token by token)")
+
+
 class Llama:
     """``tp=N`` (or a ``group``): tensor parallel over the N ranks of a ``deviceop.distributed``
     group, one process per GPU; ``dist.init()`` makes the group from torchrun's or mpirun's
@@ -43,8 +47,7 @@ class Llama:
         self._own_group = group if made else None  # made here from the launcher's environment: closed by close()
         try:
             if group is not None and group.world_size > 1 and prefill_chunk:  # (a group of one is TP=1)
-                raise dop.ShapeError("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 "
-                                     "(the prompt is then ingested token by token)")
+                raise dop.ShapeError(NO_TP_PREFILL)
             self.group = group
             self.device = group.device if group is not None else dop.Device(0)
             if group is not None and stream is not None and getattr(stream, "device", None) is not group.device:
@@ -163,6 +166,8 @@ class Llama:
 
     def _prefill(self, chunk: int):
         from .prefill import ChunkedPrefill
+        if self.group is not None and self.group.world_size > 1:  # (its kernels read whole heads)
+            raise dop.ShapeError(NO_TP_PREFILL)
         p = self._prefills.get(chunk)
         if p is None:
             p = self._prefills[chunk] = ChunkedPrefill(self.decoder, chunk)
