@@ -62,7 +62,7 @@ class Group:
         # thread-safe, and two threads' calls would pair up across ranks in no particular order)
         self._user = threading.RLock()
         self.replay_check = _GroupReplayCheck(self)  # what graphs holding its collectives check at each replay
-        self.peer_buffers = weakref.WeakSet()  # its open dist.PeerBuffers, whose error words synchronize() reads
+        self._peer_bufs = weakref.WeakSet()  # its open dist.PeerBuffers, whose error words synchronize() reads
 
     @property
     def backend(self) -> str:
@@ -203,7 +203,7 @@ class Group:
                                        "collective waits for a peer that hung or died); the group is aborted")
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
-        for bufs in list(self.peer_buffers):  # a one-shot all-reduce that gave up on a peer wrote NaN: say so
+        for bufs in list(self._peer_bufs):  # a one-shot all-reduce that gave up on a peer wrote NaN: say so
             try:
                 bufs.check(stream)
             except DistributedError as exc:

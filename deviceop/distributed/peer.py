@@ -121,7 +121,7 @@ class PeerBuffers:
             group.barrier()
             if attach:
                 _attached[group] = self
-            group.peer_buffers.add(self)
+            group._peer_bufs.add(self)
         except BaseException:
             self._memory.release(None)  # a peer may have mapped it: leak it
             raise
