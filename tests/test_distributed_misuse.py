@@ -159,6 +159,27 @@ def test_all_reduce_refuses_the_same_mistakes_with_the_same_classes_whatever_the
     assert dist.run_reference(2, rank) == [True, True]
 
 
+def test_the_one_shot_all_reduce_takes_ops_that_produce_its_tensors_as_nccl_s_path_does(rng):
+    """dist.all_reduce(group, op, algorithm="oneshot") raised "x must be a deviceop Tensor or
+    SharedTensor, got Memcpy", where "nccl" (and "auto", by falling back) took the op."""
+    from deviceop import api
+    data = rng.standard_normal((2, 256)).astype(np.float32)
+
+    def rank(group):
+        s = group.stream
+        dist.PeerBuffers(group, max_bytes=1024)
+        x, y, out = _up(group, data[group.rank]), dop.empty(256, stream=s), dop.empty(256, stream=s)
+        dist.all_reduce(group, api.memcpy(y, x), algorithm="oneshot").sync_on(s)
+        eager = y.numpy()
+        graph = dist.all_reduce(group, api.memcpy(y, x), out=out, algorithm="oneshot").graph_on(s)
+        graph.replay()
+        return eager, out.numpy()
+    got = dist.run_reference(2, rank)
+    want = data[0] + data[1]  # fp32 in rank order: what the one-shot kernel computes
+    for eager, captured in got:
+        assert np.array_equal(eager, want) and np.array_equal(captured, want)
+
+
 # -- tensors and streams of another device --------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["nccl", "oneshot"])

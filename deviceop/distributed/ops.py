@@ -27,7 +27,7 @@ from __future__ import annotations
 import operator
 
 from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
-from ..op import DeviceOp, resolve, warn_if_unexecuted
+from ..op import DeviceOp, resolve, warn_if_unexecuted, zip_
 from ..tensor import SharedTensor, Tensor
 from .args import check_device, tensor_arg, written_arg
 from .group import Group
@@ -225,6 +225,9 @@ def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> 
         if op != "sum":
             raise DistributedError(f"dist.all_reduce(op={op!r}, algorithm='oneshot'): the one-shot kernel sums; "
                                    "use algorithm='nccl'")
+        if isinstance(x, DeviceOp) or isinstance(out, DeviceOp):  # ops producing them, as NCCL's path takes
+            return zip_(x, out).then(lambda xo: bufs.all_reduce(xo[0], xo[1]).map(
+                lambda _: xo[0] if out is None else xo[1]))
         written = x if out is None else out
         return bufs.all_reduce(x, out).map(lambda _: written)
     return Collective(group, "all_reduce", x, x if out is None else out, reduce=op)
