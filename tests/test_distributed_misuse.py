@@ -77,6 +77,15 @@ def test_ranks_at_different_kinds_of_host_exchange_fail_on_every_rank(other):
     assert dist.run_reference(2, rank) == [True, True]
 
 
+def test_peer_buffers_refuse_a_timeout_their_kernels_cannot_count():
+    """A timeout of 1e12 s was taken, and the first all-reduce failed on its launch's uint64 scalar."""
+    def rank(group):
+        with pytest.raises(dop.DistributedError, match="PeerBuffers: a timeout of 1e.12 s.*shorter"):
+            dist.PeerBuffers(group, max_bytes=512, timeout=1e12)
+        return True
+    assert dist.run_reference(2, rank) == [True, True]
+
+
 def test_peer_buffers_take_a_group():
     with pytest.raises(dop.DistributedError, match="PeerBuffers takes the group"):
         dist.PeerBuffers(None)

@@ -94,6 +94,9 @@ class PeerBuffers:
             raise ShapeError(f"PeerBuffers(epochs={epochs!r}): give an int of at least {max_bytes // BLOCK_BYTES} "
                              "(one a 512-byte block of max_bytes)")
         timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers")
+        if timeout * 1e9 >= 2 ** 64:  # the kernels count it in nanoseconds, in 64 bits
+            raise DistributedError(f"PeerBuffers: a timeout of {timeout:g} s (the group's, unless timeout= is given) "
+                                   f"is past the {2 ** 64 / 1e9:.3g} s the kernels can count; give a shorter one")
         self.group, self.max_bytes = group, max_bytes
         self.slot_lines = max_bytes // 8
         self.timeout_ns = int(timeout * 1e9)
