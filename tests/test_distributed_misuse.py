@@ -189,6 +189,22 @@ def test_the_one_shot_all_reduce_takes_ops_that_produce_its_tensors_as_nccl_s_pa
         assert np.array_equal(eager, want) and np.array_equal(captured, want)
 
 
+def test_auto_falls_back_to_nccl_for_a_view_the_one_shot_kernel_cannot_take(rng):
+    """"auto" took a view one float into its buffer (not 16-byte aligned) for the one-shot
+    kernel, which refused it: an all-reduce that works without PeerBuffers failed with them."""
+    data = rng.standard_normal((2, 260)).astype(np.float32)
+
+    def rank(group):
+        s = group.stream
+        dist.PeerBuffers(group, max_bytes=1024)
+        big, out = _up(group, data[group.rank]), dop.zeros(260, stream=s)
+        dist.all_reduce(group, big[1:129]).sync_on(s)        # x misaligned
+        dist.all_reduce(group, big[129:257], out=out[1:129]).sync_on(s)  # out misaligned
+        return big.numpy(), out.numpy()
+    for big, out in dist.run_reference(2, rank):
+        assert np.allclose(big[1:129], data[:, 1:129].sum(0)) and np.allclose(out[1:129], data[:, 129:257].sum(0))
+
+
 # -- tensors and streams of another device --------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["nccl", "oneshot"])

@@ -218,7 +218,8 @@ def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> 
         raise DistributedError(f"dist.all_reduce: unknown algorithm {algorithm!r}; use one of "
                                f"{', '.join(map(repr, ALGORITHMS))}")
     bufs = peer_buffers(group) if algorithm != "nccl" else None
-    if algorithm == "oneshot" or (bufs is not None and op == "sum" and bufs.accepts(x)):
+    if algorithm == "oneshot" or (bufs is not None and op == "sum" and bufs.accepts(x)
+                                  and (out is None or bufs.accepts(out))):
         if bufs is None:
             raise DistributedError("dist.all_reduce(algorithm='oneshot') needs the group's peer buffers: make them "
                                    "once on every rank with dist.PeerBuffers(group)")

@@ -202,10 +202,12 @@ class PeerBuffers:
         self.group._check_open(what)
 
     def accepts(self, x) -> bool:
-        """Would ``all_reduce(x)`` take ``x`` (dtype, size, layout)?  What dist.all_reduce's
-        "auto" asks; the same answer on every rank when they issue the same all-reduces."""
+        """Would ``all_reduce(x)`` take ``x`` (dtype, size, layout, 16-byte alignment)?  What
+        dist.all_reduce's "auto" asks (of ``out`` too); the same answer on every rank when they
+        issue the same all-reduces on buffers laid out alike."""
         t = x.tensor if isinstance(x, SharedTensor) else x
-        if self._closed or not isinstance(t, Tensor) or t.dtype.name not in CTYPES or not t.is_contiguous:
+        if self._closed or not isinstance(t, Tensor) or t.dtype.name not in CTYPES or not t.is_contiguous \
+                or t.data_ptr % 16:
             return False
         nbytes = t.size * t.dtype.itemsize
         return 0 < nbytes <= self.max_bytes and nbytes % BLOCK_BYTES == 0
