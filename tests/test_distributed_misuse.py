@@ -205,6 +205,23 @@ def test_auto_falls_back_to_nccl_for_a_view_the_one_shot_kernel_cannot_take(rng)
         assert np.allclose(big[1:129], data[:, 1:129].sum(0)) and np.allclose(out[1:129], data[:, 129:257].sum(0))
 
 
+@pytest.mark.parametrize("algorithm", ["oneshot", "auto"])
+def test_the_one_shot_all_reduce_takes_out_as_x_s_own_memory_in_place_as_nccl_s_path_does(algorithm, rng):
+    """out=x (or x in another shape) reduces in place on NCCL's path; the one-shot kernel refused
+    it as an overlap (AliasingError), so "auto" failed where "nccl" worked."""
+    data = rng.standard_normal((2, 256)).astype(np.float32)
+
+    def rank(group):
+        s = group.stream
+        dist.PeerBuffers(group, max_bytes=1024)
+        x, y = _up(group, data[group.rank]), _up(group, data[group.rank])
+        dist.all_reduce(group, x, out=x, algorithm=algorithm).sync_on(s)
+        dist.all_reduce(group, y, out=y.view(16, 16), algorithm=algorithm).sync_on(s)
+        return x.numpy(), y.numpy()
+    for x, y in dist.run_reference(2, rank):
+        assert np.array_equal(x, data[0] + data[1]) and np.array_equal(y, data[0] + data[1])
+
+
 # -- tensors and streams of another device --------------------------------------------------
 
 @pytest.mark.parametrize("algorithm", ["nccl", "oneshot"])

@@ -160,6 +160,8 @@ class PeerBuffers:
                              "PeerBuffers(max_bytes=...))")
         if out is None and residual is not None:
             raise ShapeError("one-shot all_reduce: a residual needs an out tensor (out=residual adds in place)")
+        if out is not None and residual is None and _same_memory(tensor_arg(out, "the all_reduce's out"), xt):
+            out = None  # out is x's own memory (x itself, another view of it): in place, as NCCL's path takes it
         if out is None:
             mode, target, inputs = "in_place", written_arg(x, "the in-place all_reduce's x"), ()
         else:
@@ -253,6 +255,12 @@ class PeerBuffers:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+
+def _same_memory(a, b) -> bool:
+    """``a`` and ``b`` are the same bytes (the same buffer, in any shape)."""
+    return a.data_ptr == b.data_ptr and a.size * a.dtype.itemsize == b.size * b.dtype.itemsize and \
+        a.dtype is b.dtype and a.is_contiguous and b.is_contiguous
 
 
 def _agreed(found: list, args: dict) -> list:
