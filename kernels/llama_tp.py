@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deviceop.distributed.oneshot import MAX_WORLD, claim_lines, exchange
+from deviceop.distributed.oneshot import MAX_WORLD, check_buffers, claim_lines, exchange
 from deviceop.kernel import In, Kernel, Out, Scalar
 
 from ._checks import _aligned, _need
@@ -147,6 +147,7 @@ def _matvec_allreduce_check(g, out, x, w, residual, peers, state, rank, slot_lin
                                                  f"not fit slots of {slot_lines} lines; make larger PeerBuffers")
     _need(1 <= epoch0 and epoch0 + grid <= state.shape[0], f"matvec_allreduce: epochs [{epoch0}, {epoch0 + grid}) "
                                                            f"are past the state's {state.shape[0]} words")
+    check_buffers(peers, state, rank, slot_lines, g["WORLD"], "matvec_allreduce")
     claim_lines(state, epoch0, grid, line0, rpc // 2, "matvec_allreduce")
 
 

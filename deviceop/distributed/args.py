@@ -2,7 +2,7 @@
 peer.py take the same kinds): what it reads, and what it may write."""
 from __future__ import annotations
 
-from ..errors import DTypeError
+from ..errors import DistributedError, DTypeError
 from ..memory import Partition, read_only_error
 from ..tensor import SharedTensor, Tensor
 
@@ -28,3 +28,13 @@ def written_arg(x, what: str) -> Tensor:
     if t._alloc.read_only:
         raise read_only_error(what, t)
     return t
+
+
+def check_device(t: Tensor, group, what: str) -> None:
+    """Refuse a tensor of another device than the group's: a rank's collectives move its own
+    GPU's memory (NCCL given another GPU's pointer faults or reads the wrong memory; each
+    thread-rank of the reference backend has a device of its own, as each process its GPU)."""
+    if t.device is not group.device:
+        raise DistributedError(f"{what} lives on {t.device.label}, but the group's device is {group.device.label}: "
+                               "allocate it on the rank's device (dop.empty(..., stream=group.stream), "
+                               "dop.from_numpy(array, stream=group.stream))")

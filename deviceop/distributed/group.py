@@ -20,6 +20,7 @@ import math
 import pickle
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -61,6 +62,7 @@ class Group:
         # thread-safe, and two threads' calls would pair up across ranks in no particular order)
         self._user = threading.RLock()
         self.replay_check = _GroupReplayCheck(self)  # what graphs holding its collectives check at each replay
+        self._peer_bufs = weakref.WeakSet()  # its open dist.PeerBuffers, whose error words synchronize() reads
 
     @property
     def backend(self) -> str:
@@ -76,10 +78,18 @@ class Group:
         """Every rank's ``obj`` (picklable), in rank order: a host-side all-gather through
         the launcher's store (or the reference hub), bounded by the group's timeout.
         Each rank gets its own copies (unpickled), thread-ranks too; an object pickle
-        cannot send fails the exchange on every rank."""
-        self._check_open("group.exchange()")
+        cannot send fails the exchange on every rank, and so do ranks at different kinds of
+        exchange (one in ``exchange``, another in ``barrier``, ``check_same`` or
+        ``dist.PeerBuffers``): the group is then aborted."""
+        return self._exchange(obj, "group.exchange()")
+
+    def _exchange(self, obj, kind: str) -> list:
+        """``exchange`` as ``kind`` (what deviceop's own exchanges call themselves): every rank
+        must be at an exchange of the same kind, or each raises instead of taking another
+        kind's objects for its own."""
+        self._check_open(kind)
         try:
-            payload = pickle.dumps(obj, protocol=4)
+            payload = pickle.dumps((kind, obj), protocol=4)
         except Exception as exc:  # noqa: BLE001 - pickle raises many kinds; the others must learn of it too
             payload = _Unsendable(f"{type(obj).__name__}: {exc}")
         with self.using("group.exchange()"):
@@ -94,7 +104,15 @@ class Group:
             raise DistributedError(f"group.exchange() #{seq}: rank(s) {sorted(bad)} passed an object pickle cannot "
                                    f"send ({'; '.join(dict.fromkeys(bad.values()))}); exchange plain data (numbers, "
                                    "strings, lists, dicts, NumPy arrays: a tensor's .numpy())")
-        return [pickle.loads(p) for p in found]
+        found = [pickle.loads(p) for p in found]
+        kinds = [k for k, _ in found]
+        if any(k != kind for k in kinds):
+            self.abort(f"{kind}: the ranks were at different exchanges")
+            raise DistributedError(f"{kind} #{seq} on rank {self.rank}: the ranks were at different host exchanges at "
+                                   f"this point: {describe_ranks(kinds)}. Every rank must make the same exchanges "
+                                   "(barrier, check_same, PeerBuffers, collectives' checks, a tensor-parallel model's "
+                                   "checks) in the same order; the group is aborted")
+        return [o for _, o in found]
 
     def using(self, what):
         """Hold the group for this thread while it exchanges or issues (re-entrant); another
@@ -109,7 +127,7 @@ class Group:
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (host side; the GPU's work is not waited for)."""
-        self.exchange(None)
+        self._exchange(None, "group.barrier()")
 
     def check_same(self, name: str, obj) -> str:
         """Refuse (DistributedError, on every rank) unless every rank passes an equal ``obj``
@@ -121,7 +139,7 @@ class Group:
             digest, unhashable = fingerprint(obj), None
         except DistributedError as exc:  # said on every rank: the others must not wait or pass
             digest, unhashable = None, str(exc)
-        digests = self.exchange((name, digest, unhashable))
+        digests = self._exchange((name, digest, unhashable), "group.check_same()")
         failed = {r: why for r, (_, _, why) in enumerate(digests) if why is not None}
         if failed:
             raise DistributedError(f"check_same({name!r}): rank(s) {sorted(failed)} cannot hash its value: "
@@ -146,7 +164,7 @@ class Group:
         if signature in self._agreed:
             return
         what = what if isinstance(what, str) else what.describe()  # (a Call: described when it is needed)
-        seen = self.exchange(("collective", signature))
+        seen = self._exchange(("collective", signature), "the collectives' check")
         differ = [r for r, s in enumerate(seen) if s != ("collective", signature)]
         if differ:
             self.abort(f"{what} disagreed across ranks")
@@ -167,9 +185,13 @@ class Group:
         """Wait for ``stream``'s work (default: the group's stream), at most ``timeout`` seconds
         (the group's): a replay or collective stuck on a peer that hung or died aborts the
         group and raises DistributedError instead of waiting forever (``stream.synchronize()``
-        would)."""
+        would); so does a one-shot all-reduce (dist.PeerBuffers) that gave up waiting for a
+        peer and wrote NaN."""
         self._check_open("group.synchronize()")
         stream = stream if stream is not None else self.stream
+        if getattr(stream, "device", None) is not self.device:
+            raise DistributedError(f"group.synchronize(stream={stream!r}) on rank {self.rank}: pass a stream of the "
+                                   f"group's device ({self.device.label}), such as group.stream, or none for it")
         timeout = self.timeout if timeout is None else check_timeout(timeout, "group.synchronize()")
         event, deadline, pause = stream.record_event(timing=False), time.monotonic() + timeout, 0.00005
         while not event.query():
@@ -181,6 +203,12 @@ class Group:
                                        "collective waits for a peer that hung or died); the group is aborted")
             time.sleep(pause)
             pause = min(pause * 2, 0.001)
+        for bufs in list(self._peer_bufs):  # a one-shot all-reduce that gave up on a peer wrote NaN: say so
+            try:
+                bufs.check(stream)
+            except DistributedError as exc:
+                self.abort(f"rank {self.rank}'s one-shot all-reduce gave up waiting for a peer")
+                raise DistributedError(f"{exc}; the group is aborted") from None
 
     # -- life ---------------------------------------------------------------------------
     def _check_open(self, what: str) -> None:

@@ -18,6 +18,7 @@ import operator
 import os
 
 from ..errors import ConfigError, DistributedError, NoDeviceError
+from ..runtime import driver
 from ..runtime.device import CudaDevice, Device
 from .group import check_timeout
 
@@ -134,8 +135,16 @@ def init(*, rank: int | None = None, world_size: int | None = None, local_rank: 
         local_var, local_rank = "local_rank", _int(local_rank)
         if local_rank is None or local_rank < 0:
             raise DistributedError("dist.init: local_rank= names this process's GPU on its node: an int >= 0")
+    if device is not None and not isinstance(device, Device):
+        ordinal = _int(device)
+        if ordinal is None:
+            raise DistributedError(f"dist.init(device={device!r}): pass a deviceop Device (dop.Device(n)) or its "
+                                   "ordinal n, or leave it out for the launcher's local rank's GPU")
+        device = _local_device(ordinal, "device")
     if device is None:  # (without a GPU, several ranks are refused below, naming run_reference)
-        on_gpu = isinstance(Device(0), CudaDevice)
+        # whether there are GPUs, asked of the driver: Device(0) would open a context on GPU 0 in every
+        # rank's process (each one's memory on GPU 0, whatever GPU the rank drives)
+        on_gpu = driver.driver_available()
         device = _local_device(local_rank, local_var) if on_gpu or world_size == 1 else Device(0)
     backend = backend or ("nccl" if isinstance(device, CudaDevice) else "reference")
     if backend == "reference":

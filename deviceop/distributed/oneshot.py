@@ -56,7 +56,38 @@ def _check(g, out, *args):
     _need(state.size >= 1 + nbytes // BLOCK_BYTES, "one-shot all_reduce: the state tensor is too small")
     for a in (t, *tensors):
         _need(a.data_ptr % 16 == 0, "one-shot all_reduce: tensors must start 16-byte aligned")
+    check_buffers(peers, state, rank, slot_lines, g["W"], "one-shot all_reduce")
     claim_lines(state, 1, nbytes // BLOCK_BYTES, 0, LINES, "one-shot all_reduce")
+
+
+# state's allocation -> a weak reference to the PeerBuffers it belongs to (check_buffers)
+_owners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def own_state(state, bufs) -> None:
+    """Record that ``state`` is ``bufs``'s (PeerBuffers): kernels given it check their scalars against them."""
+    _owners[state._alloc] = weakref.ref(bufs)
+
+
+def check_buffers(peers, state, rank: int, slot_lines: int, world: int, who: str) -> None:
+    """Refuse a launch whose peer table, rank, slot size or world size are not those of the
+    PeerBuffers ``state`` belongs to, or whose buffers or group are closed: the kernel
+    trusts them to address the peers' memory (a larger ``slot_lines`` stores past the end
+    of every peer's buffer; closed buffers are freed).  A state of no PeerBuffers is not
+    checked here."""
+    ref = _owners.get(state._alloc)
+    bufs = ref() if ref is not None else None
+    if bufs is None:
+        return
+    bufs._check_usable(who)
+    group = bufs.group
+    _need(peers.data_ptr == bufs.peers.data_ptr and peers.size == bufs.peers.size,
+          f"{who}: peers is not the peer table of the PeerBuffers state belongs to; pass bufs.peers with bufs.state")
+    _need(slot_lines == bufs.slot_lines, f"{who}: slot_lines={slot_lines} but the buffers' slots hold "
+                                         f"{bufs.slot_lines} lines; pass bufs.slot_lines")
+    _need(rank == group.rank and world == group.world_size,
+          f"{who}: rank {rank} of {world} but the buffers are rank {group.rank}'s of {group.world_size}; pass "
+          "group.rank and the group's world size")
 
 
 # state's allocation -> the layouts its epoch counters serve: (first counter's word, counters,

@@ -27,9 +27,9 @@ from __future__ import annotations
 import operator
 
 from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
-from ..op import DeviceOp, resolve, warn_if_unexecuted
+from ..op import DeviceOp, resolve, warn_if_unexecuted, zip_
 from ..tensor import SharedTensor, Tensor
-from .args import tensor_arg, written_arg
+from .args import check_device, tensor_arg, written_arg
 from .group import Group
 from .peer import peer_buffers
 
@@ -132,9 +132,10 @@ class Collective(DeviceOp):
         # a broadcast's root only reads its buffer (NCCL's in-place broadcast copies nothing there)
         reads_only = kind == "send" or (kind == "broadcast" and self.root == self.group.rank)
         written = None if reads_only else _written(out, f"dist.{kind}'s output")
-        for t in (read, written):
+        for t, what in ((read, "input"), (written, "output")):
             if t is None:
                 continue
+            check_device(t, self.group, f"dist.{kind}'s {what}")
             if t.dtype.name not in DTYPES:
                 raise DTypeError(f"dist.{kind} of a {t.dtype.name} tensor: collectives move "
                                  f"{', '.join(DTYPES)}; convert it first")
@@ -217,13 +218,17 @@ def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> 
         raise DistributedError(f"dist.all_reduce: unknown algorithm {algorithm!r}; use one of "
                                f"{', '.join(map(repr, ALGORITHMS))}")
     bufs = peer_buffers(group) if algorithm != "nccl" else None
-    if algorithm == "oneshot" or (bufs is not None and op == "sum" and bufs.accepts(x)):
+    if algorithm == "oneshot" or (bufs is not None and op == "sum" and bufs.accepts(x)
+                                  and (out is None or bufs.accepts(out))):
         if bufs is None:
             raise DistributedError("dist.all_reduce(algorithm='oneshot') needs the group's peer buffers: make them "
                                    "once on every rank with dist.PeerBuffers(group)")
         if op != "sum":
             raise DistributedError(f"dist.all_reduce(op={op!r}, algorithm='oneshot'): the one-shot kernel sums; "
                                    "use algorithm='nccl'")
+        if isinstance(x, DeviceOp) or isinstance(out, DeviceOp):  # ops producing them, as NCCL's path takes
+            return zip_(x, out).then(lambda xo: bufs.all_reduce(xo[0], xo[1]).map(
+                lambda _: xo[0] if out is None else xo[1]))
         written = x if out is None else out
         return bufs.all_reduce(x, out).map(lambda _: written)
     return Collective(group, "all_reduce", x, x if out is None else out, reduce=op)

@@ -14,6 +14,7 @@ sends do; the recv waits for it, checks dtype and count, and copies it out.
 """
 from __future__ import annotations
 
+import operator
 import threading
 import time
 
@@ -193,8 +194,16 @@ def run_reference(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) 
     next meeting instead of waiting, and ``run_reference`` raises the first rank's
     exception.  Every meeting is bounded by ``timeout`` seconds, so a rank that hangs
     or skips a collective makes the others fail, naming the collective."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise DistributedError(f"run_reference needs a world size >= 1, got {world_size!r}")
+    given = world_size
+    try:
+        world_size = None if isinstance(world_size, bool) else operator.index(world_size)
+    except TypeError:
+        world_size = None
+    if world_size is None or world_size < 1:
+        raise DistributedError(f"run_reference needs a world size: an int >= 1, got {given!r}")
+    if not callable(fn):
+        raise DistributedError(f"run_reference(world_size, fn): fn must be callable as fn(group, *args), got a "
+                               f"{type(fn).__name__}")
     timeout = check_timeout(timeout, "run_reference")
     hub = Hub(world_size, timeout)
     results, errors = [None] * world_size, {}

@@ -228,6 +228,9 @@ def open_store(store, launcher: str, rank: int, world_size: int, timeout: float)
     """The store the ranks meet in: ``store`` if given (a Store, a directory, or
     ``tcp://host:port``), else the launcher's (see launch.py)."""
     if store is not None and not isinstance(store, (str, os.PathLike)):
+        if not all(callable(getattr(store, m, None)) for m in ("set", "get", "close")):
+            raise DistributedError(f"store={store!r}: pass a directory every rank can reach, 'tcp://host:port', or a "
+                                   "store object with set(key, bytes), get(key) -> bytes or None, and close()")
         return store
     if isinstance(store, str) and store.startswith("tcp://"):
         host, sep, port = store[len("tcp://"):].rpartition(":")

@@ -124,11 +124,26 @@ def choose_model(ap, args, device):
     return cfg, None, lambda: random_weights(cfg, args.seed), "random weights (not a trained model: its tokens are noise)"
 
 
+def rank_device(tp: int):
+    """``(rank, device)`` of this process: at TP > 1 the launcher's rank and its local rank's
+    GPU, as dist.init reads them (torchrun, mpirun, srun), not GPU 0, where every rank's
+    process would open a context of its own."""
+    from deviceop.distributed.launch import from_environment
+    from deviceop.runtime import driver
+    found = from_environment() if tp > 1 else None
+    if found is None:
+        return 0, dop.Device(0)
+    return found[1], dop.Device(found[3] if driver.driver_available() else 0)
+
+
 def main(argv=None) -> int:
     ap, args = parse(argv)
-    if args.tp > 1 and int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))):
+    try:
+        rank, device = rank_device(args.tp)
+    except dop.DeviceOpError as exc:  # a launcher's variables that name no rank or GPU here
+        ap.error(str(exc))
+    if rank:
         sys.stdout = open(os.devnull, "w")  # one process per GPU: rank 0 speaks for the group
-    device = dop.Device(0)
     try:
         cfg, tokenizer, make_weights, label = choose_model(ap, args, device)
         kernel_limits(cfg)
@@ -165,9 +180,14 @@ def main(argv=None) -> int:
     print(f"weights on the device in {time.perf_counter() - t0:.1f} s")
     if args.prompt is not None:
         print(f"{'chat' if args.chat else 'prompt'}: {args.prompt}")
+    with llama:  # closed at the end (at TP > 1 the group tp= made: else the first rank to exit aborts it)
+        return run(ap, args, llama, device, tokenizer if text else None, prompt, max_new, sampling, cfg)
 
+
+def run(ap, args, llama, device, tokenizer, prompt, max_new, sampling, cfg) -> int:
+    """Generate, print, and (on a GPU) time the generation against the memory floor."""
     try:
-        tokens = generate(llama, tokenizer if text else None, prompt, max_new, sampling, args.stream)
+        tokens = generate(llama, tokenizer, prompt, max_new, sampling, args.stream)
     except dop.DeviceOpError as exc:  # a request the model cannot serve: the flag's constraint, no traceback
         ap.error(str(exc))
     if device.is_reference or args.stream:

@@ -26,6 +26,10 @@ from .config import LlamaConfig
 from .model import NONFINITE, LlamaDecoder, Sampling
 
 
+NO_TP_PREFILL = ("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 (the prompt is "
+                 "then ingested token by token)")
+
+
 class Llama:
     """``tp=N`` (or a ``group``): tensor parallel over the N ranks of a ``deviceop.distributed``
     group, one process per GPU; ``dist.init()`` makes the group from torchrun's or mpirun's
@@ -38,15 +42,25 @@ class Llama:
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
                  prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):
+        made = group is None
         group = self._group(cfg, tp, group)
-        if group is not None and prefill_chunk:
-            raise dop.ShapeError("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 "
-                                 "(the prompt is then ingested token by token)")
-        self.group = group
-        self.device = group.device if group is not None else dop.Device(0)
-        self.cuda_stream = stream if stream is not None else self.device.new_stream()
-        self._decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
-                                     allreduce=allreduce)
+        self._own_group = group if made else None  # made here from the launcher's environment: closed by close()
+        try:
+            if group is not None and group.world_size > 1 and prefill_chunk:  # (a group of one is TP=1)
+                raise dop.ShapeError(NO_TP_PREFILL)
+            self.group = group
+            self.device = group.device if group is not None else dop.Device(0)
+            if group is not None and stream is not None and getattr(stream, "device", None) is not group.device:
+                raise dop.DistributedError(f"stream={stream!r} is not a stream of the group's device "
+                                           f"({group.device.label}): pass group.stream, a stream of group.device, "
+                                           "or none")
+            self.cuda_stream = stream if stream is not None else self.device.new_stream()
+            self._decoder = LlamaDecoder(cfg, weights, capacity, stream=self.cuda_stream, pdl=pdl, group=group,
+                                         allreduce=allreduce)
+        except BaseException as exc:  # the others must not wait for this rank in the group it made
+            if self._own_group is not None:
+                self._own_group.abort(f"Llama(...) failed on rank {group.rank}: {type(exc).__name__}")
+            raise
         self.cfg = cfg
         self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
         self._steps: dict = {}   # same key -> graph of one step
@@ -61,8 +75,9 @@ class Llama:
 
     def close(self) -> None:
         """Free what the model holds besides its tensors: a tensor-parallel rank's private peer
-        buffers (collective: every rank of the group calls it, after its last generation).  The
-        captured generations are dropped; any later call raises StateError.  Idempotent."""
+        buffers, and the group (with its peer buffers) when ``tp=N`` made it (collective: every
+        rank of the group calls it, after its last generation).  The captured generations are
+        dropped; any later call raises StateError.  Idempotent."""
         if self._decoder is None:
             return
         self.cuda_stream.synchronize()
@@ -71,6 +86,12 @@ class Llama:
         self._prefills.clear()
         decoder, self._decoder = self._decoder, None
         decoder.close()
+        if self._own_group is not None:
+            from deviceop.distributed.peer import peer_buffers
+            bufs = peer_buffers(self._own_group)
+            if bufs is not None:
+                bufs.close()
+            self._own_group.close()
 
     def __enter__(self) -> "Llama":
         return self
@@ -82,17 +103,28 @@ class Llama:
     @staticmethod
     def _group(cfg: LlamaConfig, tp: int | None, group):
         """The tensor-parallel group (None at TP=1), checked against ``tp`` and the config."""
+        import deviceop.distributed as dist
+
         from .tp import check_tp
+        if tp is not None:
+            check_tp(cfg, tp)  # before any process group is made (and tp=True is no tp=1)
+        if group is not None and not isinstance(group, dist.Group):
+            raise dop.DistributedError(f"group={group!r}: pass the group of dist.init() (or dist.run_reference's), "
+                                       "or tp=N to make one from the launcher's environment")
         if group is None and tp in (None, 1):
             return None
-        if group is None:
-            check_tp(cfg, tp)  # before any process group is made
-            import deviceop.distributed as dist
+        made = group is None
+        if made:
             group = dist.init()
-        if tp is not None and tp != group.world_size:
-            raise dop.ShapeError(f"tp={tp} but the group has {group.world_size} ranks: launch {tp} processes "
-                                 f"(torchrun --nproc-per-node {tp}) or pass tp={group.world_size}")
-        check_tp(cfg, group.world_size)
+        try:
+            if tp is not None and tp != group.world_size:
+                raise dop.ShapeError(f"tp={tp} but the group has {group.world_size} ranks: launch {tp} processes "
+                                     f"(torchrun --nproc-per-node {tp}) or pass tp={group.world_size}")
+            check_tp(cfg, group.world_size)
+        except BaseException:
+            if made:  # refused: the group made for it is not left open
+                group.abort("Llama(tp=...) refused the launcher's group")
+            raise
         return group
 
     def _agree(self, *request) -> None:
@@ -134,6 +166,8 @@ class Llama:
 
     def _prefill(self, chunk: int):
         from .prefill import ChunkedPrefill
+        if self.group is not None and self.group.world_size > 1:  # (its kernels read whole heads)
+            raise dop.ShapeError(NO_TP_PREFILL)
         p = self._prefills.get(chunk)
         if p is None:
             p = self._prefills[chunk] = ChunkedPrefill(self.decoder, chunk)

@@ -26,6 +26,7 @@ import numpy as np
 
 import deviceop as dop
 from deviceop import api
+from deviceop.distributed.peer import unreachable
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
@@ -34,7 +35,7 @@ from deviceop.kernels.llama_tp import (MAX_RESIDENT, PAIRS, PLACE_TILE, matvec_a
 
 from .config import INT32_MAX, LlamaConfig, kernel_limits
 from .tp import Shard, agree, shard_weights
-from .weights import BF16, check_weights, host_memory_bytes, layer_names
+from .weights import BF16, check_weights, host_memory_bytes, layer_names, weights_digest
 
 
 # Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers): attention
@@ -203,10 +204,13 @@ class LlamaDecoder:
         self.shard = sh = Shard(cfg, group.rank, group.world_size) if group is not None else Shard(cfg)
         plans = launch_plans(cfg, capacity, sh)
         check_weights(cfg, weights)
-        check_memory(cfg, weights, capacity, dop.Device(0))
+        check_memory(cfg, weights, capacity, stream.device)  # the rank's GPU (tensor parallel: not GPU 0)
         attn_k.check_capacity(capacity, cfg.head_dim, cfg.group, **attn_args(sh))
         if group is not None:  # before any allocation: ranks building different decoders would hang later
-            agree(group, "the model (config, KV capacity, PDL)", (repr(cfg.to_dict()), capacity, pdl))
+            agree(group, "the model (config, KV capacity, PDL, allreduce)", (repr(cfg.to_dict()), capacity, pdl,
+                                                                             allreduce))
+            agree(group, "the weights (a sample of each: load the same checkpoint on every rank)",
+                  weights_digest(cfg, weights))
         self.group = group if sh.size > 1 else None
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
         self.w = DeviceWeights(cfg, weights, stream, sh, check=False)
@@ -250,9 +254,11 @@ class LlamaDecoder:
             # the whole vocabulary's logits, gathered for sampling and teacher forcing (padded: tp_place)
             self.full_logits = buf([placed_rows(cfg.vocab_size)])
             self.allreduce = allreduce
-            if allreduce != "nccl":
+            if allreduce == "auto" and unreachable(group) is not None:
+                self.allreduce = "nccl"  # peer memory does not reach every rank (several machines, > 8 ranks)
+            if self.allreduce != "nccl":
                 self._peer_buffers(max(4 * d, 4 * self.full_logits.shape[0]))
-            if allreduce == "auto":
+            if self.allreduce == "auto":
                 self._fused_buffers(plans)
 
     @staticmethod

@@ -11,6 +11,7 @@ key, all-gathered (8 bytes a rank) and reduced with TP=1's tie rule (kernels/lla
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,8 +69,13 @@ class Shard:
 
 def check_tp(cfg: LlamaConfig, size: int) -> None:
     """Refuse a split the decode kernels cannot serve at the shard's shapes, naming the limit."""
-    if not isinstance(size, int) or size < 1:
+    try:
+        n = None if isinstance(size, bool) else operator.index(size)  # NumPy's integers too, never a bool
+    except TypeError:
+        n = None
+    if n is None or n < 1:
         raise dop.ShapeError(f"tp={size!r}: the tensor-parallel size is a positive int (the number of GPUs)")
+    size = n
     if size == 1:
         return
 

@@ -9,6 +9,7 @@ copied to the device.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -35,6 +36,28 @@ def layer_names(i: int) -> dict:
 def weight_count(cfg: LlamaConfig) -> int:
     """How many tensors the model reads (without naming them)."""
     return 2 + (0 if cfg.tie_word_embeddings else 1) + len(layer_names(0)) * cfg.num_hidden_layers
+
+
+DIGEST_RUNS, DIGEST_RUN = 16, 256  # runs of elements of each host array weights_digest reads
+
+
+def weights_digest(cfg: LlamaConfig, weights: dict) -> str:
+    """A digest of the weights the model reads, cheap enough for every tensor-parallel load
+    (ranks compare it, so that ranks that loaded different checkpoints are refused): each
+    weight's name, shape and dtype, and of a host array DIGEST_RUNS evenly spaced runs of
+    DIGEST_RUN elements (a memory-mapped checkpoint reads a page or two a run, not the
+    file).  A difference confined to elements it skips is not seen: ``group.check_same`` a
+    digest of the files for that; device tensors (torch, CuPy) count by name, shape and
+    dtype only."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, _ in iter_expected(cfg):
+        w = weights[name]
+        h.update(f"{name} {tuple(w.shape)} {str(w.dtype).removeprefix('torch.')}|".encode())
+        if isinstance(w, np.ndarray) and w.size:
+            flat = w.reshape(-1)
+            for start in np.unique(np.linspace(0, max(w.size - DIGEST_RUN, 0), DIGEST_RUNS).astype(np.int64)):
+                h.update(np.ascontiguousarray(flat[start:start + DIGEST_RUN]).view(np.uint8).tobytes())
+    return h.hexdigest()
 
 
 def iter_expected(cfg: LlamaConfig):
