@@ -92,9 +92,10 @@ class FakeNccl:
         return "NET/IB: peer went away"
 
 
-def _groups(world, tmp_path, fakes, fn, timeout=1.0):
+def _groups(world, tmp_path, fakes, fn, timeout=5.0):
     """fn(group, fake) on ``world`` thread-ranks of NCCL groups over one file store: each rank's
-    result or exception."""
+    result or exception.  The default timeout is one no test waits out: with 1 s, a heartbeat
+    delayed by a loaded 2-core machine aborted a working group (seen once in a full run)."""
     out = [None] * world
 
     def main(r):
