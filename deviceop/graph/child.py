@@ -147,13 +147,18 @@ def record_child(capture, stream, op, inner) -> None:
     source, handles = graphs.clone(inner._current(), inner._exec, [inner._defined[n.index] for n in mine])
     via = InChild(graphs, None, source, label)  # destroys the clone however this ends
     where = {id(n): h for n, h in zip(mine, handles)}
-    copies = {}
+    copies, dags = {}, {}
     for launch, node in inner._by_launch.items():
         if node._via is not None:
             continue
         twin = _copy_of(node, where[id(node)], graphs)  # the node's current parameters, in the clone
         if twin is not None:
             twin._via = via
+            if node._item is not None:  # from a parallel capture: the copy's updates are checked against its edges
+                dag, i = node._item
+                if id(dag) not in dags:
+                    dags[id(dag)] = dag.copy_for_child()
+                twin._item = (dags[id(dag)], i)
             copies[launch] = twin
     via.child = child = graphs.add_child(stream, source, label)
     node = ChildGraphNode(label, child, via, copies)

@@ -117,6 +117,15 @@ class Dag:
             self.joined = self._ids(joined)
         return (done[0] if len(done) == 1 else None), i
 
+    def copy_for_child(self) -> "Dag":
+        """The dependencies as a child-graph node's copy of this graph holds them: the same
+        edges, the buffers each node uses now, updated from then on apart from this graph's
+        (graph/child.py: the copy's nodes are set on their own)."""
+        twin = Dag.__new__(Dag)
+        twin.graphs, twin.done, twin.anc, twin.labels = self.graphs, (), self.anc, self.labels
+        twin.footprints, twin.open, twin.floor, twin.tips, twin.joined = list(self.footprints), (), None, 0, frozenset()
+        return twin
+
     def ordered(self, i: int, j: int) -> bool:
         """Does one of items i and j follow the other?"""
         return bool(self.anc[i] >> j & 1 or self.anc[j] >> i & 1)
