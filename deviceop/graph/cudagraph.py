@@ -320,6 +320,7 @@ class Scope:
         self._cap, self._ctx, self._rec, self._lock_cm = None, None, None, None
         self._instantiate, self.recorded = instantiate, None  # recorded: (graph, capture) when not instantiating
         self._thread = None  # the thread that opened the scope
+        self._broken = None  # the CaptureError of a record() that failed after recording part of its op
 
     def record(self, op: DeviceOp):
         if self._ctx is None:
@@ -330,12 +331,32 @@ class Scope:
         if not isinstance(op, DeviceOp):
             raise not_recordable(op)
         op._armed = False  # taken in: recorded below, or refused with an error that says so
+        if self._broken is not None:
+            raise self._broken
         self._cap.check_graph_safe(op)
         preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
+        graphs, nodes = self.stream.device.graphs, len(self._cap.nodes)
+        before = self._tips(graphs)
         try:
             return op._run(self._ctx)
-        except RecursionError as exc:
-            raise too_deep(op, exc) from exc
+        except BaseException as exc:
+            if len(self._cap.nodes) != nodes or self._tips(graphs) != before:
+                # part of the op is in the graph, and a graph cannot take work back: a scope that went
+                # on would replay half an op whose record() raised, so the scope cannot end well
+                self._broken = CaptureError(
+                    f"s.record({op.describe()}) raised {type(exc).__name__} after recording part of its work, "
+                    "which a capture cannot take back: the graph would replay half of the op. The scope "
+                    "fails (nothing of it is kept); fix the op, or catch its error outside the scope")
+            if isinstance(exc, RecursionError):
+                raise too_deep(op, exc) from exc
+            raise
+
+    def _tips(self, graphs):
+        """The capture's dependencies (what the next work follows), as node ids; None if unreadable."""
+        try:
+            return frozenset(graphs.node_id(n) for n in graphs.capture_deps(self.stream))
+        except CudaError:  # a broken capture: whatever was recorded, it cannot end well
+            return None
 
     def __enter__(self) -> "Scope":
         self._lock_cm = executing(SCOPE)
@@ -364,8 +385,13 @@ class Scope:
 
     def __exit__(self, exc_type, exc, tb):
         self._ctx = None
+        broken = self._broken if exc_type is None else None
+        if broken is not None:  # a record() failed halfway and the body went on: end it as a failed capture
+            exc_type, exc, tb = CaptureError, broken, None
         try:
             self._rec.__exit__(exc_type, exc, tb)  # ends (or aborts) the capture; instantiates
+            if broken is not None:
+                raise broken
             if exc_type is not None:
                 return False
             if not self._instantiate:
