@@ -87,7 +87,7 @@ class ChildGraphNode(Node):
 
     def node(self, launch) -> Node:
         """This child's copy of the node ``launch`` became in the graph it copies."""
-        node = self._copies.get(launch)
+        node = self._copies.get(launch) if isinstance(launch, DeviceOp) else None  # (a list is no key)
         if node is None:
             what = launch.describe() if hasattr(launch, "describe") else type(launch).__name__
             raise StateError(f"{what} is not a node of the graph {self.label} copies: pass an op that graph captured")

@@ -149,7 +149,7 @@ class CudaGraph:
         """The node an op became in this graph: a kernel launch's KernelNode (see
         deviceop.nodes), an ``api.memcpy``'s MemcpyNode, an ``api.fill``'s MemsetNode."""
         self._check_open()
-        node = self._by_launch.get(launch)
+        node = self._by_launch.get(launch) if isinstance(launch, DeviceOp) else None  # (a list is no key)
         if type(node) is Ambiguous:
             raise node.error(launch)
         if node is None:
