@@ -176,6 +176,12 @@ class Binary:
     """A CUBIN, fatbin or PTX image (bytes, or a path to one) and the code it holds."""
 
     def __init__(self, image, label: str):
+        if isinstance(image, str) and ("\n" in image or "\0" in image):  # text, no path: PTX as a str (Triton's asm["ptx"])
+            if not (".version" in image[:4096] and ".target" in image[:4096]):
+                raise LaunchError(f"{label}: a str is a kernel binary's path, or PTX text; this one is neither (a "
+                                  f"{len(image)}-character text without .version and .target directives, "
+                                  f"starting {image[:40]!r}): pass the path of a CUBIN, fatbin or PTX file, or its bytes")
+            image = image.encode()
         if isinstance(image, (str, Path)):
             path = Path(image)
             try:

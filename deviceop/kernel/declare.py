@@ -171,7 +171,7 @@ class Kernel:
     def from_binary(cls, name: str, binary, params, *, entry: str | None = None, reference=None, validate=None,
                     limits=None, grid=None, block=256, shared_mem=0, cluster=None) -> "Kernel":
         """The kernel ``entry`` (default ``name``) of a binary nvcc (or ptxas) built: ``binary`` is
-        the path of a CUBIN, fatbin or PTX file, or its bytes.  ``params`` and the rest are
+        the path of a CUBIN, fatbin or PTX file, its bytes, or PTX text.  ``params`` and the rest are
         declared as for ``Kernel(...)``, no generics (the binary has its template arguments).
         ``entry`` is an ``extern "C"`` name, a C++ kernel's plain name (the one symbol the binary
         has for it) or a mangled symbol.  The declaration is checked against the binary's
