@@ -69,9 +69,20 @@ def test_a_reference_may_not_write_its_reads(ref, rng):
     def reference(x, y):
         x[...] = 0
 
-    with pytest.raises(ValueError, match="read-only"):
+    with pytest.raises(dop.LaunchError, match=r"wrote into an array of its reads= \(.*read-only\).*in writes="):
         dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference).sync_on(ref)
     np.testing.assert_array_equal(x.numpy(stream=ref), before)
+
+    def matmul_in_place(x, y):                             # NumPy's other words for it: "output array is read-only"
+        np.negative(x, out=x)
+
+    graph = dop.foreign(gpu_body, reads=[x], writes=[y], reference=matmul_in_place).graph_on(ref)
+    with pytest.raises(dop.LaunchError, match="wrote into an array of its reads="):
+        graph.replay()
+    np.testing.assert_array_equal(x.numpy(stream=ref), before)
+    with pytest.raises(ValueError, match="not about reads"):   # the reference's own errors go on unchanged
+        dop.foreign(gpu_body, reads=[x], writes=[y],
+                    reference=lambda x, y: (_ for _ in ()).throw(ValueError("not about reads"))).sync_on(ref)
 
 
 def test_a_reference_that_returns_its_result_instead_of_writing_it_is_refused(ref, rng):

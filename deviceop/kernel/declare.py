@@ -51,7 +51,7 @@ from .fast import _fast_launch_type
 from .launch import KernelLaunch
 from .plan import _launch_key_function
 from .shapes import dim_names
-from .signature import _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
+from .signature import Param, _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
 
 
 # deviceop's own CUDA headers (#include <deviceop/pdl.cuh>): on every kernel's include path,
@@ -63,12 +63,51 @@ def _shapes_name_scalars(g, *args) -> None:
     """The rule of a kernel whose shapes name scalars: bind checked them already."""
 
 
+def _checked_declaration(name, source, params, generics, entry, options, include_dirs, **rules) -> tuple:
+    """``(params, generics)`` as tuples, the declaration's kinds checked: what ``tuple()`` would take
+    apart (a str of generics, options or include dirs: one per character) or take as something it
+    is not (a Param given alone, a rule that is no function) is refused, naming the argument."""
+    if not isinstance(name, str) or not name:
+        raise LaunchError(f"a Kernel's name is a non-empty str (the kernel's, in every error), got {name!r}")
+    if entry is not None and (not isinstance(entry, str) or not entry):
+        raise LaunchError(f"kernel {name}: entry= is the kernel's name in its source or binary (a non-empty str), "
+                          f"got {entry!r}")
+    if source is not None and not isinstance(source, (str, Path)):
+        raise LaunchError(f"kernel {name}: the source is CUDA C++ as a str, or a .cu file's Path, got "
+                          f"{type(source).__name__}")
+    for what, value in (("params", params), ("generics", generics), ("options", options),
+                        ("include_dirs", include_dirs)):
+        if isinstance(value, (str, bytes, Param)) or not hasattr(value, "__iter__"):
+            raise LaunchError(f"kernel {name}: {what}= is a list, got {value!r}; e.g. {what}=[{value!r}]")
+    params, generics = tuple(params), tuple(generics)
+    bad = [p for p in params if not isinstance(p, Param)]
+    if bad:
+        raise LaunchError(f"kernel {name}: each parameter is declared with Out(...), InOut(...), In(...) or "
+                          f"Scalar(...), in the kernel's order; got {bad[0]!r}")
+    names = [p.name for p in params] + list(generics)
+    odd = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    if odd:
+        raise LaunchError(f"kernel {name}: parameter and generic names are identifiers (a shape expression names "
+                          f"them, set(name=...) takes them), got {odd[0]!r}")
+    for what, given in (("parameter", [p.name for p in params]), ("generic", generics)):
+        twice = sorted({n for n in given if given.count(n) > 1})
+        if twice:
+            raise LaunchError(f"kernel {name} declares the {what} {', '.join(twice)} more than once: give each "
+                              f"{what} its own name")
+    for what, rule in rules.items():
+        if rule is not None and not callable(rule):
+            raise LaunchError(f"kernel {name}: {what}= is a function (or None), got {type(rule).__name__} {rule!r}")
+    return params, generics
+
+
 class Kernel:
     """A CUDA C++ kernel and its declaration (see the module docstring)."""
 
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
                  entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None,
                  limits=None):
+        params, generics = _checked_declaration(name, source, params, generics, entry, options, include_dirs,
+                                                reference=reference, validate=validate, limits=limits)
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
@@ -77,8 +116,8 @@ class Kernel:
             include_dirs = (source.parent, *include_dirs)
         else:
             self.source_path, self.source = None, source
-        self.params = tuple(params)
-        self.generic_names = tuple(generics)
+        self.params = params
+        self.generic_names = generics
         self.grid_spec = geometry.parse_part(name, "grid", grid)
         outs = [i for i, p in enumerate(self.params) if p.role == "out"]
         written = [i for i, p in enumerate(self.params) if p.writes]

@@ -383,7 +383,14 @@ class ReferenceForeign:
         stream._run(_Host(lambda: self._call(args, kwargs), self.label, "graph"))
 
     def _call(self, args, kwargs) -> None:
-        out = self.reference(*args, **kwargs)
+        try:
+            out = self.reference(*args, **kwargs)
+        except ValueError as exc:
+            if "is read-only" not in str(exc):  # NumPy's words for a write into a read-only array
+                raise
+            raise LaunchError(f"the reference of {self.label} wrote into an array of its reads= ({exc}): the reads are "
+                              "read-only, as the body may only read them; declare a buffer the work writes (in place "
+                              "too) in writes=") from exc
         if out is not None:
             raise LaunchError(f"the reference of {self.label} returned a {type(out).__name__}; a reference writes "
                               "its results into the write arrays it is given (e.g. out[...] = x @ w) and "
