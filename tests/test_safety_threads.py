@@ -237,3 +237,29 @@ def test_a_try_partition_that_loses_the_race_to_clone_is_refused(stream):
     assert isinstance(clone, dop.SharedTensor) and clone._live
     assert isinstance(part, dop.OwnershipError) and "1 other live SharedTensor handle" in str(part)
     assert buf._alloc.handles == 2 and handle._live
+
+
+def test_a_close_from_another_thread_waits_for_a_replay_being_enqueued(stream, rng):
+    # the replay checked that the graph was open, then another thread closed it (destroying the
+    # executable graph) before the launch: the launch then got a destroyed graph (None here; a
+    # use-after-free in the driver on a GPU).  The close waits for the launch instead.
+    from deviceop.graph.capture import ReplayCheck
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    graph = scale(y, x, 3.0).graph_on(stream)
+    closer = []
+
+    class CloseOnAnotherThread(ReplayCheck):  # runs between the replay's checks and its launch
+        def check_replay(self):
+            t = threading.Thread(target=graph.close)
+            t.start()
+            t.join(0.2)
+            closer.append(t)
+
+    graph._checks = (CloseOnAnotherThread(),)
+    graph.replay()                                   # enqueued whole, not refused halfway
+    closer[0].join(60)
+    assert graph._closed
+    stream.synchronize()
+    np.testing.assert_allclose(y.numpy(stream=stream), 3 * x.numpy(stream=stream), rtol=1e-6)
+    with pytest.raises(dop.StateError, match="closed"):
+        graph.replay()

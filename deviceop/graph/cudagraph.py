@@ -35,7 +35,10 @@ class CudaGraph:
         self._stream, self._graph, self._exec = stream, graph, exec_
         self._shown = None                 # after an exec update: the graph whose work exec now does
         self._closed = False
-        self._lock = threading.Lock()
+        # held while the executable graph is launched, updated in place or destroyed: one thread's close()
+        # or recapture waits for another's replay to be enqueued (re-entrant: a reference-device host
+        # callback runs inside the launch, on the replaying thread)
+        self._lock = threading.RLock()
         self.exec_updates = self.reinstantiations = 0
         self.parallel = capture.parallel   # captured with parallel=True: edges from the data (graph/parallel.py)
         self._adopt(capture, output)
@@ -133,12 +136,13 @@ class CudaGraph:
         self._replay(stream if stream is not None else self._stream)
 
     def _replay(self, stream) -> None:
-        self._check_open()
-        for check in self._checks:  # (a collective's group closed: its communicator is gone)
-            check.check_replay()
-        if capturing:
-            refuse_if_captured_elsewhere("graph.replay()", stream)
-        self._graphs.launch(self._exec, stream)
+        with self._lock:  # not closed (nor swapped by a recapture) between the check and the launch
+            self._check_open()
+            for check in self._checks:  # (a collective's group closed: its communicator is gone)
+                check.check_replay()
+            if capturing:
+                refuse_if_captured_elsewhere("graph.replay()", stream)
+            self._graphs.launch(self._exec, stream)
 
     def _check_open(self) -> None:
         if self._closed:
