@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 
-from .errors import AliasingError, LaunchError
+from .errors import AliasingError, GraphSafetyError, LaunchError
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .tensor import Partition, SharedTensor, Tensor
@@ -243,6 +243,10 @@ class HostCallback(DeviceOp):
 
     def _execute(self, ctx):
         label, fn = self.describe(), self.fn
+        if ctx.capture is not None:
+            if ctx.body is not None:
+                raise in_conditional_body(label, ctx.body)
+            ctx.capture.hosts.append(label)  # a graph launched inside a conditional body later is refused for it
 
         def call():  # a driver thread runs it: an exception cannot reach the caller, so it is reported
             try:
@@ -255,6 +259,14 @@ class HostCallback(DeviceOp):
         if registration is not None:  # captured: the function must stay callable while the graph lives
             (ctx.capture.keep if ctx.capture is not None else _captured_elsewhere).append(registration)
         return None
+
+
+def in_conditional_body(what: str, body: str) -> GraphSafetyError:
+    """The error of a host node (a host callback, a graph holding one) in a captured loop's or branch's body."""
+    return GraphSafetyError(f"{what} cannot be captured in the body of {body}: a captured loop or branch is a CUDA "
+                            "conditional node, whose body may hold kernels, copies, fills, child graphs and "
+                            "conditionals, and no host node (CUDA's rule, through child graphs too). Record the host "
+                            "work before or after the loop or branch, or run the loop or branch eagerly")
 
 
 _captured_elsewhere: list = []  # host functions captured by a capture deviceop did not begin: kept for good
@@ -270,5 +282,5 @@ def host_callback(fn, *, name=None) -> HostCallback:
     waits for the GPU (no CuPy or torch calls, no ``tensor.numpy()``): the driver may
     refuse it or deadlock.  It should be short, as the stream waits for it.  An
     exception it raises cannot stop the GPU: it becomes a RuntimeWarning.  A CUDA
-    conditional node's body (a captured ``dop.loop``) may not admit host nodes."""
+    conditional node's body (a captured loop or branch) holds no host node: refused there."""
     return HostCallback(fn, name)

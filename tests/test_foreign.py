@@ -259,6 +259,33 @@ def test_a_host_callback_runs_once_eagerly_and_at_every_replay(stream, rng):
     assert calls[-1] == "scope"
 
 
+def test_a_host_node_in_a_captured_loop_or_branch_body_is_refused_on_both_devices(stream, rng):
+    # CUDA's conditional node bodies hold no host node, through child graphs too: the GPU's driver
+    # refuses them, and the reference device, which ran them, refuses them alike, before recording
+    x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
+    index, zero, one = (dop.from_numpy(np.array([v], np.int32), stream=stream) for v in (0, 0, 1))
+    calls = []
+    tick = lambda: calls.append(1)  # noqa: E731
+    with_host = zip_(api.memcpy(y, x), dop.host_callback(tick, name="tick")).graph_on(stream)
+    holds_it = with_host.launch().graph_on(stream)          # a graph holding it in a child graph
+    for where, op in (("loop.2.", lambda: dop.loop(2, index, lambda i: dop.host_callback(tick, name="tick"))),
+                      ("if_", lambda: dop.if_(one, lambda: api.memcpy(y, x),
+                                              lambda: dop.host_callback(tick, name="tick"))),
+                      ("switch.2.", lambda: dop.switch(zero, [lambda: with_host.launch(), lambda: api.memcpy(y, x)])),
+                      ("loop.2.", lambda: dop.loop(2, index, lambda i: holds_it.launch()))):
+        with pytest.raises(dop.GraphSafetyError, match=rf"(dop.host_callback\(tick\)|graph.launch\(\) of a graph "
+                                                       rf"holding dop.host_callback\(tick\)) cannot be captured in "
+                                                       rf"the body of {where}.*no host node"):
+            op().graph_on(stream)
+        assert not stream.is_capturing()
+        op().sync_on(stream)                                  # eagerly a host loop or branch: it runs
+    assert len(calls) == 2 + 0 + 1 + 2                        # two iterations, the memcpy branch, branch 0, two
+    graph = zip_(dop.loop(2, index, lambda i: api.memcpy(y, x)), holds_it.launch()).graph_on(stream)
+    graph.replay()                                            # beside the loop, not in its body: fine
+    stream.synchronize()
+    assert len(calls) == 6
+
+
 def test_an_exception_in_a_host_callback_is_a_warning_and_the_stream_goes_on(stream, rng):
     x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
 

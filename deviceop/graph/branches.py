@@ -143,7 +143,7 @@ class _Branches(DeviceOp):
         ctx.device.graphs.capture_branches(
             ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
             self._launch_select, self._host_select,
-            lambda i, body_stream: self._build(i, capture)._run(ExecutionContext(body_stream, capture)))
+            lambda i, body_stream: self._build(i, capture)._run(ExecutionContext(body_stream, capture, body=self._label)))
         capture.keep.append((self.value,))  # every replay's control kernel reads it
         return None
 

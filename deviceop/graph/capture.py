@@ -39,7 +39,7 @@ class Capture:
     need instead of following the node before it (graph/parallel.py); ``dags``
     holds the dependency state of each stream it records on."""
 
-    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before", "dags")
+    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before", "dags", "hosts")
 
     def __init__(self, label: str, parallel: bool = False):
         self.keep, self.label = [], label
@@ -49,6 +49,7 @@ class Capture:
         # warm-up runs after what the stream did before the capture (deviceop/foreign.py)
         self.before = None
         self.dags = {} if parallel else None  # id(stream) -> (stream, Dag): the stream is kept, so ids stay unique
+        self.hosts = []  # the host nodes recorded (host callbacks, also in child graphs), by label
 
     @property
     def parallel(self) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from ..api import fill_pattern
 from ..errors import StateError
+from ..foreign import in_conditional_body
 from ..op import DeviceOp, warn_if_unexecuted
 from .copy_nodes import MemcpyNode, MemsetNode
 from .nodes import KernelNode, Node
@@ -208,7 +209,11 @@ class GraphLaunch(DeviceOp):
             for t in self.writes():
                 ctx.guard.check(t, "graph.launch()")
         if ctx.capture is not None:
+            hosts = self.graph._hosts
+            if hosts and ctx.body is not None:
+                raise in_conditional_body(f"graph.launch() of a graph holding {hosts[0]}", ctx.body)
             record_child(ctx.capture, ctx.stream, self, self.graph)
+            ctx.capture.hosts.extend(hosts)
             return None
         self.graph._replay(ctx.stream)
         return None

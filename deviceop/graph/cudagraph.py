@@ -54,6 +54,7 @@ class CudaGraph:
         self._keep = capture.keep          # tensors, kernels and modules the graph uses
         self._checks = tuple(dict.fromkeys(k for k in self._keep if isinstance(k, ReplayCheck)))
         self._nodes, self._by_launch = capture.nodes, capture.by_launch
+        self._hosts = capture.hosts        # its host nodes: a conditional node's body cannot hold its launch
         for i, node in enumerate(self._nodes):
             node._attach(self, i)
 

@@ -195,7 +195,7 @@ class _Loop(DeviceOp):
             capture = ctx.capture
             ctx.device.graphs.capture_while(
                 ctx.stream, self._label, self._launch_control, self._host_control,
-                lambda body_stream: self._build_body(guard, capture)._run(ExecutionContext(body_stream, capture, guard)))
+                lambda body_stream: self._build_body(guard, capture)._run(ExecutionContext(body_stream, capture, guard, self._label)))
             capture.keep.append(self._keep())  # the body stream is only needed while capturing
         return None
 
