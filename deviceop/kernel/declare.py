@@ -360,7 +360,12 @@ class Kernel:
                 raise LaunchError(f"{self.name}: an output partition of rank {len(grid)} has no CUDA grid (max 3 axes)")
             cluster = run_rule(self, self.cluster, values, g, grid) if callable(self.cluster) else \
                 geometry.evaluate(self.cluster, g)
-            cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
+            try:
+                cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
+            except LaunchError as exc:  # (a block function that returned None ...): name the kernel
+                raise LaunchError(f"{self.name}'s launch geometry (block={self._shown('block')}, shared_mem="
+                                  f"{self._shown('shared_mem')}, cluster={self._shown('cluster')}) with generics "
+                                  f"{values}: {exc}") from None
         return cfg
 
     def launch_config(self, values, launch_args, gen: tuple, env: dict) -> LaunchConfig:
