@@ -202,6 +202,11 @@ def test_what_is_not_a_binary_is_refused_naming_what_is():
         saxpy(NVCC / "missing.cubin")
     with pytest.raises(dop.LaunchError, match="a kernel binary is a path or bytes"):
         saxpy({"cubin": b""})
+    cubin = (NVCC / "saxpy.sm_90.cubin").read_bytes()
+    for cut in (100, len(cubin) - 64):                        # a download cut short: accepted before, ran the reference
+        with pytest.raises(dop.LaunchError, match=r"starts as an ELF file .a CUBIN. but its sections cannot be read.*"
+                                                  r"truncated or corrupt"):
+            saxpy(cubin[:cut])
     for text in ("not\na path", "saxpy.ptx\0"):              # text that is no path (open() refuses a NUL)
         with pytest.raises(dop.LaunchError, match="a str is a kernel binary's path, or PTX text; this one is neither"):
             saxpy(text)

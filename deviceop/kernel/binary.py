@@ -212,6 +212,13 @@ class Binary:
             self.codes = parse()
         except (ValueError, struct.error, IndexError, UnicodeDecodeError):
             self.codes = None  # a layout this reader does not know: the driver decides at load
+        if self.kind == "CUBIN":  # ELF is documented: one whose sections cannot be read is broken, not unknown
+            try:
+                _elf_sections(image)
+            except (ValueError, struct.error, IndexError, UnicodeDecodeError) as exc:
+                raise LaunchError(f"{label}: {self.origin} starts as an ELF file (a CUBIN) but its sections cannot be "
+                                  f"read ({type(exc).__name__}: {exc}): the file is truncated or corrupt, and no GPU "
+                                  f"would load it; build it again (nvcc -cubin -arch=sm_XY)") from None
 
     def describe(self) -> str:
         held = ", ".join(c.describe() for c in self.codes) if self.codes else "code this reader cannot list"
