@@ -116,6 +116,23 @@ def _cubin_code(elf: bytes, specific: bool = False) -> Code:
     return Code("sass", arch, specific, None, elf)
 
 
+def _check_elf(image: bytes) -> None:
+    """ValueError (or struct.error ...) unless the ELF file's header tables and section contents
+    lie within it: a file cut short ends in the middle of them (the program headers come last)."""
+    sections = _elf_sections(image)
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phsize, phnum, shsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    if phoff + phsize * phnum > len(image):
+        raise ValueError(f"the program headers end at byte {phoff + phsize * phnum}, past the {len(image)}-byte file")
+    for i in range(shnum):  # sh_type, then sh_offset and sh_size; SHT_NOBITS (8) has no bytes in the file
+        kind, offset, size = struct.unpack_from("<I", image, shoff + i * shsize + 4)[0], \
+            *struct.unpack_from("<QQ", image, shoff + i * shsize + 24)
+        if kind != 8 and offset + size > len(image):
+            raise ValueError(f"a section ends at byte {offset + size}, past the {len(image)}-byte file")
+    if not sections:
+        raise ValueError("no sections")
+
+
 def _ptx_code(text: bytes, arch: int | None = None, version: str | None = None) -> Code:
     src = text.decode(errors="replace")
     v = re.search(r"^\s*\.version\s+(\d+\.\d+)", src, re.M)
@@ -214,7 +231,7 @@ class Binary:
             self.codes = None  # a layout this reader does not know: the driver decides at load
         if self.kind == "CUBIN":  # ELF is documented: one whose sections cannot be read is broken, not unknown
             try:
-                _elf_sections(image)
+                _check_elf(image)
             except (ValueError, struct.error, IndexError, UnicodeDecodeError) as exc:
                 raise LaunchError(f"{label}: {self.origin} starts as an ELF file (a CUBIN) but its sections cannot be "
                                   f"read ({type(exc).__name__}: {exc}): the file is truncated or corrupt, and no GPU "
