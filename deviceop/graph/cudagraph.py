@@ -20,6 +20,7 @@ import threading
 from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
+from ..runtime.device import placed
 from ..runtime.stream import capturing, refuse_if_captured_elsewhere
 from .capture import Capture, Recording, ReplayCheck, not_recordable, preload
 from .child import Ambiguous, ChildGraphNode, GraphLaunch
@@ -31,6 +32,7 @@ class CudaGraph:
     """A captured, instantiated graph, bound to the stream it was captured on."""
 
     def __init__(self, stream, graph, exec_, output, capture: Capture):
+        self._device = stream.device
         self._graphs = stream.device.graphs  # the driver's graph work for this device
         self._stream, self._graph, self._exec = stream, graph, exec_
         self._shown = None                 # after an exec update: the graph whose work exec now does
@@ -134,6 +136,8 @@ class CudaGraph:
         current = executing_now()
         if current is not None:
             raise refuse_reentry("graph.replay()", current)
+        if stream is not None and stream is not self._stream:  # a live stream of the graph's device
+            placed("graph.replay(stream)", self._device, stream)
         self._replay(stream if stream is not None else self._stream)
 
     def _replay(self, stream) -> None:
@@ -329,7 +333,10 @@ class Scope:
 
     def record(self, op: DeviceOp):
         if self._ctx is None:
-            raise StateError("record() outside the scope's capture")
+            if isinstance(op, DeviceOp):
+                op.discard()  # refused, and the error says so: no warning on top
+            raise StateError("record() outside the scope's capture: record inside `with CudaGraph.scope(stream) as "
+                             "s:` (or the body of CudaGraph.scope(stream, body)), before it ends")
         if threading.get_ident() != self._thread:  # an execution context belongs to one thread
             raise StateError("record() from a thread other than the one that opened the scope; "
                              "record on that thread, or open a scope (on a stream of its own) in this one")
@@ -372,6 +379,7 @@ class Scope:
             self._rec = Recording(self.stream, self._cap, self._instantiate).__enter__()
             self._ctx = ExecutionContext(self.stream, self._cap)
             self._thread = threading.get_ident()
+            self._broken = None
         except BaseException:
             self._lock_cm.__exit__(None, None, None)
             raise
@@ -389,6 +397,9 @@ class Scope:
             pass
 
     def __exit__(self, exc_type, exc, tb):
+        if self._rec is None:  # never entered, or already exited
+            raise StateError("CudaGraph.scope(stream).__exit__ without its __enter__: use it as `with "
+                             "CudaGraph.scope(stream) as s:`")
         self._ctx = None
         broken = self._broken if exc_type is None else None
         if broken is not None:  # a record() failed halfway and the body went on: end it as a failed capture
@@ -410,4 +421,5 @@ class Scope:
             self._cap.forget()
             return False
         finally:
+            self._rec = None
             self._lock_cm.__exit__(None, None, None)
