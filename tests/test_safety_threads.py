@@ -263,3 +263,47 @@ def test_a_close_from_another_thread_waits_for_a_replay_being_enqueued(stream, r
     np.testing.assert_allclose(y.numpy(stream=stream), 3 * x.numpy(stream=stream), rtol=1e-6)
     with pytest.raises(dop.StateError, match="closed"):
         graph.replay()
+
+
+def test_two_threads_beginning_a_capture_on_one_stream_at_once_leave_the_winners_capture_alone(stream, rng,
+                                                                                                monkeypatch):
+    # both saw the stream not capturing; the second one's begin then failed, and ending its "failed
+    # capture" ended the first thread's capture (its graph lost, its work run eagerly).  Now the
+    # stream is claimed by one thread at once: the other is refused before it begins anything
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    both_inside = threading.Barrier(2, timeout=0.5)
+    record_event = type(stream).record_event
+
+    def in_step(self, *args, **kw):  # where both threads would stand after checking, before beginning
+        try:
+            both_inside.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return record_event(self, *args, **kw)
+
+    monkeypatch.setattr(type(stream), "record_event", in_step)
+    results = {}
+
+    def capture(alpha):
+        try:
+            results[alpha] = scale(y, x, alpha).graph_on(stream)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[alpha] = exc
+
+    threads = [threading.Thread(target=capture, args=(alpha,)) for alpha in (2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    won = {a: r for a, r in results.items() if isinstance(r, dop.CudaGraph)}
+    lost = [r for r in results.values() if not isinstance(r, dop.CudaGraph)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert isinstance(lost[0], dop.CaptureError) and "already capturing" in str(lost[0])
+    assert not stream.is_capturing()
+    (alpha, graph), = won.items()
+    api.fill(y, 0.0).sync_on(stream)
+    graph.replay()
+    stream.synchronize()
+    np.testing.assert_allclose(y.numpy(stream=stream), alpha * x.numpy(stream=stream), rtol=1e-6)
+    assert [n["type"] for n in graph.nodes()] == ["KERNEL"]

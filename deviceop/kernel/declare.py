@@ -363,9 +363,10 @@ class Kernel:
             try:
                 cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
             except LaunchError as exc:  # (a block function that returned None ...): name the kernel
+                shown = f" with generics <{', '.join(map(str, values))}>" if values else ""
                 raise LaunchError(f"{self.name}'s launch geometry (block={self._shown('block')}, shared_mem="
-                                  f"{self._shown('shared_mem')}, cluster={self._shown('cluster')}) with generics "
-                                  f"{values}: {exc}") from None
+                                  f"{self._shown('shared_mem')}, cluster={self._shown('cluster')}){shown}: "
+                                  f"{exc}") from None
         return cfg
 
     def launch_config(self, values, launch_args, gen: tuple, env: dict) -> LaunchConfig:
