@@ -307,3 +307,29 @@ def test_two_threads_beginning_a_capture_on_one_stream_at_once_leave_the_winners
     stream.synchronize()
     np.testing.assert_allclose(y.numpy(stream=stream), alpha * x.numpy(stream=stream), rtol=1e-6)
     assert [n["type"] for n in graph.nodes()] == ["KERNEL"]
+
+
+def test_a_node_update_racing_a_close_on_another_thread_is_refused_not_sent_to_a_destroyed_graph(stream, rng):
+    # the update checked that its graph was open, then another thread closed it while the update
+    # checked its arguments, and the update went on to hand the driver the destroyed executable graph
+    from deviceop import Kernel, Out, In, Scalar
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    graph, closer = [], []
+
+    def close_elsewhere(g, out, x, a):  # the kernel's own rule: runs inside set(), between its checks
+        if graph and not closer:
+            t = threading.Thread(target=graph[0].close)
+            t.start()
+            t.join(60)
+            closer.append(t)
+
+    scaled = Kernel("scaled", "__global__ void scaled(float* out, const float* x, float a) {}",
+                    [Out("out", "float32", shape=("N",), tile=(128,)), In("x", "float32", shape=("N",)),
+                     Scalar("a", "float32")], validate=close_elsewhere,
+                    reference=lambda g, out, x, a: out.__setitem__(..., np.float32(a) * x))
+    launch = scaled(y.partition([128]), x, 2.0).dynamic("a")
+    graph.append(launch.graph_on(stream))
+    node = graph[0].node(launch)
+    with pytest.raises(dop.StateError, match="was closed"):
+        node.set(a=3.0)
+    assert closer and graph[0]._closed
