@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 
 from .errors import AliasingError, GraphSafetyError, LaunchError
+from .execution import executing, executing_now
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .tensor import Partition, SharedTensor, Tensor
@@ -250,7 +251,11 @@ class HostCallback(DeviceOp):
 
         def call():  # a driver thread runs it: an exception cannot reach the caller, so it is reported
             try:
-                fn()
+                if executing_now() is None:  # deviceop work inside it (a replay, an op) is refused, as the
+                    with executing(label):   # driver refuses CUDA calls from a host function, on both devices
+                        fn()
+                else:  # run inline by an execution on this thread (the reference device): already refused
+                    fn()
             except Exception as exc:
                 warnings.warn(f"{label} raised {type(exc).__name__}: {exc}; a host callback cannot stop the "
                               "stream's work, which went on", RuntimeWarning, stacklevel=2)

@@ -7,6 +7,8 @@ reference=, eager, captured and replayed) runs on an explicit reference device,
 on either machine.  The library bodies themselves (torch, CuPy, Triton) are
 GPU tests: tests/test_foreign_gpu.py.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -322,3 +324,30 @@ def test_scope_record_refuses_what_it_would_not_record(stream, rng, thing, says)
     assert [n["type"] for n in graph.nodes()] == ["MEMCPY"]
     graph.launch().sync_on(stream)
     np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
+
+
+def test_deviceop_work_inside_a_host_callback_is_refused_at_every_replay(stream, rng):
+    # the driver refuses CUDA calls from a host function (or deadlocks); the reference device ran a
+    # graph replay from one when the graph holding the callback was replayed
+    x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
+    other = api.memcpy(y, x).graph_on(stream)
+    called = []
+
+    def replays_another():
+        called.append(1)
+        other.replay()
+
+    graph = dop.host_callback(replays_another).graph_on(stream)
+    for run in (graph.replay, lambda: graph.launch().sync_on(stream)):
+        with pytest.warns(RuntimeWarning, match=r"dop.host_callback\(replays_another\) raised ReentrancyError: "
+                                                r"graph.replay\(\) was called while .* is executing"):
+            run()
+            stream.synchronize()
+    assert called == [1, 1]
+    ticks = []
+    ticking = dop.host_callback(lambda: ticks.append(len(ticks))).graph_on(stream)   # host work alone: fine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ticking.replay()
+        ticking.launch().sync_on(stream)
+    assert ticks == [0, 1]
