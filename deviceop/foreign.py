@@ -242,6 +242,11 @@ class HostCallback(DeviceOp):
     def describe(self) -> str:
         return f"dop.host_callback({self.name})"
 
+    @property
+    def host_node(self) -> str:
+        """What this op records that a conditional node's body cannot hold (see refuse_host_nodes)."""
+        return self.describe()
+
     def _execute(self, ctx):
         label, fn = self.describe(), self.fn
         if ctx.capture is not None:
@@ -264,6 +269,23 @@ class HostCallback(DeviceOp):
         if registration is not None:  # captured: the function must stay callable while the graph lives
             (ctx.capture.keep if ctx.capture is not None else _captured_elsewhere).append(registration)
         return None
+
+
+def refuse_host_nodes(op, body: str) -> None:
+    """Refuse ``op``, the body of the conditional node ``body``, if its tree holds a host node (an op
+    with a ``host_node``: a host callback, the launch of a graph holding one), before the node is
+    added: refused alike where the GPU adds the node before recording its body and where the
+    reference device does not.  (One a ``then`` returns is refused when it runs.)"""
+    stack, seen = [op], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        what = getattr(o, "host_node", None)
+        if what:
+            raise in_conditional_body(what, body)
+        stack.extend(o.children())
 
 
 def in_conditional_body(what: str, body: str) -> GraphSafetyError:

@@ -286,6 +286,13 @@ def test_a_host_node_in_a_captured_loop_or_branch_body_is_refused_on_both_device
     graph.replay()                                            # beside the loop, not in its body: fine
     stream.synchronize()
     assert len(calls) == 6
+    with CudaGraph.scope(stream) as s:                        # refused before the GPU adds the loop's node:
+        with pytest.raises(dop.GraphSafetyError, match="no host node"):   # the scope goes on, on both devices
+            s.record(dop.loop(2, index, lambda i: zip_(api.memcpy(y, x), dop.host_callback(tick, name="tick"))))
+        s.record(dop.host_callback(tick, name="tick"))
+    s.graph.replay()
+    stream.synchronize()
+    assert len(calls) == 7 and [n["type"] for n in s.graph.nodes()] == ["HOST"]
 
 
 def test_an_exception_in_a_host_callback_is_a_warning_and_the_stream_goes_on(stream, rng):

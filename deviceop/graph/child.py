@@ -194,6 +194,12 @@ class GraphLaunch(DeviceOp):
 
     __del__ = warn_if_unexecuted
 
+    @property
+    def host_node(self):
+        """The host node the graph holds, if any (a conditional node's body cannot hold its launch)."""
+        hosts = self.graph._hosts
+        return f"graph.launch() of a graph holding {hosts[0]}" if hosts else None
+
     def writes(self) -> tuple:
         """The buffers the graph's kernel, copy and fill nodes write (a loop body's checks)."""
         out = []
@@ -209,11 +215,10 @@ class GraphLaunch(DeviceOp):
             for t in self.writes():
                 ctx.guard.check(t, "graph.launch()")
         if ctx.capture is not None:
-            hosts = self.graph._hosts
-            if hosts and ctx.body is not None:
-                raise in_conditional_body(f"graph.launch() of a graph holding {hosts[0]}", ctx.body)
+            if ctx.body is not None and self.host_node:
+                raise in_conditional_body(self.host_node, ctx.body)
             record_child(ctx.capture, ctx.stream, self, self.graph)
-            ctx.capture.hosts.extend(hosts)
+            ctx.capture.hosts.extend(self.graph._hosts)
             return None
         self.graph._replay(ctx.stream)
         return None
