@@ -18,11 +18,13 @@ class ExecutionContext:
     """Where an execution runs: the device and stream, whether a graph is being
     captured (then only graph-safe work is allowed), and the buffers it may read
     and not write (``guard``: a loop's index and count while its body runs).
-    ``plain`` (neither): kernel launches may take the eager fast path."""
+    ``plain`` (neither): kernel launches may take the eager fast path.  ``body``: the
+    conditional node (a captured loop or branch) whose body it records, which CUDA
+    lets hold only kernels, copies, fills, child graphs and conditionals (no host nodes)."""
 
-    __slots__ = ("device", "stream", "capture", "guard", "plain")
+    __slots__ = ("device", "stream", "capture", "guard", "plain", "body")
 
-    def __init__(self, stream, capture=None, guard=None):
+    def __init__(self, stream, capture=None, guard=None, body=None):
         try:
             self.device = stream.device
         except AttributeError:
@@ -31,6 +33,7 @@ class ExecutionContext:
         self.capture = capture  # None, or the capture in progress (graph layer)
         self.guard = guard      # None, or the BodyGuard of the loop body it runs
         self.plain = capture is None and guard is None
+        self.body = body        # None, or the label of the conditional node whose body is captured
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"

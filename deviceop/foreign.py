@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import warnings
 
-from .errors import AliasingError, LaunchError
+from .errors import AliasingError, GraphSafetyError, LaunchError
+from .execution import executing, executing_now
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .tensor import Partition, SharedTensor, Tensor
@@ -241,12 +242,25 @@ class HostCallback(DeviceOp):
     def describe(self) -> str:
         return f"dop.host_callback({self.name})"
 
+    @property
+    def host_node(self) -> str:
+        """What this op records that a conditional node's body cannot hold (see refuse_host_nodes)."""
+        return self.describe()
+
     def _execute(self, ctx):
         label, fn = self.describe(), self.fn
+        if ctx.capture is not None:
+            if ctx.body is not None:
+                raise in_conditional_body(label, ctx.body)
+            ctx.capture.hosts.append(label)  # a graph launched inside a conditional body later is refused for it
 
         def call():  # a driver thread runs it: an exception cannot reach the caller, so it is reported
             try:
-                fn()
+                if executing_now() is None:  # deviceop work inside it (a replay, an op) is refused, as the
+                    with executing(label):   # driver refuses CUDA calls from a host function, on both devices
+                        fn()
+                else:  # run inline by an execution on this thread (the reference device): already refused
+                    fn()
             except Exception as exc:
                 warnings.warn(f"{label} raised {type(exc).__name__}: {exc}; a host callback cannot stop the "
                               "stream's work, which went on", RuntimeWarning, stacklevel=2)
@@ -255,6 +269,31 @@ class HostCallback(DeviceOp):
         if registration is not None:  # captured: the function must stay callable while the graph lives
             (ctx.capture.keep if ctx.capture is not None else _captured_elsewhere).append(registration)
         return None
+
+
+def refuse_host_nodes(op, body: str) -> None:
+    """Refuse ``op``, the body of the conditional node ``body``, if its tree holds a host node (an op
+    with a ``host_node``: a host callback, the launch of a graph holding one), before the node is
+    added: refused alike where the GPU adds the node before recording its body and where the
+    reference device does not.  (One a ``then`` returns is refused when it runs.)"""
+    stack, seen = [op], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        what = getattr(o, "host_node", None)
+        if what:
+            raise in_conditional_body(what, body)
+        stack.extend(o.children())
+
+
+def in_conditional_body(what: str, body: str) -> GraphSafetyError:
+    """The error of a host node (a host callback, a graph holding one) in a captured loop's or branch's body."""
+    return GraphSafetyError(f"{what} cannot be captured in the body of {body}: a captured loop or branch is a CUDA "
+                            "conditional node, whose body may hold kernels, copies, fills, child graphs and "
+                            "conditionals, and no host node (CUDA's rule, through child graphs too). Record the host "
+                            "work before or after the loop or branch, or run the loop or branch eagerly")
 
 
 _captured_elsewhere: list = []  # host functions captured by a capture deviceop did not begin: kept for good
@@ -270,5 +309,5 @@ def host_callback(fn, *, name=None) -> HostCallback:
     waits for the GPU (no CuPy or torch calls, no ``tensor.numpy()``): the driver may
     refuse it or deadlock.  It should be short, as the stream waits for it.  An
     exception it raises cannot stop the GPU: it becomes a RuntimeWarning.  A CUDA
-    conditional node's body (a captured ``dop.loop``) may not admit host nodes."""
+    conditional node's body (a captured loop or branch) holds no host node: refused there."""
     return HostCallback(fn, name)

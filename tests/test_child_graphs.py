@@ -135,3 +135,26 @@ def test_a_graph_with_a_node_switched_off_is_refused_as_a_child(stream, rng):
     inner.launch().graph_on(other).replay()           # on again: it can be a child
     other.synchronize()
     np.testing.assert_allclose(y.numpy(stream=stream), 2 * x.numpy(stream=stream), rtol=1e-6)
+
+
+def test_the_copy_of_a_parallel_graph_refuses_the_updates_its_original_refuses(stream, rng):
+    # the copy has the inner graph's edges: an update that would race a parallel branch there races
+    # in the copy too, and each copy checks against the buffers its own nodes hold
+    xs = [upload(rng, stream) for _ in range(2)]
+    ys = [dop.empty(N, stream=stream) for _ in range(2)]
+    spare = dop.empty(N, stream=stream)
+    first = affine(ys[0].partition([B]), xs[0], 2.0, 0.0).dynamic("out")
+    inner = zip_(first, affine(ys[1].partition([B]), xs[1], 3.0, 0.0)).graph_on(stream, parallel=True)
+    outer = inner.launch().graph_on(stream)
+    with pytest.raises(dop.GraphUpdateError, match="parallel branch"):
+        outer.node(first).set(out=xs[1].partition([B]))     # the copy's other branch reads xs[1]
+    with pytest.raises(dop.GraphUpdateError, match="parallel branch"):
+        inner.node(first).set(out=xs[1].partition([B]))
+    outer.node(first).set(out=spare.partition([B]))          # the copy's own: the inner graph keeps ys[0]
+    inner.node(first).set(out=ys[0].partition([B]))
+    with pytest.raises(dop.GraphUpdateError, match="parallel branch"):
+        outer.node(first).set(out=ys[1].partition([B]))     # the copy's other branch writes ys[1]
+    outer.replay()
+    stream.synchronize()
+    np.testing.assert_allclose(spare.numpy(stream=stream), 2 * xs[0].numpy(stream=stream), rtol=1e-6)
+    np.testing.assert_allclose(ys[1].numpy(stream=stream), 3 * xs[1].numpy(stream=stream), rtol=1e-6)

@@ -296,3 +296,27 @@ def test_fault_summary():
     """How many faults the tests above injected and survived (printed with -s; gpu-check logs it)."""
     print(f"\nfaults injected and survived in this module: {len(INJECTED)}")
     assert all(isinstance(w, str) for w in INJECTED)
+
+
+def test_a_scope_whose_record_failed_halfway_cannot_end_with_half_the_op_in_its_graph(stream, spy, rng):
+    # the record raised after the op's first launch was recorded; the body catches the error and goes on:
+    # the scope must not hand out a graph that replays half of an op whose record() raised
+    x = upload(rng.standard_normal(N), stream)
+    bufs = [dop.empty(N, stream=stream) for _ in range(STEPS)]
+    scope = CudaGraph.scope(stream)
+    with pytest.raises(dop.CaptureError, match="after recording part of its work"):
+        with scope as s:
+            with pytest.raises(ValueError):
+                s.record(chain(stream, x, bufs, 2, ValueError("user code failed")))
+            with pytest.raises(dop.CaptureError, match="after recording part"):
+                s.record(api.fill(bufs[0], 1.0))              # refused: the scope already failed
+    assert scope.graph is None
+    assert_recovered(stream, spy, "scope, a record that failed halfway, then caught")
+    # a record refused before it recorded anything leaves the scope usable
+    with CudaGraph.scope(stream) as s:
+        with pytest.raises(dop.ShapeError):
+            s.record(add(bufs[0].partition([128]), x, dop.empty(2 * N, stream=stream)))
+        s.record(add(bufs[1].partition([128]), x, x).generics([128]))
+    s.graph.replay()
+    stream.synchronize()
+    np.testing.assert_array_equal(bufs[1].numpy(stream=stream), 2 * x.numpy(stream=stream))

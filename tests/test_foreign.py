@@ -7,6 +7,8 @@ reference=, eager, captured and replayed) runs on an explicit reference device,
 on either machine.  The library bodies themselves (torch, CuPy, Triton) are
 GPU tests: tests/test_foreign_gpu.py.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -69,9 +71,20 @@ def test_a_reference_may_not_write_its_reads(ref, rng):
     def reference(x, y):
         x[...] = 0
 
-    with pytest.raises(ValueError, match="read-only"):
+    with pytest.raises(dop.LaunchError, match=r"wrote into an array of its reads= \(.*read-only\).*in writes="):
         dop.foreign(gpu_body, reads=[x], writes=[y], reference=reference).sync_on(ref)
     np.testing.assert_array_equal(x.numpy(stream=ref), before)
+
+    def matmul_in_place(x, y):                             # NumPy's other words for it: "output array is read-only"
+        np.negative(x, out=x)
+
+    graph = dop.foreign(gpu_body, reads=[x], writes=[y], reference=matmul_in_place).graph_on(ref)
+    with pytest.raises(dop.LaunchError, match="wrote into an array of its reads="):
+        graph.replay()
+    np.testing.assert_array_equal(x.numpy(stream=ref), before)
+    with pytest.raises(ValueError, match="not about reads"):   # the reference's own errors go on unchanged
+        dop.foreign(gpu_body, reads=[x], writes=[y],
+                    reference=lambda x, y: (_ for _ in ()).throw(ValueError("not about reads"))).sync_on(ref)
 
 
 def test_a_reference_that_returns_its_result_instead_of_writing_it_is_refused(ref, rng):
@@ -248,6 +261,40 @@ def test_a_host_callback_runs_once_eagerly_and_at_every_replay(stream, rng):
     assert calls[-1] == "scope"
 
 
+def test_a_host_node_in_a_captured_loop_or_branch_body_is_refused_on_both_devices(stream, rng):
+    # CUDA's conditional node bodies hold no host node, through child graphs too: the GPU's driver
+    # refuses them, and the reference device, which ran them, refuses them alike, before recording
+    x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
+    index, zero, one = (dop.from_numpy(np.array([v], np.int32), stream=stream) for v in (0, 0, 1))
+    calls = []
+    tick = lambda: calls.append(1)  # noqa: E731
+    with_host = zip_(api.memcpy(y, x), dop.host_callback(tick, name="tick")).graph_on(stream)
+    holds_it = with_host.launch().graph_on(stream)          # a graph holding it in a child graph
+    for where, op in (("loop.2.", lambda: dop.loop(2, index, lambda i: dop.host_callback(tick, name="tick"))),
+                      ("if_", lambda: dop.if_(one, lambda: api.memcpy(y, x),
+                                              lambda: dop.host_callback(tick, name="tick"))),
+                      ("switch.2.", lambda: dop.switch(zero, [lambda: with_host.launch(), lambda: api.memcpy(y, x)])),
+                      ("loop.2.", lambda: dop.loop(2, index, lambda i: holds_it.launch()))):
+        with pytest.raises(dop.GraphSafetyError, match=rf"(dop.host_callback\(tick\)|graph.launch\(\) of a graph "
+                                                       rf"holding dop.host_callback\(tick\)) cannot be captured in "
+                                                       rf"the body of {where}.*no host node"):
+            op().graph_on(stream)
+        assert not stream.is_capturing()
+        op().sync_on(stream)                                  # eagerly a host loop or branch: it runs
+    assert len(calls) == 2 + 0 + 1 + 2                        # two iterations, the memcpy branch, branch 0, two
+    graph = zip_(dop.loop(2, index, lambda i: api.memcpy(y, x)), holds_it.launch()).graph_on(stream)
+    graph.replay()                                            # beside the loop, not in its body: fine
+    stream.synchronize()
+    assert len(calls) == 6
+    with CudaGraph.scope(stream) as s:                        # refused before the GPU adds the loop's node:
+        with pytest.raises(dop.GraphSafetyError, match="no host node"):   # the scope goes on, on both devices
+            s.record(dop.loop(2, index, lambda i: zip_(api.memcpy(y, x), dop.host_callback(tick, name="tick"))))
+        s.record(dop.host_callback(tick, name="tick"))
+    s.graph.replay()
+    stream.synchronize()
+    assert len(calls) == 7 and [n["type"] for n in s.graph.nodes()] == ["HOST"]
+
+
 def test_an_exception_in_a_host_callback_is_a_warning_and_the_stream_goes_on(stream, rng):
     x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
 
@@ -284,3 +331,30 @@ def test_scope_record_refuses_what_it_would_not_record(stream, rng, thing, says)
     assert [n["type"] for n in graph.nodes()] == ["MEMCPY"]
     graph.launch().sync_on(stream)
     np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
+
+
+def test_deviceop_work_inside_a_host_callback_is_refused_at_every_replay(stream, rng):
+    # the driver refuses CUDA calls from a host function (or deadlocks); the reference device ran a
+    # graph replay from one when the graph holding the callback was replayed
+    x, y = tensor(rng, 64, stream), dop.empty(64, stream=stream)
+    other = api.memcpy(y, x).graph_on(stream)
+    called = []
+
+    def replays_another():
+        called.append(1)
+        other.replay()
+
+    graph = dop.host_callback(replays_another).graph_on(stream)
+    for run in (graph.replay, lambda: graph.launch().sync_on(stream)):
+        with pytest.warns(RuntimeWarning, match=r"dop.host_callback\(replays_another\) raised ReentrancyError: "
+                                                r"graph.replay\(\) was called while .* is executing"):
+            run()
+            stream.synchronize()
+    assert called == [1, 1]
+    ticks = []
+    ticking = dop.host_callback(lambda: ticks.append(len(ticks))).graph_on(stream)   # host work alone: fine
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ticking.replay()
+        ticking.launch().sync_on(stream)
+    assert ticks == [0, 1]

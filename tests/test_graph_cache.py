@@ -133,6 +133,28 @@ def test_warmup_captures_largest_first_into_shared_buffers(stream, weights, rng)
         assert close(shared(xb).numpy(), xs, w)
 
 
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_warmup_sizes_size_for_and_eager_of_the_wrong_kind_are_refused_before_any_capture(cls, stream, weights, rng):
+    _, wt = weights
+    calls = []
+    cache = cls(make_forward(wt, calls), stream=stream, sizes=[2, 4])
+    x = batch_of(rng, 1, stream)[1]
+    for sizes, says in ((4, r"sizes is a list of batch sizes .ints >= 1., got 4"),
+                        (["4"], r"capture size '4' in sizes must be an int >= 1"),
+                        ([4, 3], r"size.s. \[3\] are not among the cache's sizes \(2, 4\)")):  # 4 was captured first
+        with pytest.raises(dop.ShapeError, match=says):
+            cache.warmup(x, sizes=sizes)
+    assert calls == [] and len(cache) == 0 and not stream.is_capturing()
+    for batch in ("3", 0, 2.0, None):
+        with pytest.raises(dop.ShapeError, match="a batch must be an int >= 1"):
+            cache.size_for(batch)
+    assert cache.size_for(3) == 4 and cache.size_for(np.int64(5)) is None
+    with pytest.raises(dop.LaunchError, match="eager= is True or False .* got 'no'"):
+        cache(x, eager="no")                             # 'no' is truthy: it ran eagerly
+    assert calls == [] and cache.stats.fallbacks == 0
+    assert cache.warmup(x, sizes=(4, np.int64(2), 4)) == (2 if cls is GraphCache else 1)
+
+
 def test_key_function_selects_graphs_and_mismatches_are_caught(stream, rng):
     calls = []
     by_width = {}

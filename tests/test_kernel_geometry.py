@@ -108,6 +108,37 @@ def test_a_geometry_past_cudas_limits_is_refused_naming_the_declaration_and_the_
         clustered(out.partition([2]), x, 64).generics([4]).sync_on(stream)
 
 
+def test_launch_shapes_of_the_wrong_kind_are_refused_naming_the_kernel(stream, rng):
+    x, out = put(rng, (3, 64), stream), dop.empty(3, stream=stream)
+    no_block = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], block=lambda g: None, shared_mem=128,
+                      reference=_row_sums_ref)                       # forgot its return: a raw TypeError before
+    with pytest.raises(dop.LaunchError, match=r"row_sums's launch geometry \(block=<lambda>.*block must be 1 to 3 "
+                                              r"positive ints, got None"):
+        no_block(out.partition([3]), x, 64).generics([1]).sync_on(stream)
+    with pytest.raises(dop.LaunchError, match="block must be 1 to 3 positive ints, got True"):
+        Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], block=lambda g: True,
+               reference=_row_sums_ref)(out.partition([3]), x, 64).generics([1]).sync_on(stream)
+    numpy_grid = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], block=32, shared_mem=np.int64(128),
+                        grid=lambda g, out, x, cols: (np.int64(x.shape[0]),), reference=_row_sums_ref)
+    numpy_grid(out.partition([3]), x, 64).generics([1]).sync_on(stream)          # NumPy ints are ints
+    assert {p.config.grid for p in numpy_grid._plans.values()} == {(3, 1, 1)}
+    by_zero = Kernel("scale_inplace", SCALE_INPLACE, scale_inplace.params, grid=lambda g, x, a, n: (n // 0,),
+                     reference=_scale_ref)                           # no generics: the function is what fails
+    with pytest.raises(dop.LaunchError, match=r"ZeroDivisionError.*a kernel without generics: the function itself "
+                                              r"fails on these arguments"):
+        by_zero(put(rng, 8, stream), 2.0, 8).sync_on(stream)
+
+
+def test_dynamic_shared_memory_past_the_gpus_limit_is_refused_on_both_devices(stream, rng):
+    # an H100 (and the sm_90 the reference device stands for) opts a block in to 227 KB at most
+    big = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], grid=("R",), block=32, shared_mem=300000,
+                 reference=_row_sums_ref)
+    x, out = put(rng, (2, 64), stream), dop.empty(2, stream=stream)
+    with pytest.raises(dop.LaunchError, match=r"asks for 300000 bytes of dynamic shared memory.* allows at most "
+                                              r"232448 per block in all"):
+        big(out.partition([2]), x, 64).generics([1]).sync_on(stream)
+
+
 def test_a_captured_node_cannot_change_what_the_geometry_reads(stream, rng):
     x = put(rng, 512, stream)
     with pytest.raises(dop.LaunchError, match=r"scale_inplace's launch geometry reads x, n \(its declared grid=, "

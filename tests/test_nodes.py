@@ -114,6 +114,14 @@ def test_nodes_of_a_scope_and_of_a_closed_graph(stream, data):
     assert close(y.numpy(), -xs.astype(np.float64)) and np.all(z.numpy() == 0)
     with pytest.raises(dop.StateError, match="not captured into this graph"):
         graph.node(affine(y.partition([B]), x, 1.0, 1.0).generics([B]))
+    for thing in ([first], {"op": first}, "affine"):              # no op (a list cannot even be looked up)
+        with pytest.raises(dop.StateError, match="not captured into this graph"):
+            graph.node(thing)
+    child = graph.launch()
+    outer = child.graph_on(stream)
+    with pytest.raises(dop.StateError, match="is not a node of the graph"):
+        outer.node(child).node([first])
+    outer.close()
     node = graph.node(first)
     graph.close()
     with pytest.raises(dop.StateError, match="closed"):

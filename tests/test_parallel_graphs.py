@@ -170,3 +170,38 @@ def test_parallel_takes_a_bool(stream, rng):
     with pytest.raises(dop.LaunchError, match="True or False"):
         dop.CudaGraph.scope(stream, lambda s: None, parallel=1)
     assert not stream.is_capturing()
+
+
+def test_a_parallel_capture_costs_about_the_same_per_node_however_long_the_graph(stream):
+    # each node was compared with every byte range recorded before it (quadratic: 2000 nodes took
+    # seconds); now with those on the pages its own ranges touch.  16x the nodes must cost far
+    # less than 256x the time (about 25x here, 220x before; the best of 3 captures, so load does not decide)
+    import time
+
+    def layered(layers):   # 4 scales of the hidden state, joined by 3 adds into the next one: 7 nodes a layer
+        bufs = [[dop.empty(B, stream=stream) for _ in range(7)] for _ in range(layers)]
+
+        def build():
+            cur, ops = bufs[0][6], []
+            for b in bufs:
+                ops += [affine(b[k].partition([B]), cur, 1.0, 0.0) for k in range(4)]
+                ops += [add(b[4].partition([B]), b[0], b[1]), add(b[5].partition([B]), b[2], b[3]),
+                        add(b[6].partition([B]), b[4], b[5])]
+                cur = b[6]
+            return zip_(*ops)
+        return build
+
+    def best(build):
+        times = []
+        for _ in range(3):
+            op = build()
+            t0 = time.perf_counter()
+            graph = op.graph_on(stream, parallel=True)
+            times.append(time.perf_counter() - t0)
+        assert len(graph.edges()) == 10 * (len(graph.nodes()) // 7) - 4   # 4 + 2 + 2 + 2 a layer; none into the first
+        return min(times)
+
+    small, large = layered(15), layered(240)
+    best(small)                                             # compiled and loaded: not timed
+    ratio = best(large) / best(small)
+    assert ratio < 80, f"16x the nodes took {ratio:.0f}x the time to capture"

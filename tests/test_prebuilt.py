@@ -202,6 +202,26 @@ def test_what_is_not_a_binary_is_refused_naming_what_is():
         saxpy(NVCC / "missing.cubin")
     with pytest.raises(dop.LaunchError, match="a kernel binary is a path or bytes"):
         saxpy({"cubin": b""})
+    cubin = (NVCC / "saxpy.sm_90.cubin").read_bytes()
+    for cut in (100, len(cubin) - 64):                        # a download cut short: accepted before, ran the reference
+        with pytest.raises(dop.LaunchError, match=r"starts as an ELF file .a CUBIN. but its sections cannot be read.*"
+                                                  r"truncated or corrupt"):
+            saxpy(cubin[:cut])
+    for text in ("not\na path", "saxpy.ptx\0"):              # text that is no path (open() refuses a NUL)
+        with pytest.raises(dop.LaunchError, match="a str is a kernel binary's path, or PTX text; this one is neither"):
+            saxpy(text)
+
+
+def test_ptx_text_as_a_str_is_a_binary_as_its_bytes_are(stream, rng):
+    """Triton's asm["ptx"] and a PTX file read as text are str: the PTX, not a path."""
+    kernel = saxpy((NVCC / "saxpy.ptx").read_text())
+    assert kernel.binary.kind == "PTX" and kernel.binary.key == saxpy(NVCC / "saxpy.ptx").binary.key
+    y0, x0 = rng.standard_normal(300).astype(np.float32), rng.standard_normal(300).astype(np.float32)
+    y, x = dop.from_numpy(y0, stream=stream), dop.from_numpy(x0, stream=stream)
+    kernel(y, x, 2.0, 300).sync_on(stream)
+    np.testing.assert_allclose(y.numpy(stream=stream), 2 * x0.astype(np.float64) + y0, rtol=1e-6, atol=1e-6)
+    with pytest.raises(dop.LaunchError, match="kernel saxpy takes 4 parameters"):   # checked as the file is
+        Kernel.from_binary("saxpy", (NVCC / "saxpy.ptx").read_text(), SAXPY[:3], grid=(4,))
 
 
 def test_without_a_reference_the_reference_device_refuses_a_binary_kernel_naming_reference(device, stream, rng):
@@ -248,6 +268,23 @@ def test_what_tritons_own_launcher_would_set_up_is_refused_naming_foreign(tmp_pa
     (tmp_path / "scale_shift.json").write_text(json.dumps(md))
     shutil.copy(TRITON_ENTRY.with_suffix(".cubin"), tmp_path)
     with pytest.raises(dop.LaunchError, match=rf"needs what Triton's own launcher sets up .*{field}=.*dop.foreign"):
+        Kernel.from_triton(tmp_path / "scale_shift.json", SCALE_SHIFT, grid=(3,), reference=scale_shift_reference)
+
+
+@pytest.mark.parametrize("metadata,says", [([1, 2], "is a list, not the dict Triton writes"),
+                                            (None, "is a NoneType, not the dict"),
+                                            ({"num_warps": "4"}, "num_warps='4', where Triton writes an int"),
+                                            ({"global_scratch_size": None}, "global_scratch_size=None"),
+                                            ({"shared": -1}, "shared=-1"), ({"num_ctas": True}, "num_ctas=True")])
+def test_metadata_that_triton_did_not_write_is_refused_naming_the_field(tmp_path, metadata, says):
+    md = json.loads(TRITON_ENTRY.read_text())
+    if isinstance(metadata, dict):
+        md.update(metadata)
+    else:
+        md = metadata
+    (tmp_path / "scale_shift.json").write_text(json.dumps(md))
+    shutil.copy(TRITON_ENTRY.with_suffix(".cubin"), tmp_path)
+    with pytest.raises(dop.LaunchError, match=says):
         Kernel.from_triton(tmp_path / "scale_shift.json", SCALE_SHIFT, grid=(3,), reference=scale_shift_reference)
 
 

@@ -278,3 +278,43 @@ def test_a_refused_graph_launch_leaves_no_unexecuted_warning_behind(stream, rng,
                          lambda i: inner.launch()).graph_on(other)
         gc.collect()
     assert not [w for w in seen if issubclass(w.category, dop.UnexecutedOpWarning)]
+
+
+# -- a graph replayed on a stream that cannot run it; a scope used out of order ----------------------
+
+def test_a_replay_on_a_closed_or_foreign_stream_is_refused_on_both_devices(stream, rng, no_unexecuted_warning):
+    # the reference device replayed on a closed stream (and on anything passed as one); a GPU read a
+    # closed stream's handle, and an int's .handle raised a raw AttributeError
+    inner, x, y = _inner_graph(stream, rng)
+    closed = stream.device.new_stream()
+    closed.close()
+    with pytest.raises(dop.StateError, match=r"graph.replay\(stream\) on a stream that was closed"):
+        inner.replay(closed)
+    with pytest.raises(dop.LaunchError, match=r"graph.replay\(stream\) needs a deviceop stream.*got int"):
+        inner.replay(5)
+    with pytest.raises(dop.StateError, match="on a stream that was closed"):
+        inner.launch().async_on(closed)
+    own = stream.device.new_stream()
+    graph = scale(dop.empty(N, stream=own), x).graph_on(own)
+    own.close()                                              # the graph's own stream
+    with pytest.raises(dop.StateError, match="on a stream that was closed"):
+        graph.replay()
+    graph.replay(stream)                                     # another live stream of its device: fine
+    inner.replay(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), 2 * x.numpy(stream=stream))
+
+
+def test_a_scope_used_out_of_order_is_refused_naming_the_with_form(stream, rng, no_unexecuted_warning):
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    scope = CudaGraph.scope(stream)
+    with pytest.raises(dop.StateError, match="__exit__ without its __enter__"):
+        scope.__exit__(None, None, None)                     # a raw AttributeError before
+    with scope as s:
+        s.record(scale(y, x))
+    with pytest.raises(dop.StateError, match="__exit__ without its __enter__"):
+        scope.__exit__(None, None, None)                     # twice
+    with pytest.raises(dop.StateError, match="record.. outside the scope's capture: record inside"):
+        s.record(scale(y, x))                                # refused, and no "never executed" warning on top
+    assert not stream.is_capturing()
+    scope.graph.replay()
+    np.testing.assert_array_equal(y.numpy(stream=stream), 2 * x.numpy(stream=stream))

@@ -237,3 +237,99 @@ def test_a_try_partition_that_loses_the_race_to_clone_is_refused(stream):
     assert isinstance(clone, dop.SharedTensor) and clone._live
     assert isinstance(part, dop.OwnershipError) and "1 other live SharedTensor handle" in str(part)
     assert buf._alloc.handles == 2 and handle._live
+
+
+def test_a_close_from_another_thread_waits_for_a_replay_being_enqueued(stream, rng):
+    # the replay checked that the graph was open, then another thread closed it (destroying the
+    # executable graph) before the launch: the launch then got a destroyed graph (None here; a
+    # use-after-free in the driver on a GPU).  The close waits for the launch instead.
+    from deviceop.graph.capture import ReplayCheck
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    graph = scale(y, x, 3.0).graph_on(stream)
+    closer = []
+
+    class CloseOnAnotherThread(ReplayCheck):  # runs between the replay's checks and its launch
+        def check_replay(self):
+            t = threading.Thread(target=graph.close)
+            t.start()
+            t.join(0.2)
+            closer.append(t)
+
+    graph._checks = (CloseOnAnotherThread(),)
+    graph.replay()                                   # enqueued whole, not refused halfway
+    closer[0].join(60)
+    assert graph._closed
+    stream.synchronize()
+    np.testing.assert_allclose(y.numpy(stream=stream), 3 * x.numpy(stream=stream), rtol=1e-6)
+    with pytest.raises(dop.StateError, match="closed"):
+        graph.replay()
+
+
+def test_two_threads_beginning_a_capture_on_one_stream_at_once_leave_the_winners_capture_alone(stream, rng,
+                                                                                                monkeypatch):
+    # both saw the stream not capturing; the second one's begin then failed, and ending its "failed
+    # capture" ended the first thread's capture (its graph lost, its work run eagerly).  Now the
+    # stream is claimed by one thread at once: the other is refused before it begins anything
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    both_inside = threading.Barrier(2, timeout=0.5)
+    record_event = type(stream).record_event
+
+    def in_step(self, *args, **kw):  # where both threads would stand after checking, before beginning
+        try:
+            both_inside.wait()
+        except threading.BrokenBarrierError:
+            pass
+        return record_event(self, *args, **kw)
+
+    monkeypatch.setattr(type(stream), "record_event", in_step)
+    results = {}
+
+    def capture(alpha):
+        try:
+            results[alpha] = scale(y, x, alpha).graph_on(stream)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[alpha] = exc
+
+    threads = [threading.Thread(target=capture, args=(alpha,)) for alpha in (2.0, 3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.undo()
+    won = {a: r for a, r in results.items() if isinstance(r, dop.CudaGraph)}
+    lost = [r for r in results.values() if not isinstance(r, dop.CudaGraph)]
+    assert len(won) == 1 and len(lost) == 1, results
+    assert isinstance(lost[0], dop.CaptureError) and "already capturing" in str(lost[0])
+    assert not stream.is_capturing()
+    (alpha, graph), = won.items()
+    api.fill(y, 0.0).sync_on(stream)
+    graph.replay()
+    stream.synchronize()
+    np.testing.assert_allclose(y.numpy(stream=stream), alpha * x.numpy(stream=stream), rtol=1e-6)
+    assert [n["type"] for n in graph.nodes()] == ["KERNEL"]
+
+
+def test_a_node_update_racing_a_close_on_another_thread_is_refused_not_sent_to_a_destroyed_graph(stream, rng):
+    # the update checked that its graph was open, then another thread closed it while the update
+    # checked its arguments, and the update went on to hand the driver the destroyed executable graph
+    from deviceop import Kernel, Out, In, Scalar
+    x, y = upload(rng.standard_normal(N), stream), dop.empty(N, stream=stream)
+    graph, closer = [], []
+
+    def close_elsewhere(g, out, x, a):  # the kernel's own rule: runs inside set(), between its checks
+        if graph and not closer:
+            t = threading.Thread(target=graph[0].close)
+            t.start()
+            t.join(60)
+            closer.append(t)
+
+    scaled = Kernel("scaled", "__global__ void scaled(float* out, const float* x, float a) {}",
+                    [Out("out", "float32", shape=("N",), tile=(128,)), In("x", "float32", shape=("N",)),
+                     Scalar("a", "float32")], validate=close_elsewhere,
+                    reference=lambda g, out, x, a: out.__setitem__(..., np.float32(a) * x))
+    launch = scaled(y.partition([128]), x, 2.0).dynamic("a")
+    graph.append(launch.graph_on(stream))
+    node = graph[0].node(launch)
+    with pytest.raises(dop.StateError, match="was closed"):
+        node.set(a=3.0)
+    assert closer and graph[0]._closed

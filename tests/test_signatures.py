@@ -66,6 +66,30 @@ def test_declarations_are_checked_and_shown():
     assert Out("y", "float32", rank=2).rank == 2 and In("x", "bfloat16", rank=2).shape is None  # rank= still works
 
 
+SRC = "template <int B> __global__ void k(float* o) {}"
+OUT = Out("o", "float32", shape=("N",), tile=("B",))
+
+
+@pytest.mark.parametrize("args,kw,says", [
+    ((5, SRC, [OUT]), {}, "a Kernel's name is a non-empty str"),
+    (("k", 5, [OUT]), {}, "the source is CUDA C.. as a str, or a .cu file's Path"),
+    (("k", SRC, None), {}, "params= is a list, got None"),
+    (("k", SRC, OUT), {}, r"params= is a list, got Param\(name='o'"),     # one Param, not in a list
+    (("k", SRC, [OUT, "x"]), {}, "each parameter is declared with Out.*got 'x'"),
+    (("k", SRC, [OUT]), {"generics": "B"}, r"generics= is a list, got 'B'"),  # "BK" would be two generics
+    (("k", SRC, [OUT]), {"options": "-lineinfo"}, "options= is a list"),     # one option per character
+    (("k", SRC, [OUT]), {"generics": [2]}, "names are identifiers.*got 2"),
+    (("k", SRC, [OUT, In("o", "float32")]), {"generics": ["B"]}, "declares the parameter o more than once"),
+    (("k", SRC, [OUT]), {"generics": ["B", "B"]}, "declares the generic B more than once"),
+    (("k", SRC, [OUT]), {"generics": ["B"], "entry": 3}, "entry= is the kernel's name"),
+    (("k", SRC, [OUT]), {"generics": ["B"], "reference": np.zeros(3)}, "reference= is a function"),
+    (("k", SRC, [OUT]), {"generics": ["B"], "validate": True}, "validate= is a function")])
+def test_a_declaration_of_the_wrong_kind_is_refused_naming_the_argument(args, kw, says):
+    # each of these was taken apart by tuple(), or accepted and failed at the first launch with a raw error
+    with pytest.raises(dop.LaunchError, match=says):
+        Kernel(*args, **kw)
+
+
 def test_the_inferred_generics_are_the_compiled_ones_in_a_graph(stream, rng):
     """A captured launch whose generics were inferred becomes the node of that instantiation."""
     a, b = (dop.from_numpy(rng.standard_normal(256).astype(np.float32)) for _ in range(2))

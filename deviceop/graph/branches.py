@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from ..compile import compile_cubin
 from ..errors import CapabilityError, GraphSafetyError, LaunchError
+from ..foreign import refuse_host_nodes
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
@@ -140,10 +141,19 @@ class _Branches(DeviceOp):
                                   "12.4 or newer")
         several = ctx.device.conditional_branches()[0]
         capture = ctx.capture
-        ctx.device.graphs.capture_branches(
-            ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
-            self._launch_select, self._host_select,
-            lambda i, body_stream: self._build(i, capture)._run(ExecutionContext(body_stream, capture)))
+        ops = []  # every branch built and checked before the GPU adds the conditional node(s)
+        try:
+            for i in range(len(self._builders)):
+                ops.append(self._build(i, capture))
+                refuse_host_nodes(ops[-1], self._label)
+            ctx.device.graphs.capture_branches(
+                ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
+                self._launch_select, self._host_select,
+                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, body=self._label)))
+        except BaseException:
+            for op in ops:
+                op.discard()  # refused (or failed) with an error that says so
+            raise
         capture.keep.append((self.value,))  # every replay's control kernel reads it
         return None
 

@@ -39,8 +39,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..dtypes import dtype as as_dtype
-from ..errors import AliasingError, DTypeError, ShapeError, StateError
+from ..errors import AliasingError, DTypeError, LaunchError, ShapeError, StateError
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..execution import executing_now, refuse_reentry
@@ -113,17 +115,7 @@ class GraphCache:
                  pad_value: float | None = 0, copy: bool = False):
         check_options(fn, stream, key, pad_value, fallback=fallback, share_buffers=share_buffers, copy=copy)
         self.fn, self.stream, self.key_fn = fn, stream, key
-        if sizes is None:
-            sizes = default_sizes(max_size)
-        else:
-            try:
-                given = list(sizes)
-            except TypeError:
-                raise ShapeError(f"sizes is a list of batch sizes (ints >= 1), got {sizes!r}") from None
-            sizes = tuple(sorted({count(f"capture size {s!r} in sizes", s) for s in given}))
-            if not sizes:
-                raise ShapeError("sizes is empty: give at least one batch size to capture (or leave it None)")
-        self.sizes = sizes
+        self.sizes = default_sizes(max_size) if sizes is None else _sizes_of(sizes)
         if max_graphs is not None:
             max_graphs = count("max_graphs (or None)", max_graphs)
         if max_bytes is not None:
@@ -150,11 +142,13 @@ class GraphCache:
 
     def size_for(self, batch: int) -> int | None:
         """The captured size a batch is padded to, or None above the largest."""
-        i = bisect.bisect_left(self.sizes, batch)
+        i = bisect.bisect_left(self.sizes, count("a batch", batch))
         return self.sizes[i] if i < len(self.sizes) else None
 
     def __call__(self, *inputs, eager: bool = False):
         """Run for ``inputs`` (batch on axis 0); returns the output tensor(s), enqueued on the cache's stream."""
+        if not isinstance(eager, (bool, np.bool_)):
+            raise LaunchError(f"GraphCache's eager= is True or False (run this call without a graph), got {eager!r}")
         with self._lock:
             self._check_open()
             batch = self._batch_of(inputs)
@@ -185,10 +179,13 @@ class GraphCache:
             self._check_open()
             self._batch_of(inputs)
             key = self._key_of(inputs)
-            n, todo = 0, sorted(self.sizes if sizes is None else sizes, reverse=True)
+            todo = self.sizes if sizes is None else _sizes_of(sizes)
+            unknown = [s for s in todo if s not in self.sizes]
+            if unknown:  # refused before any is captured
+                raise ShapeError(f"size(s) {unknown} are not among the cache's sizes {self.sizes}; warm up sizes it has, "
+                                 "or make the cache with them (sizes=...)")
+            n, todo = 0, sorted(todo, reverse=True)
             for size in progress(todo, total=len(todo), desc="capturing graphs"):
-                if size not in self.sizes:
-                    raise ShapeError(f"size {size} is not one of the cache's sizes {self.sizes}")
                 slot = self._slot(size, key)
                 if slot not in self._entries:
                     check_new_key(self.key_fn, slot, self._entries)
@@ -374,6 +371,16 @@ class GraphCache:
         used = {id(s) for e in self._entries.values() for s in e.slots}
         for k in [k for k, s in self._arena.items() if id(s) not in used]:
             del self._arena[k]
+
+
+def _sizes_of(sizes) -> tuple:
+    """``sizes`` (batch sizes, ints >= 1) sorted, without repeats; refused unless a non-empty list of them."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ShapeError(f"sizes is a list of batch sizes (ints >= 1), got {sizes!r}")
+    sizes = tuple(sorted({count(f"capture size {s!r} in sizes", s) for s in sizes}))
+    if not sizes:
+        raise ShapeError("sizes is empty: give at least one batch size to capture (or leave it None)")
+    return sizes
 
 
 def _outputs_of(value, batch: int):

@@ -39,7 +39,7 @@ class Capture:
     need instead of following the node before it (graph/parallel.py); ``dags``
     holds the dependency state of each stream it records on."""
 
-    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before", "dags")
+    __slots__ = ("keep", "label", "nodes", "by_launch", "fresh", "before", "dags", "hosts")
 
     def __init__(self, label: str, parallel: bool = False):
         self.keep, self.label = [], label
@@ -49,6 +49,7 @@ class Capture:
         # warm-up runs after what the stream did before the capture (deviceop/foreign.py)
         self.before = None
         self.dags = {} if parallel else None  # id(stream) -> (stream, Dag): the stream is kept, so ids stay unique
+        self.hosts = []  # the host nodes recorded (host callbacks, also in child graphs), by label
 
     @property
     def parallel(self) -> bool:
@@ -134,6 +135,12 @@ class Capture:
         self.fresh = []
 
 
+# held while a thread checks that a stream is not capturing and claims it (``capturing``): two
+# threads beginning a capture on one stream at once, the second is refused before it begins, and
+# never ends (aborts) the first one's capture as its own failed one
+_claiming = threading.Lock()
+
+
 class Recording:
     """One capture on ``stream`` into ``cap``, begin to end: the one sequence that
     ``graph_on``, ``CudaGraph.scope`` and ``recapture`` (and the foreign work their ops
@@ -162,18 +169,22 @@ class Recording:
 
     def __enter__(self) -> "Recording":
         stream, cap = self.stream, self.cap
-        if stream.is_capturing():  # refused first: a capture someone else began is not ours to end
-            raise CaptureError("this stream is already capturing; end that capture first")
-        cap.before = stream.record_event(timing=False)
         me, key = threading.current_thread(), stream_key(stream)
-        capturing[key] = (me.ident, me.name, cap.label)  # first, then look: see execution.executing
-        busy = [i for i, e in _running.copy().items() if e.stream is not None and stream_key(e.stream) == key
-                and i != me.ident]
-        if busy:
+        with _claiming:  # one thread claims the stream: a capture someone else began is not ours to end
+            if key in capturing or stream.is_capturing():
+                raise CaptureError("this stream is already capturing; end that capture first")
+            capturing[key] = (me.ident, me.name, cap.label)  # first, then look: see execution.executing
+        try:
+            cap.before = stream.record_event(timing=False)
+            busy = [i for i, e in _running.copy().items() if e.stream is not None and stream_key(e.stream) == key
+                    and i != me.ident]
+            if busy:
+                raise CaptureError(f"capturing {cap.label}: another thread is executing work on this stream now "
+                                   "(sync_on / async_on), which the capture would record into the graph. Capture on "
+                                   "a stream of your own (device.new_stream()), or once that work is enqueued")
+        except BaseException:
             capturing.pop(key, None)
-            raise CaptureError(f"capturing {cap.label}: another thread is executing work on this stream now "
-                               "(sync_on / async_on), which the capture would record into the graph. Capture on a "
-                               "stream of your own (device.new_stream()), or once that work is enqueued")
+            raise
         try:
             stream.device.graphs.begin(stream)
         except BaseException:  # also a KeyboardInterrupt after the driver began it, before it returned

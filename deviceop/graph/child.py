@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from ..api import fill_pattern
 from ..errors import StateError
+from ..foreign import in_conditional_body
 from ..op import DeviceOp, warn_if_unexecuted
 from .copy_nodes import MemcpyNode, MemsetNode
 from .nodes import KernelNode, Node
@@ -87,7 +88,7 @@ class ChildGraphNode(Node):
 
     def node(self, launch) -> Node:
         """This child's copy of the node ``launch`` became in the graph it copies."""
-        node = self._copies.get(launch)
+        node = self._copies.get(launch) if isinstance(launch, DeviceOp) else None  # (a list is no key)
         if node is None:
             what = launch.describe() if hasattr(launch, "describe") else type(launch).__name__
             raise StateError(f"{what} is not a node of the graph {self.label} copies: pass an op that graph captured")
@@ -147,13 +148,18 @@ def record_child(capture, stream, op, inner) -> None:
     source, handles = graphs.clone(inner._current(), inner._exec, [inner._defined[n.index] for n in mine])
     via = InChild(graphs, None, source, label)  # destroys the clone however this ends
     where = {id(n): h for n, h in zip(mine, handles)}
-    copies = {}
+    copies, dags = {}, {}
     for launch, node in inner._by_launch.items():
         if node._via is not None:
             continue
         twin = _copy_of(node, where[id(node)], graphs)  # the node's current parameters, in the clone
         if twin is not None:
             twin._via = via
+            if node._item is not None:  # from a parallel capture: the copy's updates are checked against its edges
+                dag, i = node._item
+                if id(dag) not in dags:
+                    dags[id(dag)] = dag.copy_for_child()
+                twin._item = (dags[id(dag)], i)
             copies[launch] = twin
     via.child = child = graphs.add_child(stream, source, label)
     node = ChildGraphNode(label, child, via, copies)
@@ -188,6 +194,12 @@ class GraphLaunch(DeviceOp):
 
     __del__ = warn_if_unexecuted
 
+    @property
+    def host_node(self):
+        """The host node the graph holds, if any (a conditional node's body cannot hold its launch)."""
+        hosts = self.graph._hosts
+        return f"graph.launch() of a graph holding {hosts[0]}" if hosts else None
+
     def writes(self) -> tuple:
         """The buffers the graph's kernel, copy and fill nodes write (a loop body's checks)."""
         out = []
@@ -203,7 +215,10 @@ class GraphLaunch(DeviceOp):
             for t in self.writes():
                 ctx.guard.check(t, "graph.launch()")
         if ctx.capture is not None:
+            if ctx.body is not None and self.host_node:
+                raise in_conditional_body(self.host_node, ctx.body)
             record_child(ctx.capture, ctx.stream, self, self.graph)
+            ctx.capture.hosts.extend(self.graph._hosts)
             return None
         self.graph._replay(ctx.stream)
         return None

@@ -20,6 +20,7 @@ import threading
 from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
+from ..runtime.device import placed
 from ..runtime.stream import capturing, refuse_if_captured_elsewhere
 from .capture import Capture, Recording, ReplayCheck, not_recordable, preload
 from .child import Ambiguous, ChildGraphNode, GraphLaunch
@@ -31,11 +32,15 @@ class CudaGraph:
     """A captured, instantiated graph, bound to the stream it was captured on."""
 
     def __init__(self, stream, graph, exec_, output, capture: Capture):
+        self._device = stream.device
         self._graphs = stream.device.graphs  # the driver's graph work for this device
         self._stream, self._graph, self._exec = stream, graph, exec_
         self._shown = None                 # after an exec update: the graph whose work exec now does
         self._closed = False
-        self._lock = threading.Lock()
+        # held while the executable graph is launched, updated in place or destroyed: one thread's close()
+        # or recapture waits for another's replay to be enqueued (re-entrant: a reference-device host
+        # callback runs inside the launch, on the replaying thread)
+        self._lock = threading.RLock()
         self.exec_updates = self.reinstantiations = 0
         self.parallel = capture.parallel   # captured with parallel=True: edges from the data (graph/parallel.py)
         self._adopt(capture, output)
@@ -51,6 +56,7 @@ class CudaGraph:
         self._keep = capture.keep          # tensors, kernels and modules the graph uses
         self._checks = tuple(dict.fromkeys(k for k in self._keep if isinstance(k, ReplayCheck)))
         self._nodes, self._by_launch = capture.nodes, capture.by_launch
+        self._hosts = capture.hosts        # its host nodes: a conditional node's body cannot hold its launch
         for i, node in enumerate(self._nodes):
             node._attach(self, i)
 
@@ -130,15 +136,18 @@ class CudaGraph:
         current = executing_now()
         if current is not None:
             raise refuse_reentry("graph.replay()", current)
+        if stream is not None and stream is not self._stream:  # a live stream of the graph's device
+            placed("graph.replay(stream)", self._device, stream)
         self._replay(stream if stream is not None else self._stream)
 
     def _replay(self, stream) -> None:
-        self._check_open()
-        for check in self._checks:  # (a collective's group closed: its communicator is gone)
-            check.check_replay()
-        if capturing:
-            refuse_if_captured_elsewhere("graph.replay()", stream)
-        self._graphs.launch(self._exec, stream)
+        with self._lock:  # not closed (nor swapped by a recapture) between the check and the launch
+            self._check_open()
+            for check in self._checks:  # (a collective's group closed: its communicator is gone)
+                check.check_replay()
+            if capturing:
+                refuse_if_captured_elsewhere("graph.replay()", stream)
+            self._graphs.launch(self._exec, stream)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -149,7 +158,7 @@ class CudaGraph:
         """The node an op became in this graph: a kernel launch's KernelNode (see
         deviceop.nodes), an ``api.memcpy``'s MemcpyNode, an ``api.fill``'s MemsetNode."""
         self._check_open()
-        node = self._by_launch.get(launch)
+        node = self._by_launch.get(launch) if isinstance(launch, DeviceOp) else None  # (a list is no key)
         if type(node) is Ambiguous:
             raise node.error(launch)
         if node is None:
@@ -320,22 +329,46 @@ class Scope:
         self._cap, self._ctx, self._rec, self._lock_cm = None, None, None, None
         self._instantiate, self.recorded = instantiate, None  # recorded: (graph, capture) when not instantiating
         self._thread = None  # the thread that opened the scope
+        self._broken = None  # the CaptureError of a record() that failed after recording part of its op
 
     def record(self, op: DeviceOp):
         if self._ctx is None:
-            raise StateError("record() outside the scope's capture")
+            if isinstance(op, DeviceOp):
+                op.discard()  # refused, and the error says so: no warning on top
+            raise StateError("record() outside the scope's capture: record inside `with CudaGraph.scope(stream) as "
+                             "s:` (or the body of CudaGraph.scope(stream, body)), before it ends")
         if threading.get_ident() != self._thread:  # an execution context belongs to one thread
             raise StateError("record() from a thread other than the one that opened the scope; "
                              "record on that thread, or open a scope (on a stream of its own) in this one")
         if not isinstance(op, DeviceOp):
             raise not_recordable(op)
         op._armed = False  # taken in: recorded below, or refused with an error that says so
+        if self._broken is not None:
+            raise self._broken
         self._cap.check_graph_safe(op)
         preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
+        graphs, nodes = self.stream.device.graphs, len(self._cap.nodes)
+        before = self._tips(graphs)
         try:
             return op._run(self._ctx)
-        except RecursionError as exc:
-            raise too_deep(op, exc) from exc
+        except BaseException as exc:
+            if len(self._cap.nodes) != nodes or self._tips(graphs) != before:
+                # part of the op is in the graph, and a graph cannot take work back: a scope that went
+                # on would replay half an op whose record() raised, so the scope cannot end well
+                self._broken = CaptureError(
+                    f"s.record({op.describe()}) raised {type(exc).__name__} after recording part of its work, "
+                    "which a capture cannot take back: the graph would replay half of the op. The scope "
+                    "fails (nothing of it is kept); fix the op, or catch its error outside the scope")
+            if isinstance(exc, RecursionError):
+                raise too_deep(op, exc) from exc
+            raise
+
+    def _tips(self, graphs):
+        """The capture's dependencies (what the next work follows), as node ids; None if unreadable."""
+        try:
+            return frozenset(graphs.node_id(n) for n in graphs.capture_deps(self.stream))
+        except CudaError:  # a broken capture: whatever was recorded, it cannot end well
+            return None
 
     def __enter__(self) -> "Scope":
         self._lock_cm = executing(SCOPE)
@@ -346,6 +379,7 @@ class Scope:
             self._rec = Recording(self.stream, self._cap, self._instantiate).__enter__()
             self._ctx = ExecutionContext(self.stream, self._cap)
             self._thread = threading.get_ident()
+            self._broken = None
         except BaseException:
             self._lock_cm.__exit__(None, None, None)
             raise
@@ -363,9 +397,17 @@ class Scope:
             pass
 
     def __exit__(self, exc_type, exc, tb):
+        if self._rec is None:  # never entered, or already exited
+            raise StateError("CudaGraph.scope(stream).__exit__ without its __enter__: use it as `with "
+                             "CudaGraph.scope(stream) as s:`")
         self._ctx = None
+        broken = self._broken if exc_type is None else None
+        if broken is not None:  # a record() failed halfway and the body went on: end it as a failed capture
+            exc_type, exc, tb = CaptureError, broken, None
         try:
             self._rec.__exit__(exc_type, exc, tb)  # ends (or aborts) the capture; instantiates
+            if broken is not None:
+                raise broken
             if exc_type is not None:
                 return False
             if not self._instantiate:
@@ -379,4 +421,5 @@ class Scope:
             self._cap.forget()
             return False
         finally:
+            self._rec = None
             self._lock_cm.__exit__(None, None, None)

@@ -36,6 +36,7 @@ import numpy as np
 from ..compile import compile_cubin
 from ..errors import CapabilityError, DTypeError, LaunchError, ShapeError
 from ..execution import BodyGuard
+from ..foreign import refuse_host_nodes
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
@@ -193,9 +194,15 @@ class _Loop(DeviceOp):
                                       "Run the loop eagerly instead (sync_on/async_on: a host loop), or update "
                                       "the driver to CUDA 12.4 or newer")
             capture = ctx.capture
-            ctx.device.graphs.capture_while(
-                ctx.stream, self._label, self._launch_control, self._host_control,
-                lambda body_stream: self._build_body(guard, capture)._run(ExecutionContext(body_stream, capture, guard)))
+            op = self._build_body(guard, capture)  # built and checked before the GPU adds the loop's node
+            try:
+                refuse_host_nodes(op, self._label)
+                ctx.device.graphs.capture_while(
+                    ctx.stream, self._label, self._launch_control, self._host_control,
+                    lambda body_stream: op._run(ExecutionContext(body_stream, capture, guard, self._label)))
+            except BaseException:
+                op.discard()  # refused (or failed) with an error that says so
+                raise
             capture.keep.append(self._keep())  # the body stream is only needed while capturing
         return None
 

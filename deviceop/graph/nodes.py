@@ -65,7 +65,7 @@ class Node:
             raise DTypeError(f"{self.label}: enabled takes True or False, got {type(on).__name__} {on!r}")
         graph = self._live_graph()
         self._check_handle("switched on or off")
-        self._driver(graph).set_enabled(graph._exec, self.handle, bool(on), self.label)
+        self._in_exec(graph, lambda exec_: self._driver(graph).set_enabled(exec_, self.handle, bool(on), self.label))
         self._enabled = bool(on)
 
     def _check_handle(self, what: str) -> None:
@@ -85,6 +85,14 @@ class Node:
             raise StateError(f"node {self.label} belongs to a capture this graph replaced (recapture); "
                              "take the node of the new op: graph.node(op)")
         return graph
+
+    def _in_exec(self, graph, call) -> None:
+        """``call(exec_)`` on the graph's executable graph under its lock, refused if another thread
+        closed or recaptured the graph since this update began: the driver is never handed an
+        executable graph that was destroyed (or one this node is no longer in)."""
+        with graph._lock:
+            self._live_graph()
+            call(graph._exec)
 
     def _attach(self, graph, index: int) -> None:
         self._graph, self.index = weakref.ref(graph), index
@@ -258,7 +266,8 @@ class KernelNode(Node):
         for i in done:
             args[i] = changes[kernel.params[i].name]
         try:
-            self._driver(graph).set_kernel_node(graph._exec, self.handle, self._params, args, self.label)
+            self._in_exec(graph, lambda exec_: self._driver(graph).set_kernel_node(exec_, self.handle, self._params,
+                                                                                   args, self.label))
         except BaseException:
             for i in done:
                 args[i] = values[i]
@@ -279,7 +288,8 @@ class KernelNode(Node):
             self._buf[:len(saved)] = saved
             self._check_handle("updated")
         try:
-            self._driver(graph).set_kernel_node(graph._exec, self.handle, self._params, launch_args, self.label)
+            self._in_exec(graph, lambda exec_: self._driver(graph).set_kernel_node(exec_, self.handle, self._params,
+                                                                                   launch_args, self.label))
         except BaseException:
             self._buf[:len(saved)] = saved  # the node keeps its previous arguments
             raise

@@ -43,6 +43,55 @@ def fill_footprint(dst) -> tuple:
     return ((*dst.memory_range(), True),)
 
 
+_PAGE = 16         # the byte ranges recorded are indexed by 64 KiB page (address >> _PAGE) ...
+_WIDE = 64         # ... unless one spans more pages than this: those are looked at by every node
+
+
+class _Open:
+    """The byte ranges ``(lo, hi, writes, item)`` recorded since the last barrier, found by
+    address: a node is compared with those on the pages its own ranges touch (and the wide
+    ones), not with every range before it, so a capture costs about the same per node
+    however many came before (it was quadratic: 5 s for 2000 nodes)."""
+
+    __slots__ = ("pages", "wide", "count")
+
+    def __init__(self):
+        self.pages, self.wide, self.count = {}, [], 0
+
+    def add(self, lo: int, hi: int, w: bool, item: int) -> None:
+        if lo >= hi:  # an empty range touches nothing
+            return
+        entry, first, last = (lo, hi, w, item), lo >> _PAGE, (hi - 1) >> _PAGE
+        self.count += 1
+        if last - first >= _WIDE:
+            self.wide.append(entry)
+            return
+        pages = self.pages
+        for p in range(first, last + 1):
+            held = pages.get(p)
+            if held is None:
+                pages[p] = [entry]
+            else:
+                held.append(entry)
+
+    def conflicts(self, footprint) -> set:
+        """The items whose ranges share a byte with ``footprint``'s, one of the two writing."""
+        found = set()
+        for lo, hi, w in footprint:
+            if lo >= hi:
+                continue
+            first, last = lo >> _PAGE, (hi - 1) >> _PAGE
+            if last - first >= _WIDE:  # a wide range: every page held, rather than every page it spans
+                groups = [self.wide, *self.pages.values()]
+            else:
+                groups = [self.wide, *(self.pages.get(p, ()) for p in range(first, last + 1))]
+            for group in groups:
+                for lo2, hi2, w2, item in group:
+                    if (w or w2) and lo < hi2 and lo2 < hi:
+                        found.add(item)
+        return found
+
+
 def _conflict(a, b) -> bool:
     """Do two footprints touch a common byte that at least one of them writes?"""
     for lo, hi, w in a:
@@ -59,26 +108,32 @@ class Dag:
     item i left as the stream's dependencies (its node), ``anc[i]`` the items it
     follows (a bit mask, transitively), ``footprints[i]`` its byte ranges (None: a barrier)."""
 
-    __slots__ = ("graphs", "done", "anc", "footprints", "labels", "open", "floor", "tips", "joined")
+    __slots__ = ("graphs", "done", "ids", "anc", "footprints", "labels", "open", "floor", "tips", "joined")
 
     def __init__(self, graphs):
         self.graphs = graphs
-        self.done, self.anc, self.footprints, self.labels = [], [], [], []
-        self.open = []       # (lo, hi, writes, item) of the items recorded since the last barrier
+        self.done, self.ids, self.anc, self.footprints, self.labels = [], [], [], [], []  # ids: done's, as _ids
+        self.open = _Open()  # the byte ranges of the items recorded since the last barrier
         self.floor = None    # the last barrier: every later item follows it
-        self.tips = 0        # the items no later item follows (a bit mask)
+        self.tips = set()    # the items no later item follows
         self.joined = frozenset()  # the stream's dependencies as left after the last item (node ids)
 
     def _ids(self, nodes) -> frozenset:
-        return frozenset(self.graphs.node_id(n) for n in nodes)
+        return frozenset(map(self.graphs.node_id, nodes))
 
-    def _add(self, done, anc: int, footprint, label: str) -> int:
+    def _add(self, done, anc: int, footprint, label: str, deps=None) -> int:
+        """Note item i (``deps``: the items it directly follows; None: a barrier, which follows all)."""
         i = len(self.done)
         self.done.append(done)
+        self.ids.append(self._ids(done))
         self.anc.append(anc)
         self.footprints.append(footprint)
         self.labels.append(label)
-        self.tips = (self.tips & ~anc) | (1 << i)
+        if deps is None:
+            self.tips = {i}
+        else:  # a tip the item follows through another is no tip: only its direct deps can be tips
+            self.tips.difference_update(deps)
+            self.tips.add(i)
         return i
 
     def before(self, stream, footprint) -> list[int]:
@@ -87,9 +142,9 @@ class Dag:
         now = graphs.capture_deps(stream)
         if self._ids(now) != self.joined:  # recorded without a footprint since the last item: a barrier
             self.floor = self._add(now, (1 << len(self.done)) - 1, None, "work recorded without a footprint")
-            self.open = []
-            self.joined = self._ids(now)
-        found = {item for lo, hi, w, item in self.open if _conflict(((lo, hi, w),), footprint)}
+            self.open = _Open()
+            self.joined = self.ids[self.floor]
+        found = self.open.conflicts(footprint)
         if self.floor is not None:
             found.add(self.floor)
         anc = self.anc
@@ -107,15 +162,25 @@ class Dag:
         anc = 0
         for d in deps:
             anc |= self.anc[d] | (1 << d)
-        i = self._add(done, anc, footprint, label)
-        self.open.extend((lo, hi, w, i) for lo, hi, w in footprint)
-        if self.tips == 1 << i:
-            self.joined = self._ids(done)
+        i = self._add(done, anc, footprint, label, deps)
+        for lo, hi, w in footprint:
+            self.open.add(lo, hi, w, i)
+        if len(self.tips) == 1:
+            self.joined = self.ids[i]
         else:
-            joined = [n for j in range(i + 1) if self.tips >> j & 1 for n in self.done[j]]
-            graphs.set_capture_deps(stream, joined)
-            self.joined = self._ids(joined)
+            tips = sorted(self.tips)
+            graphs.set_capture_deps(stream, [n for j in tips for n in self.done[j]])
+            self.joined = frozenset().union(*[self.ids[j] for j in tips])
         return (done[0] if len(done) == 1 else None), i
+
+    def copy_for_child(self) -> "Dag":
+        """The dependencies as a child-graph node's copy of this graph holds them: the same
+        edges, the buffers each node uses now, updated from then on apart from this graph's
+        (graph/child.py: the copy's nodes are set on their own)."""
+        twin = Dag.__new__(Dag)
+        twin.graphs, twin.done, twin.ids, twin.anc, twin.labels = self.graphs, (), (), self.anc, self.labels
+        twin.footprints, twin.open, twin.floor, twin.tips, twin.joined = list(self.footprints), None, None, set(), frozenset()
+        return twin
 
     def ordered(self, i: int, j: int) -> bool:
         """Does one of items i and j follow the other?"""

@@ -116,6 +116,23 @@ def _cubin_code(elf: bytes, specific: bool = False) -> Code:
     return Code("sass", arch, specific, None, elf)
 
 
+def _check_elf(image: bytes) -> None:
+    """ValueError (or struct.error ...) unless the ELF file's header tables and section contents
+    lie within it: a file cut short ends in the middle of them (the program headers come last)."""
+    sections = _elf_sections(image)
+    phoff, shoff = struct.unpack_from("<QQ", image, 0x20)
+    phsize, phnum, shsize, shnum = struct.unpack_from("<HHHH", image, 0x36)
+    if phoff + phsize * phnum > len(image):
+        raise ValueError(f"the program headers end at byte {phoff + phsize * phnum}, past the {len(image)}-byte file")
+    for i in range(shnum):  # sh_type, then sh_offset and sh_size; SHT_NOBITS (8) has no bytes in the file
+        kind, offset, size = struct.unpack_from("<I", image, shoff + i * shsize + 4)[0], \
+            *struct.unpack_from("<QQ", image, shoff + i * shsize + 24)
+        if kind != 8 and offset + size > len(image):
+            raise ValueError(f"a section ends at byte {offset + size}, past the {len(image)}-byte file")
+    if not sections:
+        raise ValueError("no sections")
+
+
 def _ptx_code(text: bytes, arch: int | None = None, version: str | None = None) -> Code:
     src = text.decode(errors="replace")
     v = re.search(r"^\s*\.version\s+(\d+\.\d+)", src, re.M)
@@ -176,6 +193,12 @@ class Binary:
     """A CUBIN, fatbin or PTX image (bytes, or a path to one) and the code it holds."""
 
     def __init__(self, image, label: str):
+        if isinstance(image, str) and ("\n" in image or "\0" in image):  # text, no path: PTX as a str (Triton's asm["ptx"])
+            if not (".version" in image[:4096] and ".target" in image[:4096]):
+                raise LaunchError(f"{label}: a str is a kernel binary's path, or PTX text; this one is neither (a "
+                                  f"{len(image)}-character text without .version and .target directives, "
+                                  f"starting {image[:40]!r}): pass the path of a CUBIN, fatbin or PTX file, or its bytes")
+            image = image.encode()
         if isinstance(image, (str, Path)):
             path = Path(image)
             try:
@@ -206,6 +229,13 @@ class Binary:
             self.codes = parse()
         except (ValueError, struct.error, IndexError, UnicodeDecodeError):
             self.codes = None  # a layout this reader does not know: the driver decides at load
+        if self.kind == "CUBIN":  # ELF is documented: one whose sections cannot be read is broken, not unknown
+            try:
+                _check_elf(image)
+            except (ValueError, struct.error, IndexError, UnicodeDecodeError) as exc:
+                raise LaunchError(f"{label}: {self.origin} starts as an ELF file (a CUBIN) but its sections cannot be "
+                                  f"read ({type(exc).__name__}: {exc}): the file is truncated or corrupt, and no GPU "
+                                  f"would load it; build it again (nvcc -cubin -arch=sm_XY)") from None
 
     def describe(self) -> str:
         held = ", ".join(c.describe() for c in self.codes) if self.codes else "code this reader cannot list"

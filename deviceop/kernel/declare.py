@@ -51,7 +51,7 @@ from .fast import _fast_launch_type
 from .launch import KernelLaunch
 from .plan import _launch_key_function
 from .shapes import dim_names
-from .signature import _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
+from .signature import Param, _dims_text, _generic_text, check_generics, check_names, inferable, run_rule, scalar_names
 
 
 # deviceop's own CUDA headers (#include <deviceop/pdl.cuh>): on every kernel's include path,
@@ -63,12 +63,51 @@ def _shapes_name_scalars(g, *args) -> None:
     """The rule of a kernel whose shapes name scalars: bind checked them already."""
 
 
+def _checked_declaration(name, source, params, generics, entry, options, include_dirs, **rules) -> tuple:
+    """``(params, generics)`` as tuples, the declaration's kinds checked: what ``tuple()`` would take
+    apart (a str of generics, options or include dirs: one per character) or take as something it
+    is not (a Param given alone, a rule that is no function) is refused, naming the argument."""
+    if not isinstance(name, str) or not name:
+        raise LaunchError(f"a Kernel's name is a non-empty str (the kernel's, in every error), got {name!r}")
+    if entry is not None and (not isinstance(entry, str) or not entry):
+        raise LaunchError(f"kernel {name}: entry= is the kernel's name in its source or binary (a non-empty str), "
+                          f"got {entry!r}")
+    if source is not None and not isinstance(source, (str, Path)):
+        raise LaunchError(f"kernel {name}: the source is CUDA C++ as a str, or a .cu file's Path, got "
+                          f"{type(source).__name__}")
+    for what, value in (("params", params), ("generics", generics), ("options", options),
+                        ("include_dirs", include_dirs)):
+        if isinstance(value, (str, bytes, Param)) or not hasattr(value, "__iter__"):
+            raise LaunchError(f"kernel {name}: {what}= is a list, got {value!r}; e.g. {what}=[{value!r}]")
+    params, generics = tuple(params), tuple(generics)
+    bad = [p for p in params if not isinstance(p, Param)]
+    if bad:
+        raise LaunchError(f"kernel {name}: each parameter is declared with Out(...), InOut(...), In(...) or "
+                          f"Scalar(...), in the kernel's order; got {bad[0]!r}")
+    names = [p.name for p in params] + list(generics)
+    odd = [n for n in names if not isinstance(n, str) or not n.isidentifier()]
+    if odd:
+        raise LaunchError(f"kernel {name}: parameter and generic names are identifiers (a shape expression names "
+                          f"them, set(name=...) takes them), got {odd[0]!r}")
+    for what, given in (("parameter", [p.name for p in params]), ("generic", generics)):
+        twice = sorted({n for n in given if given.count(n) > 1})
+        if twice:
+            raise LaunchError(f"kernel {name} declares the {what} {', '.join(twice)} more than once: give each "
+                              f"{what} its own name")
+    for what, rule in rules.items():
+        if rule is not None and not callable(rule):
+            raise LaunchError(f"kernel {name}: {what}= is a function (or None), got {type(rule).__name__} {rule!r}")
+    return params, generics
+
+
 class Kernel:
     """A CUDA C++ kernel and its declaration (see the module docstring)."""
 
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
                  entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None,
                  limits=None):
+        params, generics = _checked_declaration(name, source, params, generics, entry, options, include_dirs,
+                                                reference=reference, validate=validate, limits=limits)
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
@@ -77,8 +116,8 @@ class Kernel:
             include_dirs = (source.parent, *include_dirs)
         else:
             self.source_path, self.source = None, source
-        self.params = tuple(params)
-        self.generic_names = tuple(generics)
+        self.params = params
+        self.generic_names = generics
         self.grid_spec = geometry.parse_part(name, "grid", grid)
         outs = [i for i, p in enumerate(self.params) if p.role == "out"]
         written = [i for i, p in enumerate(self.params) if p.writes]
@@ -171,7 +210,7 @@ class Kernel:
     def from_binary(cls, name: str, binary, params, *, entry: str | None = None, reference=None, validate=None,
                     limits=None, grid=None, block=256, shared_mem=0, cluster=None) -> "Kernel":
         """The kernel ``entry`` (default ``name``) of a binary nvcc (or ptxas) built: ``binary`` is
-        the path of a CUBIN, fatbin or PTX file, or its bytes.  ``params`` and the rest are
+        the path of a CUBIN, fatbin or PTX file, its bytes, or PTX text.  ``params`` and the rest are
         declared as for ``Kernel(...)``, no generics (the binary has its template arguments).
         ``entry`` is an ``extern "C"`` name, a C++ kernel's plain name (the one symbol the binary
         has for it) or a mangled symbol.  The declaration is checked against the binary's
@@ -321,7 +360,13 @@ class Kernel:
                 raise LaunchError(f"{self.name}: an output partition of rank {len(grid)} has no CUDA grid (max 3 axes)")
             cluster = run_rule(self, self.cluster, values, g, grid) if callable(self.cluster) else \
                 geometry.evaluate(self.cluster, g)
-            cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
+            try:
+                cfg = self._configs[key] = LaunchConfig(grid, block, smem, cluster)
+            except LaunchError as exc:  # (a block function that returned None ...): name the kernel
+                shown = f" with generics <{', '.join(map(str, values))}>" if values else ""
+                raise LaunchError(f"{self.name}'s launch geometry (block={self._shown('block')}, shared_mem="
+                                  f"{self._shown('shared_mem')}, cluster={self._shown('cluster')}){shown}: "
+                                  f"{exc}") from None
         return cfg
 
     def launch_config(self, values, launch_args, gen: tuple, env: dict) -> LaunchConfig:

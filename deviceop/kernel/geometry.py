@@ -16,6 +16,10 @@ CUDA's limits (LaunchConfig) with the launch's values named in the error.
 """
 from __future__ import annotations
 
+import operator
+
+import numpy as np
+
 from ..errors import DeviceOpError, LaunchError
 from ..runtime.launch import LaunchConfig
 from .shapes import Expr, dim_names, parse
@@ -41,9 +45,13 @@ def parse_part(kernel_name: str, what: str, spec):
 def _one(where: str, d):
     if isinstance(d, str):
         return parse(d, where)
-    if type(d) is not int or d < 0:
+    try:
+        n = -1 if isinstance(d, (bool, np.bool_)) else operator.index(d)  # NumPy ints too; never a bool
+    except TypeError:
+        n = -1
+    if n < 0:
         raise LaunchError(f"{where}: a dimension is a non-negative int or an expression string, got {d!r}")
-    return d
+    return n
 
 
 def names(spec) -> set:

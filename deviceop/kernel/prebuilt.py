@@ -79,15 +79,30 @@ _TRITON_HINT = (": Triton's compiled signature drops its constexpr parameters an
                 "constant 1, and adds its scratch pointers at the end (deviceop adds those)")
 
 
+# the metadata fields read as ints, and their values when absent
+_TRITON_INTS = {"num_ctas": 1, "num_warps": 4, "warp_size": 32, "shared": 0, "global_scratch_size": 0,
+                "profile_scratch_size": 0}
+
+
 def triton_kernel(cls, compiled, params, *, name=None, grid=None, **kw):
     """A ``cls`` (Kernel) of a Triton-compiled kernel (see ``Kernel.from_triton``)."""
     md, cubin, origin = _triton_parts(compiled)
+    if not isinstance(md, dict):
+        raise LaunchError(f"Kernel.from_triton: the metadata of the Triton kernel {origin} is a {type(md).__name__}, not the dict Triton "
+                          "writes (its cache entry's .json holds one object): pass the .json of an entry of Triton's "
+                          "cache, or the CompiledKernel itself")
     label = f"Triton kernel {name or md.get('name')}"
     target = md.get("target") or {}
     backend = target.get("backend") if isinstance(target, dict) else getattr(target, "backend", None)
     if md.get("backend_name", backend) not in (None, "cuda") or not isinstance(md.get("name"), str):
         raise LaunchError(f"{label}: {origin} is not a Triton kernel compiled for CUDA (backend "
                           f"{md.get('backend_name', backend)!r}); compile it for an NVIDIA GPU")
+    for field, default in _TRITON_INTS.items():  # what the checks and the geometry below read, as Triton writes it
+        v = md.get(field, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise LaunchError(f"{label}: {origin}'s metadata has {field}={v!r}, where Triton writes an int >= 0: "
+                              "the metadata is not what Triton wrote; pass the CompiledKernel, or its cache entry's "
+                              ".json unchanged")
     refuse = {"num_ctas": md.get("num_ctas", 1) != 1,
               "global_scratch_size": md.get("global_scratch_size", 0) > 0,
               "profile_scratch_size": md.get("profile_scratch_size", 0) > 0,

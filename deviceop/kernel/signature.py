@@ -352,9 +352,11 @@ def run_rule(kernel, rule, generics: tuple, *args):
         raise
     except (TypeError, ValueError, ArithmeticError, AttributeError, LookupError) as exc:
         shown = ", ".join(f"{n}={v!r}" for n, v in zip(kernel.generic_names, generics))
-        raise LaunchError(f"{kernel.name}'s rules failed on generics <{shown}>: {type(exc).__name__}: {exc}; give "
-                          "each generic the kind the kernel's docstring names: ints for sizes and counts, strings "
-                          "for C++ types") from exc
+        fix = ("give each generic the kind the kernel's docstring names: ints for sizes and counts, strings for C++ "
+               "types" if kernel.generic_names else "a kernel without generics: the function itself fails on these "
+               "arguments; fix the function, or pass arguments it can compute with")
+        raise LaunchError(f"{kernel.name}'s rules failed on generics <{shown}>: {type(exc).__name__}: {exc}; "
+                          f"{fix}") from exc
 
 
 

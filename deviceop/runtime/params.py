@@ -6,7 +6,10 @@ the layout's struct), a prepared launch, a captured node or a node update."""
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
+
+import numpy as np
 
 from cuda.bindings import driver as cu
 
@@ -63,10 +66,17 @@ def _normalize_param(spec):
 
 
 def _dims(value, what: str) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, int) else tuple(value)
-    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
+    """``value`` (an int or 1 to 3 of them; NumPy ints too, never a bool or a float) as 3 ints >= 1."""
+    dims = []
+    for d in value if isinstance(value, (tuple, list)) else (value,):
+        try:
+            n = -1 if isinstance(d, (bool, np.bool_)) else operator.index(d)
+        except TypeError:
+            n = -1
+        dims.append(n)
+    if not 1 <= len(dims) <= 3 or min(dims) < 1:
         raise LaunchError(f"{what} must be 1 to 3 positive ints, got {value!r}")
-    return dims + (1,) * (3 - len(dims))
+    return tuple(dims) + (1,) * (3 - len(dims))
 
 
 _MISSING = object()  # an argument the caller did not pass
@@ -96,9 +106,13 @@ class LaunchConfig:
             raise LaunchError(f"block {block} has {threads} threads; CUDA allows at most 1024 per block")
         if self.grid[1] > 65535 or self.grid[2] > 65535 or self.grid[0] > 2**31 - 1:
             raise LaunchError(f"grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
-        if not isinstance(shared_mem, int) or shared_mem < 0:
+        try:
+            smem = -1 if isinstance(shared_mem, (bool, np.bool_)) else operator.index(shared_mem)
+        except TypeError:
+            smem = -1
+        if smem < 0:
             raise LaunchError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
-        self.shared_mem = shared_mem
+        self.shared_mem = smem
         self.cluster = None
         if cluster is not None:
             dims = _dims(cluster, "cluster")

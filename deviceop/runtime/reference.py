@@ -47,7 +47,6 @@ class ReferenceDevice(Device):
     sm_count = 0
     total_memory = 0
     l2_cache_size = 0
-    max_shared_memory_per_block = 0
     label = "reference"
     driver_version = None  # no driver (kernel/prebuilt.py takes NVRTC's CUDA version for it)
 
@@ -70,6 +69,12 @@ class ReferenceDevice(Device):
         """The architecture NVRTC compiles for here (``DEVICEOP_ARCH``, default
         ``sm_90``, the H100): compiling needs no GPU."""
         return os.environ.get("DEVICEOP_ARCH", "sm_90")
+
+    @property
+    def max_shared_memory_per_block(self) -> int:
+        """The shared memory a block of the GPU this device stands for may opt in to (CUDA's
+        per-arch maximum, ``CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN``; 0: unknown)."""
+        return _SMEM_OPTIN.get(self.arch.rstrip("af"), 0)
 
     def bind(self) -> None:
         pass
@@ -383,7 +388,14 @@ class ReferenceForeign:
         stream._run(_Host(lambda: self._call(args, kwargs), self.label, "graph"))
 
     def _call(self, args, kwargs) -> None:
-        out = self.reference(*args, **kwargs)
+        try:
+            out = self.reference(*args, **kwargs)
+        except ValueError as exc:
+            if "is read-only" not in str(exc):  # NumPy's words for a write into a read-only array
+                raise
+            raise LaunchError(f"the reference of {self.label} wrote into an array of its reads= ({exc}): the reads are "
+                              "read-only, as the body may only read them; declare a buffer the work writes (in place "
+                              "too) in writes=") from exc
         if out is not None:
             raise LaunchError(f"the reference of {self.label} returned a {type(out).__name__}; a reference writes "
                               "its results into the write arrays it is given (e.g. out[...] = x @ w) and "
@@ -391,6 +403,11 @@ class ReferenceForeign:
 
 
 # -- kernels: the NumPy reference behind a Function's interface --------------------------
+
+# the opt-in shared memory per block of each arch (CUDA's programming guide, compute capabilities table)
+_SMEM_OPTIN = {"sm_70": 98304, "sm_75": 65536, "sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
+               "sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_120": 101376}
+
 
 class ReferenceFunction(ParamLayout):
     """A kernel on the reference device: ``launch(stream, config, *args)`` runs
@@ -408,6 +425,10 @@ class ReferenceFunction(ParamLayout):
     def _launch(self, stream, config, *args) -> None:
         if self.reference is None:
             raise LaunchError(f"{self.name} has no NumPy reference, so the reference device cannot run it")
+        limit = stream.device.max_shared_memory_per_block
+        if limit and config.shared_mem > limit:  # what a GPU's launch refuses (runtime/launch.py), refused here too
+            raise LaunchError(f"{self.name} asks for {config.shared_mem} bytes of dynamic shared memory; a "
+                              f"{stream.device.arch} GPU allows at most {limit} per block in all")
         stream._run(_Kernel(self, [getattr(a, "_array", a) for a in args]))
 
     def declare_written(self, indices) -> None:

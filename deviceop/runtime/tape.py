@@ -23,6 +23,7 @@ import numpy as np
 
 from . import refcache
 from .graphs import capture_failed
+from .stream import closed_stream
 
 
 class Tape(list):
@@ -266,6 +267,8 @@ class TapeGraphs:
 
     @staticmethod
     def launch(exec_, stream) -> None:
+        if stream._closed:  # as cuGraphLaunch on a closed stream's handle is refused on a GPU
+            raise closed_stream("graph.replay()")
         run_tape(exec_)
 
     @staticmethod
