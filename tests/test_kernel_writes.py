@@ -152,3 +152,28 @@ def test_a_parallel_capture_orders_launches_that_write_the_same_word(stream, rng
     assert graph.edges() == [(0, 1)]  # the second follows the first: they write the same words
     graph.replay()
     stream.synchronize()
+
+
+def test_a_parallel_capture_orders_one_shot_all_reduces_over_the_same_peer_buffers(rng):
+    """The one-shot all-reduce advances its buffers' epochs and error word (``state``, InOut):
+    two all-reduces of independent tensors over one PeerBuffers are ordered, as its protocol
+    needs (declared ``In``, they were parallel branches sharing the receive slots)."""
+    import deviceop.distributed as dist
+    from deviceop.distributed.peer import PeerBuffers
+    n = 256
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(2)]
+
+    def rank(group):
+        s = group.stream
+        with PeerBuffers(group, max_bytes=2048) as bufs:
+            ins = [dop.from_numpy(x, stream=s) for x in xs]
+            outs = [dop.empty(n, stream=s) for _ in xs]
+            graph = zip_(*[bufs.all_reduce(x, o) for x, o in zip(ins, outs)]).graph_on(s, parallel=True)
+            graph.replay(s)
+            bufs.check()
+            return graph.edges(), [o.numpy(stream=s) for o in outs]
+
+    (edges, got), = dist.run_reference(1, rank)
+    assert edges == [(0, 1)]
+    for g, x in zip(got, xs):
+        np.testing.assert_array_equal(g, x)  # one rank: the sum is its own vector
