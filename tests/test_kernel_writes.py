@@ -18,7 +18,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import zip_
-from deviceop.kernels.llama_attn import attn_buffers, attn_decode, attn_plan, sample, sample_buffers, sample_candidates
+from deviceop.kernels.llama_attn import attn_decode, attn_plan, attn_ws_size, sample, sample_rows, sample_candidates
 from deviceop.kernels.llama_proj import embed_gather, embed_plan
 from deviceop.kernels.llama_step import llama_step
 from deviceop.testing import ForeignArray
@@ -44,17 +44,15 @@ class Case:
         self.k, self.v = (self.t(rng.standard_normal((HKV, CAP, HD)).astype(ml_dtypes.bfloat16)) for _ in range(2))
         self.pos = self.t(np.array([rng.integers(0, CAP)], np.int32))
         self.attn_tile, self.attn_gen = attn_plan(CAP, HD, G, splits=2)
-        self.ws, _ = attn_buffers(HKV, HD, G, self.attn_gen[2], stream=stream)
-        self.ws = self.t(np.zeros(self.ws.shape[0], np.float32))  # on ``device``, as every argument
+        self.ws = self.t(np.zeros(attn_ws_size(HKV, HD, G, self.attn_gen[2]), np.float32))
         self.logits = self.t(rng.standard_normal(VOCAB).astype(np.float32))
         self.c = sample_candidates(VOCAB)
-        part, _, _ = sample_buffers(VOCAB, self.c, stream=stream)
-        self.part = dop.empty(list(part.shape), device=device, stream=stream)
+        self.part = dop.empty([sample_rows(VOCAB), 2 * self.c + 4], device=device, stream=stream)
 
     def embed_gather(self, error, token=None, hidden=None):
         tile, gen = embed_plan(D)
-        return embed_gather((hidden or self.hidden).partition([tile]), self.embed, token or self.token, error,
-                            VOCAB).generics(gen)
+        hidden, token = self.hidden if hidden is None else hidden, self.token if token is None else token
+        return embed_gather(hidden.partition([tile]), self.embed, token, error, VOCAB).generics(gen)
 
     def attn(self, counters, ws=None, out=None):
         out = out if out is not None else dop.empty([HKV * G * HD], stream=self.s, device=self.q.device)
