@@ -11,7 +11,7 @@ from pathlib import Path
 
 import deviceop as dop
 from deviceop.compile import normalize_arch
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 from deviceop.runtime.tma import TENSOR_MAP_BYTES
 
 from ._checks import _need
@@ -106,25 +106,31 @@ def _stats(mt: str, nt: str) -> Out:
     return Out("stats", "float32", shape=(mt, nt, "SK*4*gs"), tile=(1, 1, "4*gs"))
 
 
-def _conv_params(y_dtype: str, n: str, h: str, w: str, c: str, k: str, r: str) -> list:
-    """stats, y [N, H, W, K], x [N, H, W, C], w [K, R, R, C], bias [K]: the conv's operands,
-    the sizes named ``n`` ... ``r`` (sizes the shapes bind, or the kernel's int scalars)."""
+def _conv_params(y_dtype: str, n: str, h: str, w: str, c: str, k: str, r: str, out: str = "y",
+                 out_dtype: str | None = None) -> list:
+    """stats, y [N, H, W, K] (written: InOut, a whole tensor; the grid is stats'), x [N, H, W, C],
+    w [K, R, R, C], bias [K]: the conv's operands, the sizes named ``n`` ... ``r`` (sizes the
+    shapes bind, or the kernel's int scalars); ``out``/``out_dtype``: the written tensor's name
+    and dtype where they are not y's (the one-launch kernel writes ``out``)."""
     mt, nt = _tiles(n, h, w, k)
-    return [_stats(mt, nt), In("y", y_dtype, shape=(n, h, w, k)), In("x", "float16", shape=(n, h, w, c)),
-            In("w", "float16", shape=(k, r, r, c)), In("bias", y_dtype, shape=(k,))]
+    return [_stats(mt, nt), InOut(out, out_dtype or y_dtype, shape=(n, h, w, k)),
+            In("x", "float16", shape=(n, h, w, c)), In("w", "float16", shape=(k, r, r, c)),
+            In("bias", y_dtype, shape=(k,))]
 
 
-def _semaphore(name: str, n: str, h: str, w: str, k: str) -> In:
-    """The split-K counters, one a tile, then the one-launch kernel's grid barrier (2 words)."""
+def _semaphore(name: str, n: str, h: str, w: str, k: str) -> InOut:
+    """The split-K counters, one a tile, then the one-launch kernel's grid barrier (2 words):
+    counted up and reset by the kernel (InOut)."""
     mt, nt = _tiles(n, h, w, k)
-    return In(name, "int32", shape=(f"{mt}*({nt})+2",))
+    return InOut(name, "int32", shape=(f"{mt}*({nt})+2",))
 
 
-def _tmaps(n: str, h: str, w: str, k: str) -> In:
-    """The WGMMA kernel's tensor maps: two templates, then two maps and two tags a CTA."""
+def _tmaps(n: str, h: str, w: str, k: str) -> InOut:
+    """The WGMMA kernel's tensor maps: two templates, then two maps and two tags a CTA (the
+    kernel writes each CTA's maps and tags: InOut)."""
     mt, nt = _tiles(n, h, w, k)
     ctas = f"{mt}*({nt})*SK"
-    return In("tmaps", "uint8", shape=(f"{2 * TENSOR_MAP_BYTES}*(1+{ctas})+16*{ctas}",))
+    return InOut("tmaps", "uint8", shape=(f"{2 * TENSOR_MAP_BYTES}*(1+{ctas})+16*{ctas}",))
 
 
 def _conv_kernel(y_dtype: str) -> Kernel:
@@ -156,10 +162,10 @@ class HopperKernel(CutlassKernel):
 _SIZES = ("n", "h", "wd", "c", "k", "r")
 
 
-def _workspace(n: str, h: str, w: str, k: str) -> In:
-    """The split-K workspace: each slice's fp32 tile, [tiles][slices][TM * TN]."""
+def _workspace(n: str, h: str, w: str, k: str) -> InOut:
+    """The split-K workspace: each slice's fp32 tile, [tiles][slices][TM * TN] (written: InOut)."""
     mt, nt = _tiles(n, h, w, k)
-    return In("partials", "float32", shape=(f"{mt}*({nt})*SK*TM*TN",))
+    return InOut("partials", "float32", shape=(f"{mt}*({nt})*SK*TM*TN",))
 
 
 def _wgmma_kernel(y_dtype: str, split_in_cluster: bool = True) -> Kernel:
@@ -169,7 +175,8 @@ def _wgmma_kernel(y_dtype: str, split_in_cluster: bool = True) -> Kernel:
     must be 1).  One CUDA kernel: the two declarations differ only in how they launch,
     and share their CUBINs."""
     suffix = "f16" if y_dtype == "float16" else "f32"
-    partials = In("partials", "float32", rank=1) if split_in_cluster else _workspace("n", "h", "wd", "k")
+    # the kernel writes partials when its workspace_split scalar says so: InOut either way
+    partials = InOut("partials", "float32", rank=1) if split_in_cluster else _workspace("n", "h", "wd", "k")
     return HopperKernel(
         f"conv2d_gn_stats_wgmma{'' if split_in_cluster else '_workspace'}_{suffix}", HERE / "conv_wgmma.cu",
         [*_conv_params(y_dtype, *_SIZES), _tmaps("n", "h", "wd", "k"), partials,
@@ -188,8 +195,8 @@ def _one_launch_kernel(bias_dtype: str, out_dtype: str) -> Kernel:
     sb, so = ("f16" if d == "float16" else "f32" for d in (bias_dtype, out_dtype))
     return HopperKernel(
         f"conv2d_gn_act_wgmma_{sb}_{so}", HERE / "conv_wgmma.cu",
-        [*_conv_params(bias_dtype, *_SIZES), In("gamma", "float32", shape=("k",)),
-         In("beta", "float32", shape=("k",)), In("partials", "float32", rank=1),
+        [*_conv_params(bias_dtype, *_SIZES, out="out", out_dtype=out_dtype), In("gamma", "float32", shape=("k",)),
+         In("beta", "float32", shape=("k",)), InOut("partials", "float32", rank=1),
          _semaphore("counters", "n", "h", "wd", "k"), _tmaps("n", "h", "wd", "k")]
         + [Scalar(n, "int32") for n in (*_SIZES, "pad", "cpg", "gs", "groups")]
         + [Scalar("eps", "float32"), Scalar("act", "int32")],

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import deviceop as dop
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
@@ -186,21 +186,14 @@ def _attn_check(g, out, q, k, v, pos, ws, counters, cap):
     _need(ws.shape[0] >= need, f"{name}: ws {ws.shape} must hold {need} floats; make it with attn_buffers(...)")
     _need(counters.shape[0] >= hkv,
           f"{name}: counters {counters.shape} must hold {hkv} int32 (one per KV head), zero initially")
-    for a, an in ((ws, "ws"), (counters, "counters")):
-        for b, bn in ((q, "q"), (k, "k"), (v, "v"), (pos, "pos")):
-            if a.overlaps(b):
-                raise dop.AliasingError(f"{name} writes {an} and reads {bn} from overlapping memory; "
-                                        f"give {an} its own buffer")
-    if ws.overlaps(counters):
-        raise dop.AliasingError(f"{name}: ws and counters overlap; give each its own buffer")
-    _aligned(name, out.tensor, q, k, v)
+    _aligned(name, out.tensor, q, k, v)  # ws and counters are InOut: the launch refuses their overlaps
 
 
 attn_decode = Kernel(  # out and q: Hq*HD = HKV*G*HD; a tile per CTA, Hkv*S CTAs; k, v: the layer's cache slices
     "attn_decode", HERE / "llama_attn.cu",
     [Out("out", "float32", shape=("HKV*G*HD",), tile=("G*HD//S",)), In("q", "float32", shape=("HKV*G*HD",)),
      In("k", "bfloat16", shape=("HKV", "cap", "HD")), In("v", "bfloat16", shape=("HKV", "cap", "HD")),
-     In("pos", "int32", shape=(1,)), In("ws", "float32", rank=1), In("counters", "int32", rank=1),
+     In("pos", "int32", shape=(1,)), InOut("ws", "float32", rank=1), InOut("counters", "int32", rank=1),
      Scalar("cap", "int32")],
     generics=["HD", "G", "S", "MINL", "LMAX", "PREFETCH", "RG"], block="32*G*RG", shared_mem="4*LMAX*HD",
     reference=_attn_ref, limits=_attn_limits, validate=_attn_check)
@@ -325,13 +318,7 @@ def _sample_check(g, part, logits, token, state, step, vocab, temperature, top_k
     _need(B * C <= 4096 and B <= 1024,
           f"{name}: {B} rows * C={C} candidates = {B * C} > 4096 (the finishing CTA's shared memory); "
           f"lower C or use fewer rows")
-    for a, an in ((token, "token"), (state, "state")):
-        for b, bn in ((logits, "logits"), (step, "step")):
-            if a.overlaps(b):
-                raise dop.AliasingError(f"{name} writes {an} and reads {bn} from overlapping memory; "
-                                        f"give {an} its own buffer")
-    if token.overlaps(state):
-        raise dop.AliasingError(f"{name}: token and state overlap; give each its own buffer")
+    # token and state are InOut: the launch refuses their overlaps with each other and the reads
     if not (math.isfinite(temperature) and temperature >= 0):
         raise dop.LaunchError(f"{name}: temperature={temperature} must be finite and >= 0 (0 = greedy)")
     if top_k < 0:
@@ -348,7 +335,7 @@ def _sample_limits(g):
 sample = Kernel(  # part: B rows of 2C+4, one a CTA (sample_buffers(vocab, C) makes it)
     "sample", HERE / "llama_sample.cu",
     [Out("part", "float32", shape=("B", "2*C+4"), tile=(1, "2*C+4")), In("logits", "float32", shape=("vocab",)),
-     In("token", "int32", shape=(1,)), In("state", "int32", shape=(1,)), In("step", "int32", shape=(1,)),
+     InOut("token", "int32", shape=(1,)), InOut("state", "int32", shape=(1,)), In("step", "int32", shape=(1,)),
      Scalar("vocab", "int32"), Scalar("temperature", "float32"), Scalar("top_k", "int32"),
      Scalar("top_p", "float32"), Scalar("seed", "uint64")],
     generics=["C"], block=1024, reference=_sample_ref, limits=_sample_limits, validate=_sample_check)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from . import _checks
 from ._checks import _need
@@ -129,7 +129,7 @@ def _embed_limits(g):
 pf_embed = Kernel(
     "pf_embed", SOURCE,
     [Out("hidden", "float32", shape=("T", "D"), tile=("T", "B")), In("embed", "bfloat16", shape=("vocab", "D")),
-     In("tokens", "int32", shape=("ntok",)), _chunk_state(), In("error", "int32", shape=(1,)),
+     In("tokens", "int32", shape=("ntok",)), _chunk_state(), InOut("error", "int32", shape=(1,)),
      Scalar("vocab", "int32"), Scalar("ntok", "int32")],
     generics=["T", "B"], block="B//8", reference=_embed_ref, limits=_embed_limits,
     validate=lambda g, hidden, embed, *rest: _aligned("pf_embed", hidden.tensor, embed))
@@ -388,7 +388,7 @@ def _finish_check(g, h_last, hidden, chunk, state, tokens, prompt_len, d):
 prefill_finish = Kernel(  # one CTA: h_last partitioned whole; state: the int32 [4] decode state
     "prefill_finish", SOURCE,
     [Out("h_last", "float32", shape=("d",), tile=("d",)), In("hidden", "float32", shape=("T", "d")),
-     _chunk_state(), In("state", "int32", shape=(4,)), In("tokens", "int32", rank=1), Scalar("prompt_len", "int32"),
+     _chunk_state(), InOut("state", "int32", shape=(4,)), In("tokens", "int32", rank=1), Scalar("prompt_len", "int32"),
      Scalar("d", "int32")],
     generics=["T"], block=256, reference=_finish_ref, validate=_finish_check)
 

@@ -132,7 +132,7 @@ def _embed_gather_limits(g):
 embed_gather = Kernel(
     "embed_gather", SOURCE,
     [Out("hidden", "float32", shape=("D",), tile=("B",)), In("embed", "bfloat16", shape=("vocab", "D")),
-     In("token", "int32", shape=(1,)), In("error", "int32", shape=(1,)), Scalar("vocab", "int32")],
+     In("token", "int32", shape=(1,)), InOut("error", "int32", shape=(1,)), Scalar("vocab", "int32")],
     generics=["B"], block="B//8", reference=_embed_gather_ref, limits=_embed_gather_limits,
     validate=lambda g, hidden, embed, *rest: _aligned("embed_gather", hidden.tensor, embed))
 
@@ -191,11 +191,12 @@ def qkv_params(first, position, rows=()) -> list:
     """The parameters of a QKV + RoPE + cache-append kernel (rms_qkv_rope here, pf_qkv_rope in
     llama_prefill.py), its output ``first`` and position ``position`` given, its activations
     ``[*rows, K]``: the concatenated weight (cat of q_proj, k_proj, v_proj), the RoPE table,
-    this layer's K and V cache slices (in-out: separate memory) and their capacity."""
+    this layer's K and V cache slices and the error word (in-out: each its own memory) and the
+    caches' capacity."""
     return [first, In("hidden", "float32", shape=(*rows, "K")), In("norm_w", "bfloat16", shape=("K",)),
             In("w_qkv", "bfloat16", shape=("(HQ+2*HKV)*HD", "K")), In("inv_freq", "float32", shape=("HD//2",)),
             position, InOut("k_cache", "bfloat16", shape=("HKV", "cap", "HD")),
-            InOut("v_cache", "bfloat16", shape=("HKV", "cap", "HD")), In("error", "int32", shape=(1,)),
+            InOut("v_cache", "bfloat16", shape=("HKV", "cap", "HD")), InOut("error", "int32", shape=(1,)),
             Scalar("eps", "float32"), Scalar("cap", "int32")]
 
 
@@ -373,12 +374,10 @@ def _rms_lm_head_argmax_limits(g):
 
 
 def _rms_lm_head_argmax_check(g, logits, hidden, norm_w, w, token, work, error, eps, vocab):
-    name = "rms_lm_head_argmax"  # logits' length, vocab padded to whole tiles, is its shape's
+    # logits' length (vocab padded to whole tiles) is its shape's; token, work and error are
+    # InOut, so the launch's own checks refuse any overlap of the words it writes
+    name = "rms_lm_head_argmax"
     _need(vocab >= 1, f"{name}: vocab={vocab} must be at least 1")
-    for a, an, b, bn in ((work, "work", token, "token"), (error, "error", token, "token"),
-                         (error, "error", work, "work")):
-        if a.overlaps(b):
-            raise dop.AliasingError(f"{name}: {an} and {bn} overlap; give each its own memory")
     _aligned(name, hidden, norm_w, w, work)
 
 
@@ -388,7 +387,7 @@ rms_lm_head_argmax = Kernel(  # work: a uint64 [2] workspace, zeroed once
     "rms_lm_head_argmax", SOURCE,
     [Out("logits", "float32", shape=(LOGITS_ROWS,), tile=("RPC",)), In("hidden", "float32", shape=("K",)),
      In("norm_w", "bfloat16", shape=("K",)), In("w", "bfloat16", shape=("vocab", "K")),
-     In("token", "int32", shape=(1,)), In("work", "uint64", shape=(2,)), In("error", "int32", shape=(1,)),
+     InOut("token", "int32", shape=(1,)), InOut("work", "uint64", shape=(2,)), InOut("error", "int32", shape=(1,)),
      Scalar("eps", "float32"), Scalar("vocab", "int32")],
     generics=["K", "NR", "CH", "W", "RPC"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),
     reference=_rms_lm_head_argmax_ref, limits=_rms_lm_head_argmax_limits, validate=_rms_lm_head_argmax_check)

@@ -7,7 +7,7 @@
 """
 from pathlib import Path
 
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from ._checks import _need
 
@@ -43,7 +43,7 @@ def _start_ref(g, state, tokens):
 
 llama_step = Kernel(  # one thread: tokens is partitioned whole, [cap]
     "llama_step", HERE / "llama_step.cu",
-    [Out("tokens", "int32", shape=("cap",), tile=("cap",)), In("state", "int32", shape=(4,)),
+    [Out("tokens", "int32", shape=("cap",), tile=("cap",)), InOut("state", "int32", shape=(4,)),
      In("sampled", "int32", shape=(1,)), In("eos", "int32", rank=1), Scalar("n_eos", "int32"),
      Scalar("prompt_len", "int32"), Scalar("max_new", "int32"), Scalar("cap", "int32")],
     block=1, reference=_step_ref, validate=_step_check)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from deviceop.distributed.oneshot import MAX_WORLD, check_buffers, claim_lines, exchange
-from deviceop.kernel import In, Kernel, Out, Scalar
+from deviceop.kernel import In, InOut, Kernel, Out, Scalar
 
 from ._checks import _aligned, _need
 from ._refmath import matvec64
@@ -157,7 +157,7 @@ matvec_allreduce = Kernel(
     "matvec_allreduce", SOURCE,
     [Out("out", "float32", shape=("N",), tile=("RPC",)), In("x", "float32", shape=("K",)),
      In("w", "bfloat16", shape=("N", "K")), In("residual", "float32", shape=("N",)),
-     In("peers", "uint64", shape=("WORLD",)), In("state", "uint32", shape=(-1,)), Scalar("rank", "int32"),
+     In("peers", "uint64", shape=("WORLD",)), InOut("state", "uint32", shape=(-1,)), Scalar("rank", "int32"),
      Scalar("slot_lines", "uint32"), Scalar("line0", "uint32"), Scalar("epoch0", "uint32"),
      Scalar("timeout_ns", "uint64")],
     generics=["K", "NR", "CH", "W", "RPC", "KS", "NB", "WORLD"], block="32*W", shared_mem=lambda g: x_shared(g["K"]),

@@ -62,6 +62,7 @@ PRECOMPILE = [
     (conv.conv2d_params["float32"], conv.TILES["128x128"].generics("float32")),
     (conv.conv2d_gn_stats_wgmma["float16"], conv.WGMMA_TILES["wg128x160"].generics("float16", 2)),
     (conv.conv2d_gn_act_wgmma[("float16", "float16")], ["__half", "__half", _WG.tm, _WG.tn, _WG.stages, 1]),
+    (conv.conv2d_gn_act_wgmma[("float16", "float32")], ["float", "__half", _WG.tm, _WG.tn, _WG.stages, 1]),
     *[(conv.gn_act_apply[("float16", "float16")], [conv.ACTS[act], "__half", "__half", pad])
       for act, pad in (("identity", 3), ("silu", 3), ("mish", 3), ("silu", 2))],
     (conv.gn_act_apply_inplace["float16"], [conv.ACTS["mish"], "__half", 3]),
@@ -90,6 +91,29 @@ def test_fused_op_matches_float64(stream, rng, shape, groups, r, tile, act, one_
     got = run(stream, plan, host)
     mx, rel = errors(got, conv_gn_act_reference(*host, groups, 1e-5, act))
     assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+def test_one_launch_writes_out_in_its_own_dtype(stream, rng):
+    """The one-launch kernel writes ``out`` (OT), not y: declared InOut of the out dtype, an fp32
+    output of an fp16 conv is accepted (declared as y, of the bias's dtype, it was refused)."""
+    n, h, w, c, k, groups = 2, 9, 9, 64, 200, 20
+    plan = ConvGnAct(n, h, w, c, k, groups=groups, act="mish", tile="wg64x128", one_launch=True, y_dtype="float16",
+                     out_dtype="float32", stream=stream)
+    host = make_inputs(rng, n, h, w, c, k)
+    got = run(stream, plan, host, out_dtype="float32")
+    assert got.dtype == np.float32
+    mx, rel = errors(got, conv_gn_act_reference(*host, groups, 1e-5, "mish"))
+    assert mx <= 1e-2 and rel <= 1e-3, (mx, rel)
+
+
+def test_the_conv_output_is_written_so_it_may_not_be_its_input(stream, rng):
+    """The conv writes y (declared InOut): the bare conv into its own input is an aliasing error
+    (declared In, it was accepted and read x while overwriting it)."""
+    n, h, w, c = 1, 8, 8, 16
+    plan = ConvGnAct(n, h, w, c, c, groups=4, tile="64x64", stream=stream)
+    x, wt, b = (dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, c)[:3])
+    with pytest.raises(dop.AliasingError, match=r"conv2d_gn_stats<.*> writes y and reads x from overlapping"):
+        plan.conv(x, x, wt, b).sync_on(stream)
 
 
 def test_in_place_equals_out_of_place_in_a_graph(stream, rng):

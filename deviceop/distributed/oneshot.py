@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShapeError
-from ..kernel import In, Kernel, Out, Scalar
+from ..kernel import In, InOut, Kernel, Out, Scalar
 
 SOURCE = Path(__file__).resolve().parent / "allreduce.cu"
 LINES = 64                 # threads (lines) per block: the kernel's oneshot::LINES
@@ -191,7 +191,7 @@ def _declare(mode: str, dtype: str) -> Kernel:
         mode, "allreduce_oneshot")
     generics = ["T", "B", "W"] + (["ACC"] if entry == "allreduce_oneshot" else [])
     params = [Out("out", dtype, shape=("N",), tile=("B",)), *[In(n, dtype, shape=("N",)) for n in tensors],
-              In("peers", "uint64", shape=("W",)), In("state", "uint32", shape=(-1,)),
+              In("peers", "uint64", shape=("W",)), InOut("state", "uint32", shape=(-1,)),  # epochs, error word: written
               Scalar("rank", "int32"), Scalar("slot_lines", "uint32"), Scalar("timeout_ns", "uint64")]
     return Kernel(f"all_reduce_one_shot_{mode}_{dtype}", SOURCE, params, generics=generics, entry=entry,
                   block=LINES, reference=_reference(mode), validate=_check)

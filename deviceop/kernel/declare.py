@@ -133,6 +133,7 @@ class Kernel:
         self.grid_index = outs[0] if outs else written[0]
         self.first_is_partition = bool(outs)
         self._out_positions = tuple(outs)
+        self._written_positions = tuple(written)  # every Out and InOut: what a loop's guard checks
         check_names(name, self.params, self.generic_names)
         # may a launch omit .generics()?  (when the parameters' shapes determine every generic)
         self.infers_generics = bool(self.generic_names) and inferable(self.params, self.generic_names)

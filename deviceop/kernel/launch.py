@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import DeviceOpError, LaunchError
 from ..op import DeviceOp, stats, warn_if_unexecuted
-from ..tensor import Partition
+from ..tensor import Partition, SharedTensor, Tensor
 from .plan import check_launch, checked_launch
 from .signature import Param, check_arg
 
@@ -138,9 +138,15 @@ class KernelLaunch(DeviceOp):
         return tuple(a for a in self.args if isinstance(a, DeviceOp))
 
     def writes(self) -> tuple:
-        """The tensors this launch writes, as far as they are known before it runs."""
-        out = self.args[0]
-        return (out.tensor,) if type(out) is Partition else ()
+        """The tensors this launch writes (its Out and InOut arguments), as far as they are
+        known before it runs (an argument that is an op is known when it has run)."""
+        out = []
+        for i in self.kernel._written_positions:
+            a = self.args[i]
+            t = a.tensor if isinstance(a, (Partition, SharedTensor)) and getattr(a, "_live", True) else a
+            if isinstance(t, Tensor):
+                out.append(t)
+        return tuple(out)
 
     def describe(self) -> str:
         return self.kernel.name_expression(self._generics) if self._generics is not None else self.kernel.name
@@ -179,8 +185,9 @@ class KernelLaunch(DeviceOp):
         (``_fast_launch_type``) instead; ``key`` is the launch key when that
         path has built it already."""
         launch_args, plan, head = self._check(ctx, values, key)
-        if ctx.guard is not None:  # inside a loop's body: not into the loop's index or count
-            ctx.guard.check(launch_args[0], self.describe)
+        if ctx.guard is not None:  # inside a loop's body: no output or in-out into the loop's index or count
+            for i in self.kernel._written_positions:
+                ctx.guard.check(launch_args[i], self.describe)
         if ctx.capture is None:
             plan.launcher(ctx.stream, plan.config, *launch_args)
         else:  # the capture records it, and decides what node it becomes
