@@ -506,7 +506,7 @@ def main() -> int:
 def check_current_plans(names) -> None:
     """The plans called current here are the ones examples/llama launches at each shard."""
     from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B
-    from llama.model import launch_plans
+    from llama.plans import launch_plans
     from llama.tp import Shard
     for name in names:
         s = sp.shape(name)

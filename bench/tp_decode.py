@@ -212,7 +212,8 @@ def worker(args) -> int:
 
     import deviceop as dop
     from llama.generate import Llama
-    from llama.model import Sampling, decode_kernels
+    from llama.model import Sampling
+    from llama.plans import decode_kernels
     from llama.tp import Shard
     SAMPLING = Sampling(**SAMPLING_ARGS)
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

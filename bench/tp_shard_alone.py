@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 import deviceop as dop  # noqa: E402
 from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B  # noqa: E402
 from llama.generate import Llama  # noqa: E402
-from llama.model import Sampling, decode_kernels  # noqa: E402
+from llama.model import Sampling  # noqa: E402
+from llama.plans import decode_kernels  # noqa: E402
 from tp_decode import gpu_weights  # noqa: E402
 
 

@@ -13,7 +13,8 @@ import deviceop as dop  # noqa: E402
 import deviceop.distributed as dist  # noqa: E402
 from deviceop.kernels.llama_tp import PAIRS, argmax_key, tp_argmax_pair, tp_argmax_pick, tp_place  # noqa: E402
 from llama.generate import Llama  # noqa: E402
-from llama.model import Sampling, decode_kernels  # noqa: E402
+from llama.model import Sampling  # noqa: E402
+from llama.plans import decode_kernels  # noqa: E402
 from llama.tp import TINY_TP, shard_weights, Shard  # noqa: E402
 from llama.weights import layer_names, random_weights  # noqa: E402
 

@@ -15,7 +15,7 @@ from deviceop.kernels import llama_proj as lp  # noqa: E402
 from deviceop.kernels import llama_tp as ltp  # noqa: E402
 from deviceop.kernels.llama_tuned import TUNED  # noqa: E402
 from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B  # noqa: E402
-from llama.model import decode_kernels, launch_plans  # noqa: E402
+from llama.plans import decode_kernels, launch_plans  # noqa: E402
 from llama.tp import Shard  # noqa: E402
 
 CAP = 4096

@@ -1,4 +1,5 @@
-"""The Llama decoder on deviceop: weights on the device, buffers, and the ops of a step.
+"""The Llama decoder on deviceop: its buffers and the ops of a step (the weights as the kernels
+read them: device_weights.py; which kernels launch, with which plans: plans.py).
 
 One decode step is 5 launches a layer plus the embedding, the head and the
 sampler, every one a programmatic dependent launch (``.pdl()``): a kernel
@@ -30,24 +31,18 @@ from deviceop.distributed.peer import unreachable
 from deviceop.kernels import llama_attn as attn_k
 from deviceop.kernels import llama_proj as proj
 from deviceop.kernels.llama_step import llama_step, llama_step_start
-from deviceop.kernels.llama_tp import (MAX_RESIDENT, PAIRS, PLACE_TILE, matvec_allreduce, matvec_allreduce_plan,
+from deviceop.kernels.llama_tp import (MAX_RESIDENT, PAIRS, PLACE_TILE, matvec_allreduce,
                                        placed_rows, tp_argmax_pair, tp_argmax_pick, tp_place)
 
 from .config import INT32_MAX, LlamaConfig, kernel_limits
-from .tp import Shard, agree, shard_weights
-from .weights import BF16, check_weights, host_memory_bytes, layer_names, weights_digest
+from .device_weights import DeviceWeights, check_memory
+from .plans import SAMPLE_CANDIDATES, attn_args, launch_plans
+from .tp import Shard, agree
+from .weights import BF16, check_weights, weights_digest
 
 
-# Launch shapes measured on the H100 (kernels/llama_attn.cu, llama_sample.cu headers): attention
-# takes attn_plan's choices (16 splits, chunks of >= 64 rows, 16 warps) or those measured better at
-# a shard's KV heads (kernels/llama_tuned.py).
-# The decode loop keeps attn_decode's PREFETCH contract: the position is written only by the control
-# step that ends an iteration, and each step's QKV kernel appends entry pos alone, so attention loads
-# the older entries before its griddepcontrol.wait.
-ATTN_PREFETCH = True
 # tensor parallel: how the ranks' partial sums are added (LlamaDecoder's allreduce=)
 ALLREDUCE = ("auto", "oneshot", "nccl")
-SAMPLE_CANDIDATES = 32  # a CTA's candidates, fewer past 131072 logits (llama_attn.sample_candidates)
 # The device's error word (kernels/llama_common.cuh llama::ERR_*): bits OR-ed in by the kernels.
 # ERR_NONFINITE is what the LM head kernel sets when a logit is NaN or inf (the host also
 # checks the last logits, which a non-finite value anywhere in a generation reaches).
@@ -86,105 +81,6 @@ class Sampling:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class DeviceWeights:
-    """A model's weights on the device, laid out as the kernels read them: q, k and v
-    rows in one matrix, gate and up rows in one matrix (the rest as given).  With a
-    ``shard`` of a tensor-parallel group, only that rank's blocks (examples/llama/tp.py)."""
-
-    def __init__(self, cfg: LlamaConfig, weights: dict, stream, shard: Shard | None = None, *,
-                 check: bool = True):
-        if check:  # LlamaDecoder checks first, before it sizes anything
-            check_weights(cfg, weights)
-        self.cfg = cfg
-        shard = shard or Shard(cfg)
-        part = shard_weights(cfg, weights, shard, layer_names)
-
-        def put(w):
-            return _to_device(w, stream)
-
-        def cat(*ws):
-            return _concat(list(ws), stream)
-
-        self.embed = put(part["embed"])
-        self.final_norm = put(part["final_norm"])
-        self.head = self.embed if part["head"] is part["embed"] else put(part["head"])
-        self.layers = []
-        for w in part["layers"]:
-            self.layers.append({"input_norm": put(w["input_norm"]), "post_norm": put(w["post_norm"]),
-                                "qkv": cat(w["q"], w["k"], w["v"]), "o": put(w["o"]),
-                                "gate_up": cat(w["gate"], w["up"]), "down": put(w["down"])})
-
-
-def _to_device(w, stream) -> dop.Tensor:
-    """A host array is copied; a device tensor (torch, CuPy: anything with DLPack) is used in place."""
-    if isinstance(w, np.ndarray):
-        return dop.from_numpy(np.ascontiguousarray(w), stream=stream)
-    return dop.from_dlpack(w)
-
-
-def _concat(parts: list, stream) -> dop.Tensor:
-    """Rows of ``parts`` stacked into one new device matrix."""
-    if all(isinstance(p, np.ndarray) for p in parts):
-        return dop.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)), stream=stream)
-    rows = sum(p.shape[0] for p in parts)
-    out = dop.empty([rows, parts[0].shape[1]], dop.bfloat16, stream=stream)
-    start = 0
-    for p in parts:
-        src = _to_device(p, stream)
-        api.memcpy(out[start:start + src.shape[0]], src).sync_on(stream)
-        start += src.shape[0]
-    return out
-
-
-def check_memory(cfg: LlamaConfig, weights: dict, capacity: int, device) -> None:
-    """Refuse, before anything is allocated, a model whose KV cache and host weights (copied
-    to the device) exceed the device's free memory (the reference device: this machine's)."""
-    need = cfg.kv_bytes(capacity) + sum(w.nbytes for w in weights.values() if isinstance(w, np.ndarray))
-    free = host_memory_bytes() if device.is_reference else device.memory_info()[0]
-    if free and need > free:
-        raise dop.OutOfMemoryError(
-            "Llama(...)", 2, "CUDA_ERROR_OUT_OF_MEMORY",
-            f"the weights and a KV cache of {capacity} entries need {need / 2**30:.2f} GiB; "
-            f"{free / 2**30:.2f} GiB are free", "Use a smaller capacity or model, or free device memory")
-
-
-def launch_plans(cfg: LlamaConfig, capacity: int, shard: Shard) -> dict:
-    """Launch name -> (tile, generics) of a decode step (the head's: (tile, logits rows, generics))."""
-    d, hd = cfg.hidden_size, cfg.head_dim
-    plans = {"embed": proj.embed_plan(d), "qkv": proj.qkv_plan(d, shard.heads, shard.kv_heads, hd),
-             "o": proj.matvec_residual_plan(d, shard.q_size), "gate_up": proj.gate_up_plan(d, shard.inter),
-             "down": proj.matvec_residual_plan(d, shard.inter), "head": proj.lm_head_plan(d, shard.vocab),
-             # attention: a fixed grid of splits a KV head (the chunks follow the device-side length)
-             "attn": attn_k.attn_plan(capacity, hd, cfg.group, **attn_args(shard))}
-    if shard.size > 1:  # the O and down projections with the all-reduce in their epilogue
-        plans["o_ar"] = matvec_allreduce_plan(d, shard.q_size, shard.size)
-        plans["down_ar"] = matvec_allreduce_plan(d, shard.inter, shard.size)
-    return plans
-
-
-def attn_args(shard: Shard) -> dict:
-    """attn_plan's keyword arguments for a shard (its KV heads set the grid with the splits)."""
-    return dict(prefetch=ATTN_PREFETCH, kv_heads=shard.kv_heads)
-
-
-def decode_kernels(cfg: LlamaConfig, capacity: int, shard: Shard | None = None) -> list:
-    """(kernel, generics) of every kernel a decode loop launches, greedy or sampling (the same on
-    every rank of a tensor-parallel group): what ``dop.precompile`` takes, to compile them all
-    at start-up in parallel instead of one by one at the first capture."""
-    shard = shard or Shard(cfg)
-    p = launch_plans(cfg, capacity, shard)
-    items = [(proj.embed_gather, p["embed"][1]), (proj.rms_qkv_rope, p["qkv"][1]), (attn_k.attn_decode, p["attn"][1]),
-             (proj.matvec_residual, p["o"][1]), (proj.rms_gate_up_silu, p["gate_up"][1]),
-             (proj.matvec_residual, p["down"][1]), (proj.rms_lm_head_argmax, p["head"][2]),
-             (attn_k.sample, [attn_k.sample_candidates(cfg.vocab_size, SAMPLE_CANDIDATES)]),
-             (llama_step, ()), (llama_step_start, ())]
-    if shard.size > 1:
-        items += [(tp_argmax_pair, ()), (tp_argmax_pick, ()), (tp_place, [PLACE_TILE]),
-                  (matvec_allreduce, p["o_ar"][1]), (matvec_allreduce, p["down_ar"][1])]
-    unique = {(k.name, tuple(g)): (k, list(g)) for k, g in items}
-    return list(unique.values())
-
-
 class LlamaDecoder:
     """Buffers and launch plans for batch-1 decode of one model with a KV cache of ``capacity``.
     With a ``group`` (deviceop.distributed) of N ranks, this rank's share of a tensor-parallel
@@ -214,7 +110,7 @@ class LlamaDecoder:
         self.group = group if sh.size > 1 else None
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
         self.w = DeviceWeights(cfg, weights, stream, sh, check=False)
-        d, hq, hkv, hd = cfg.hidden_size, sh.heads, sh.kv_heads, cfg.head_dim
+        d, hkv, hd = cfg.hidden_size, sh.kv_heads, cfg.head_dim
 
         def buf(shape, dtype="float32"):
             return dop.empty(shape, dtype, stream=stream)
