@@ -267,6 +267,23 @@ def test_graph_model_forward_is_a_copy_and_a_replay_and_refuses_what_a_replay_re
     np.testing.assert_array_equal(out.numpy(stream=stream), before)
 
 
+def test_a_warm_replay_is_one_python_call_the_driver_launch(stream, model):
+    # the host time of graph.replay() is what a device loop's launch costs: its checks (not
+    # executing, open, not captured elsewhere) are inline, under the graph's lock, and the one
+    # Python call it makes is the driver's graph launch (it made three more: executing_now,
+    # _replay, _check_open)
+    weights, _ = model
+    graph, x, out = capture_forward(stream, weights)
+
+    def made_by_replay(frame):
+        return frame.f_code.co_name if frame.f_back and frame.f_back.f_code.co_name == "replay" else None
+    assert calls_during(lambda: graph.replay(stream), made_by_replay) == ["launch"]
+    assert calls_during(lambda: graph.replay(), made_by_replay) == ["launch"]
+    other = stream.device.new_stream()  # another stream of the graph's device: checked first
+    assert calls_during(lambda: graph.replay(other), made_by_replay) == ["placed", "launch"]
+    other.synchronize()
+
+
 def test_a_scope_body_that_raises_leaves_no_capture_open(stream):
     a, out = dop.empty(128, stream=stream), dop.empty(128, stream=stream)
 

@@ -13,6 +13,7 @@ import pytest
 import deviceop as dop
 from deviceop import CudaGraph, api
 from deviceop.kernels import add, affine
+from helpers import calls_during
 
 N, B = 1024, 256
 
@@ -80,6 +81,24 @@ def test_update_errors_name_the_problem_and_change_nothing(stream, data):
         affine(y.partition([B]), x, 1.0, 1.0).dynamic("gamma")
     graph.launch().sync_on(stream)  # the graph still does what it did
     assert close(y.numpy(), affine_ref(xs, 2.0, 1.0))
+
+
+def test_a_scalar_update_makes_one_python_call_besides_the_driver(stream, data):
+    # node.set(alpha=...) on a scalar is a dynamic loop's hot path: the lock-held open check is
+    # inline, so its Python calls are the launch key's lookup, the node's driver and the driver's
+    # update (a closure and _in_exec were two more)
+    xs, x, y = data
+    step = affine(y.partition([B]), x, 2.0, 1.0).generics([B]).dynamic("alpha")
+    graph = step.graph_on(stream)
+    node = graph.node(step)
+    node.set(alpha=-0.5)  # checked once (affine's validate may read scalars): the fast path's key lookup finds it
+    node.set(alpha=3.0)
+
+    def made_by_set_fast(frame):
+        return frame.f_code.co_name if frame.f_back and frame.f_back.f_code.co_name == "_set_fast" else None
+    assert calls_during(lambda: node.set(alpha=-0.5), made_by_set_fast) == ["launch_key", "_driver", "set_kernel_node"]
+    graph.launch().sync_on(stream)
+    assert close(y.numpy(), affine_ref(xs, -0.5, 1.0))
 
 
 def test_tensor_updates_are_checked_like_launches(stream, data):

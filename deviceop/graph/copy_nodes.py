@@ -54,8 +54,8 @@ class MemcpyNode(Node):
                                 "copies between two buffers")
         self._check_handle("updated")
         self._check_buffers(copy_footprint(new_dst, new_src))
-        self._in_exec(graph, lambda exec_: self._driver(graph).set_memcpy_node(
-            exec_, self.handle, new_dst.data_ptr, new_src.data_ptr, new_dst.nbytes, graph._device, self.label))
+        self._in_exec(graph, self._driver(graph).set_memcpy_node, new_dst.data_ptr, new_src.data_ptr, new_dst.nbytes,
+                      graph._device, self.label)
         self.dst, self.src = new_dst, new_src
         self._note_buffers(copy_footprint(new_dst, new_src))
 
@@ -81,8 +81,8 @@ class MemsetNode(Node):
         bits, size, count = fill_pattern(new_dst, new_value)
         self._check_handle("updated")
         self._check_buffers(fill_footprint(new_dst))
-        self._in_exec(graph, lambda exec_: self._driver(graph).set_memset_node(
-            exec_, self.handle, new_dst.data_ptr, bits, size, count, graph._device, self.label))
+        self._in_exec(graph, self._driver(graph).set_memset_node, new_dst.data_ptr, bits, size, count, graph._device,
+                      self.label)
         self.dst, self.value = new_dst, new_value
         self._note_buffers(fill_footprint(new_dst))
 

@@ -65,7 +65,7 @@ class Node:
             raise DTypeError(f"{self.label}: enabled takes True or False, got {type(on).__name__} {on!r}")
         graph = self._live_graph()
         self._check_handle("switched on or off")
-        self._in_exec(graph, lambda exec_: self._driver(graph).set_enabled(exec_, self.handle, bool(on), self.label))
+        self._in_exec(graph, self._driver(graph).set_enabled, bool(on), self.label)
         self._enabled = bool(on)
 
     def _check_handle(self, what: str) -> None:
@@ -86,13 +86,20 @@ class Node:
                              "take the node of the new op: graph.node(op)")
         return graph
 
-    def _in_exec(self, graph, call) -> None:
-        """``call(exec_)`` on the graph's executable graph under its lock, refused if another thread
-        closed or recaptured the graph since this update began: the driver is never handed an
-        executable graph that was destroyed (or one this node is no longer in)."""
-        with graph._lock:
-            self._live_graph()
-            call(graph._exec)
+    def _in_exec(self, graph, call, *args) -> None:
+        """``call(exec_, handle, *args)`` on the graph's executable graph and this node under the
+        graph's lock, refused if another thread closed or recaptured the graph since this update
+        began: the driver is never handed an executable graph that was destroyed (or one this node
+        is no longer in).  (acquire/release rather than ``with``: cheaper on CPython; a scalar update,
+        which bench/dynamic_params.py times, inlines this.)"""
+        lock = graph._lock
+        lock.acquire()
+        try:
+            if graph._closed or self._stale:
+                self._live_graph()  # raises, naming which
+            call(graph._exec, self.handle, *args)
+        finally:
+            lock.release()
 
     def _attach(self, graph, index: int) -> None:
         self._graph, self.index = weakref.ref(graph), index
@@ -265,9 +272,15 @@ class KernelNode(Node):
         args = self.launch_args
         for i in done:
             args[i] = changes[kernel.params[i].name]
+        lock = graph._lock  # _in_exec inlined: this is the hot path of a scalar update
         try:
-            self._in_exec(graph, lambda exec_: self._driver(graph).set_kernel_node(exec_, self.handle, self._params,
-                                                                                   args, self.label))
+            lock.acquire()
+            try:
+                if graph._closed or self._stale:
+                    self._live_graph()  # raises, naming which
+                self._driver(graph).set_kernel_node(graph._exec, self.handle, self._params, args, self.label)
+            finally:
+                lock.release()
         except BaseException:
             for i in done:
                 args[i] = values[i]
@@ -288,8 +301,7 @@ class KernelNode(Node):
             self._buf[:len(saved)] = saved
             self._check_handle("updated")
         try:
-            self._in_exec(graph, lambda exec_: self._driver(graph).set_kernel_node(exec_, self.handle, self._params,
-                                                                                   launch_args, self.label))
+            self._in_exec(graph, self._driver(graph).set_kernel_node, self._params, launch_args, self.label)
         except BaseException:
             self._buf[:len(saved)] = saved  # the node keeps its previous arguments
             raise
