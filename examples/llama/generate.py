@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numbers
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -26,6 +27,9 @@ from .config import LlamaConfig
 from .model import NONFINITE, LlamaDecoder, Sampling
 
 
+STREAM_INTERRUPTED = ("this stream was interrupted: another generate, stream or logits_along on this Llama reloaded "
+                      "its KV cache and decode state since the stream began; its next tokens would be garbage. "
+                      "Start a new stream (one Llama serves one request at a time)")
 NO_TP_PREFILL = ("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 (the prompt is "
                  "then ingested token by token)")
 
@@ -66,6 +70,11 @@ class Llama:
         self._steps: dict = {}   # same key -> graph of one step
         self.prefill_chunk = prefill_chunk  # generate's default: None ingests the prompt token by token
         self._prefills: dict = {}  # chunk -> ChunkedPrefill (examples/llama/prefill.py)
+        # One request at a time: the KV cache, the token buffer and the decode state are shared by every
+        # call, so concurrent calls (threads) are serialised, and each request that loads a prompt bumps
+        # the epoch, so that a stream started before it refuses to go on instead of yielding garbage.
+        self._lock = threading.RLock()
+        self._epoch = 0
 
     @property
     def decoder(self) -> LlamaDecoder:
@@ -78,8 +87,13 @@ class Llama:
         buffers, and the group (with its peer buffers) when ``tp=N`` made it (collective: every
         rank of the group calls it, after its last generation).  The captured generations are
         dropped; any later call raises StateError.  Idempotent."""
+        with self._lock:  # after a request running on another thread, not in the middle of it
+            self._close()
+
+    def _close(self) -> None:
         if self._decoder is None:
             return
+        self._epoch += 1  # a live stream now refuses to go on
         self.cuda_stream.synchronize()
         self._loops.clear()
         self._steps.clear()
@@ -94,6 +108,7 @@ class Llama:
             self._own_group.close()
 
     def __enter__(self) -> "Llama":
+        self.decoder  # noqa: B018 (a closed Llama is refused here, not at its first request)
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -141,8 +156,15 @@ class Llama:
         """Prompt in, generated tokens out (stopping at EOS or ``max_new_tokens``).
         ``graph=False`` runs the same ops eagerly (a host loop, for checking).
         ``prefill_chunk`` (default: the constructor's): ingest the prompt that many tokens a
-        pass over the weights (examples/llama/prefill.py) instead of one token a step."""
-        sampling = sampling or Sampling()
+        pass over the weights (examples/llama/prefill.py) instead of one token a step.
+        Thread-safe: concurrent requests on one Llama run one after the other."""
+        with self._lock:
+            return self._generate(prompt, max_new_tokens, sampling, graph, prefill_chunk)
+
+    def _generate(self, prompt, max_new_tokens, sampling, graph, prefill_chunk) -> list:
+        sampling = _sampling(sampling)
+        if not isinstance(graph, bool):
+            raise dop.ShapeError(f"graph={graph!r}: pass True (one graph launch) or False (the ops eagerly)")
         dec = self.decoder
         chunk = prefill_chunk if prefill_chunk is not None else self.prefill_chunk
         prefill = self._prefill(chunk) if chunk else None  # an unsupported chunk is refused here
@@ -152,6 +174,7 @@ class Llama:
         def generation():
             return (prefill or dec).generation(sampling, prompt.size, max_new_tokens)
 
+        self._epoch += 1
         dec.load_prompt(prompt)
         if not graph:
             generation().sync_on(self.cuda_stream)
@@ -176,22 +199,34 @@ class Llama:
     def logits_along(self, tokens, positions=None):
         """Teacher forcing: the decoder reads ``tokens`` one position at a time (the per-token
         graph, whatever it would have chosen) and returns the float32 logits it computed at each
-        of ``positions`` (default: every position), ``[len(positions), vocab]``; row i predicts
-        the token after ``positions[i]``."""
+        of ``positions`` (default: every position; a sequence of ints, repeats allowed),
+        ``[len(positions), vocab]``; row i predicts the token after ``positions[i]``."""
+        with self._lock:
+            return self._logits_along(tokens, positions)
+
+    def _logits_along(self, tokens, positions):
         dec = self.decoder
         tokens = dec.check_request(tokens, 1)
-        positions = list(range(tokens.size) if positions is None else positions)
-        bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, numbers.Integral)
+        if positions is None:
+            positions = range(tokens.size)
+        elif isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
+            raise dop.ShapeError(f"positions={positions!r} must be a sequence of token positions (e.g. [{tokens.size - 1}]"
+                                 "), not a single value")
+        positions = list(positions)
+        bad = [p for p in positions if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Integral)
                or not 0 <= p < tokens.size]
         if not positions or bad:
             raise dop.ShapeError(f"positions must name tokens of the sequence [0, {tokens.size}); got "
                                  f"{bad[0] if bad else 'none'} (each an integer)")
         positions = [int(p) for p in positions]
         self._agree(tokens.tobytes(), positions)
-        wanted = {p: i for i, p in enumerate(positions)}
+        wanted: dict = {}  # position -> the rows asking for it (a position may be asked for twice)
+        for i, p in enumerate(positions):
+            wanted.setdefault(p, []).append(i)
         out = np.empty((len(positions), self.cfg.vocab_size), np.float32)
         logits = dec.vocab_logits
         greedy = Sampling()
+        self._epoch += 1
         dec.load_prompt(tokens)
         key = self._key(tokens.size, 1, greedy) + ("logits",)
         g = self._steps.get(key)
@@ -213,15 +248,21 @@ class Llama:
         """A whole generation in one graph launch, timed: GPU µs per generated token over the
         steps after the prompt (a generation of ``max_new_tokens`` minus one of 1 token, over
         the tokens it generated less one), the host µs of the launch, medians of ``reps``."""
-        sampling = sampling or Sampling()
+        with self._lock:
+            return self._time_generation(prompt, max_new_tokens, sampling, reps)
+
+    def _time_generation(self, prompt, max_new_tokens, sampling, reps) -> dict:
+        sampling = _sampling(sampling)
         prompt = self.decoder.check_request(prompt, max_new_tokens)
+        if isinstance(reps, bool) or not isinstance(reps, numbers.Integral) or reps < 1:
+            raise dop.ShapeError(f"reps={reps!r}: time at least one replay (an integer >= 1)")
         stream = self.cuda_stream
 
         def timed(n):
             tokens = self.generate(prompt, n, sampling)  # captures and warms up
             graph = self._loops[self._key(prompt.size, n, sampling)]
             gpu, host = [], []
-            for _ in range(reps):
+            for _ in range(int(reps)):
                 self.decoder.load_prompt(prompt)
                 start = stream.record_event()
                 t0 = time.perf_counter()
@@ -238,24 +279,49 @@ class Llama:
                 "generation_us": full}
 
     def stream(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None):
-        """Yield each generated token as soon as its step is done (one graph launch per token)."""
-        sampling = sampling or Sampling()
-        dec = self.decoder
-        prompt = dec.check_request(prompt, max_new_tokens)
-        self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), "stream")
-        dec.load_prompt(prompt)
-        key = self._key(prompt.size, max_new_tokens, sampling)
-        g = self._steps.get(key)
-        if g is None:
-            g = self._steps[key] = dec.step(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
-        dec.start().sync_on(self.cuda_stream)
+        """Yield each generated token as soon as its step is done (one graph launch per token).
+        The request is checked here, when ``stream`` is called; the generation starts at the
+        first ``next``.  Another request on this Llama (any thread) before the stream ends
+        interrupts it: its next ``next`` raises StateError rather than yield garbage."""
+        sampling = _sampling(sampling)
+        prompt = self.decoder.check_request(prompt, max_new_tokens)
+        return self._stream(prompt, max_new_tokens, sampling)
+
+    def _stream(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling):
+        with self._lock:
+            dec = self.decoder
+            self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), "stream")
+            self._epoch += 1
+            mine = self._epoch
+            dec.load_prompt(prompt)
+            key = self._key(prompt.size, max_new_tokens, sampling)
+            g = self._steps.get(key)
+            if g is None:
+                g = self._steps[key] = dec.step(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
+            dec.start().sync_on(self.cuda_stream)
         seen = 0
         while True:
-            g.replay()
-            self.cuda_stream.synchronize()
-            state = dec.state.numpy(stream=self.cuda_stream)
-            if state[3] > seen:  # a new token: checked (error word, finite logits) before it is given out
-                yield from dec.read_generated(prompt.size)[seen:]
-                seen = int(state[3])
+            with self._lock:  # not held while the caller has a token: an abandoned stream blocks nobody
+                dec = self.decoder  # closed meanwhile: StateError
+                if self._epoch != mine:
+                    raise dop.StateError(STREAM_INTERRUPTED)
+                g.replay()
+                self.cuda_stream.synchronize()
+                state = dec.state.numpy(stream=self.cuda_stream)
+                new = []
+                if state[3] > seen:  # a new token: checked (error word, finite logits) before it is given out
+                    new = dec.read_generated(prompt.size)[seen:]
+                    seen = int(state[3])
+            yield from new
             if state[1] == 0:
                 return
+
+
+def _sampling(sampling) -> Sampling:
+    """``sampling=`` as a Sampling (None: greedy), or a ShapeError saying how to make one."""
+    if sampling is None:
+        return Sampling()
+    if not isinstance(sampling, Sampling):
+        raise dop.ShapeError(f"sampling={sampling!r} is not a Sampling: pass Sampling(temperature=..., top_k=..., "
+                             "top_p=..., seed=...) from examples/llama/model.py, or None for greedy")
+    return sampling
