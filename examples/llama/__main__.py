@@ -94,6 +94,15 @@ def parse(argv):
         ap.error("--prefill-chunk must be 0 (token by token) or a chunk size")
     if sum(map(bool, (args.gguf, args.weights, args.random))) > 1:
         ap.error("pick one model: --gguf, --weights or --random")
+    if args.config and args.gguf:
+        ap.error("--config applies to --weights or --random: a GGUF file holds its own config (drop --config)")
+    if args.prefill_chunk and args.stream:
+        ap.error("--prefill-chunk needs the whole generation in one launch: drop --stream (a stream ingests the "
+                 "prompt token by token) or drop --prefill-chunk")
+    try:  # every sampling flag (and the seed, which also seeds the random weights) checked before a model is read
+        args.sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except dop.DeviceOpError as exc:
+        ap.error(f"{exc} (--temperature, --top-k, --top-p, --seed)")
     return ap, args
 
 
@@ -158,6 +167,8 @@ def main(argv=None) -> int:
             prompt = tokenizer.chat(args.prompt or DEFAULT_CHAT) if args.chat else tokenizer.encode(args.prompt)
         except dop.DeviceOpError as exc:
             ap.error(str(exc))
+        if not prompt:
+            ap.error(f"--prompt {args.prompt!r} encodes to no tokens: give some text (or --chat)")
     elif tokenizer is not None:
         args.prompt, args.chat = DEFAULT_CHAT, tokenizer.chat_template is not None
         prompt = tokenizer.chat(DEFAULT_CHAT) if args.chat else tokenizer.encode(DEFAULT_CHAT)
@@ -166,7 +177,7 @@ def main(argv=None) -> int:
     max_new = args.max_new or (64 if text else 128)
     if len(prompt) + max_new > args.capacity:  # refused before a weight is read
         ap.error(f"a prompt of {len(prompt)} tokens + --max-new {max_new} exceed --capacity {args.capacity}")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = args.sampling
 
     print(f"model: {label}; {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
           f"({cfg.weight_bytes() / 1e9:.3f} GB of bf16 weights); device: "
