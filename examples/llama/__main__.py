@@ -171,7 +171,10 @@ def main(argv=None) -> int:
             ap.error(f"--prompt {args.prompt!r} encodes to no tokens: give some text (or --chat)")
     elif tokenizer is not None:
         args.prompt, args.chat = DEFAULT_CHAT, tokenizer.chat_template is not None
-        prompt = tokenizer.chat(DEFAULT_CHAT) if args.chat else tokenizer.encode(DEFAULT_CHAT)
+        try:
+            prompt = tokenizer.chat(DEFAULT_CHAT) if args.chat else tokenizer.encode(DEFAULT_CHAT)
+        except dop.DeviceOpError as exc:  # a chat template that does not apply
+            ap.error(str(exc))
     else:
         prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len).tolist()
     max_new = args.max_new or (64 if text else 128)
