@@ -115,3 +115,50 @@ def test_arguments_of_the_wrong_kind_are_refused_before_launching_and_the_model_
         call(llama, prompt)
     assert dop.op.stats["launches"] == before
     assert llama.generate(prompt, 4) == want
+
+
+# -- the model and its arguments ----------------------------------------------------------------
+
+@pytest.fixture
+def allocations(monkeypatch):
+    calls = []
+    original = type(dop.Device(0)).alloc
+    monkeypatch.setattr(type(dop.Device(0)), "alloc", lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (lambda cfg, w: dict(cfg=cfg.to_dict()), dop.DTypeError, "the config is a dict, not a LlamaConfig"),
+    (lambda cfg, w: dict(weights=list(w.values())), dop.DTypeError, "the weights are a list, not a mapping"),
+    (lambda cfg, w: dict(weights=None), dop.DTypeError, "the weights are a NoneType"),
+    (lambda cfg, w: dict(weights={**w, "model.norm.weight": [1.0] * cfg.hidden_size}), dop.DTypeError,
+     "model.norm.weight is a list, not an array"),
+    (lambda cfg, w: dict(stream=5), dop.DTypeError, "stream=5 is not a deviceop stream"),
+    (lambda cfg, w: dict(pdl="no"), dop.DTypeError, "pdl='no': pass True"),
+    (lambda cfg, w: dict(prefill_chunk=3), dop.ShapeError, "a chunk of T=3 tokens is not supported"),
+    (lambda cfg, w: dict(prefill_chunk=8.0), dop.ShapeError, "a prefill chunk must be an int"),
+    (lambda cfg, w: dict(weights={**w, "model.layers.0.self_attn.q_proj.bias": w["model.norm.weight"]}),
+     dop.ShapeError, "holds model.layers.0.self_attn.q_proj.bias, a bias a Llama decoder does not add"),
+])
+def test_model_arguments_of_the_wrong_kind_are_refused_before_anything_is_allocated(weights, allocations, change,
+                                                                                  error, message):
+    """A DTypeError for an argument of the wrong kind, a ShapeError for a chunk or a bias.  Each
+    was a raw AttributeError/TypeError, accepted as truthy (pdl='no'), refused only at the
+    first generate (a chunk), or accepted and decoded without its biases (Qwen2-style)."""
+    args = {"cfg": TINY, "weights": weights, "capacity": CAP, **change(TINY, weights)}
+    with pytest.raises(error, match=message):
+        Llama(args.pop("cfg"), args.pop("weights"), **args)
+    assert allocations == []
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"model_type": "qwen2"}, "model_type='qwen2': this decoder reads Llama-family configs"),
+    ({"model_type": "gemma"}, "model_type='gemma'"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096: the kernels attend to the whole cache"),
+])
+def test_a_config_of_another_architecture_is_refused_naming_it(fields, message):
+    """A Qwen2 config (SiLU, no bias fields) or a windowed Mistral one read as a Llama config."""
+    from llama.config import LlamaConfig
+    with pytest.raises(dop.ShapeError, match=message):
+        LlamaConfig.from_dict({**TINY.to_dict(), **fields})
+    assert LlamaConfig.from_dict({**TINY.to_dict(), "model_type": "mistral", "sliding_window": None}) == TINY

@@ -46,6 +46,7 @@ class Llama:
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
                  prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):
+        _check_arguments(cfg, stream, pdl, prefill_chunk)  # of the right kind, before any group or buffer is made
         made = group is None
         group = self._group(cfg, tp, group)
         self._own_group = group if made else None  # made here from the launcher's environment: closed by close()
@@ -315,6 +316,25 @@ class Llama:
             yield from new
             if state[1] == 0:
                 return
+
+
+def _check_arguments(cfg, stream, pdl, prefill_chunk) -> None:
+    """Llama(...)'s arguments of the wrong kind, refused naming the fix (they failed later as raw
+    AttributeErrors, or, for a chunk, only at the first generate)."""
+    if not isinstance(cfg, LlamaConfig):
+        raise dop.DTypeError(f"the config is a {type(cfg).__name__}, not a LlamaConfig: pass "
+                             "LlamaConfig.from_dict(d) or LlamaConfig.from_json(path)")
+    if stream is not None and not isinstance(stream, dop.Stream):
+        raise dop.DTypeError(f"stream={stream!r} is not a deviceop stream: pass device.new_stream(), or none")
+    if not isinstance(pdl, (bool, np.bool_)):
+        raise dop.DTypeError(f"pdl={pdl!r}: pass True (programmatic dependent launch) or False")
+    if prefill_chunk is not None and prefill_chunk is not False and prefill_chunk != 0:
+        from deviceop.kernels import llama_prefill as pf
+
+        from .config import kernel_limits
+        kernel_limits(cfg)  # (the chunk's plans assume a served shape)
+        pf.check_chunk(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim, prefill_chunk)
 
 
 def _sampling(sampling) -> Sampling:
