@@ -3,7 +3,8 @@ token list, merges, token types, flags and chat template of the wrong kind, a ch
 directory's tokenizer_config.json that is not an object or names tokens its tokenizer.json
 lacks, and the chat-template places transformers writes.  Each damaged one is a StateError
 naming the field (it was a raw TypeError/Exception from the tokenizers library, a jinja2
-error, or silently misread); each real layout is read."""
+error, or silently misread); each real layout is read.  And a GGUF tensor the decoder does
+not read is named, whatever the tensor count."""
 import json
 import re
 import sys
@@ -102,3 +103,14 @@ def test_a_tokenizer_config_that_does_not_fit_is_a_state_error_naming_it(directo
 def test_decode_refuses_what_is_not_token_ids(fields, ids, message):
     with pytest.raises(dop.DTypeError, match=message):
         Tokenizer.from_gguf_fields(fields).decode(ids)
+
+
+def test_a_tensor_the_decoder_does_not_read_is_named_even_when_the_count_differs(tmp_path, monkeypatch):
+    """A Llama 3 GGUF holds rope_freqs.weight (its RoPE scaling, which this loader does not
+    serve): it was refused as 'the file and its metadata do not belong together'."""
+    import numpy as np
+    path = write_gguf(tmp_path / "llama3.gguf", CFG, hf_weights(np.random.default_rng(), CFG),
+                      extra=[("rope_freqs.weight", np.ones(CFG.head_dim // 2, np.float32))])
+    with pytest.raises(dop.StateError, match="holds a tensor 'rope_freqs.weight' that a Llama decoder of 2 layers "
+                                             "does not read .*llama3 rope_freqs"):
+        open_gguf(path)

@@ -149,13 +149,15 @@ def open_gguf(path, *, kernels: bool = True) -> GGUFModel:
                                  f"model a vocabulary of {cfg.vocab_size}: they do not belong together")
         tokenizer.check_vocab(cfg.vocab_size)
 
-    # every tensor from the header alone: the count first (cheap for any layer count), then each one
+    # every tensor from the header alone: each name the file holds (a tensor this decoder does not read, as
+    # llama3's rope_freqs, is named), then the count (cheap for any layer count), then each one's kind and shape
+    names = {name: _hf_name(name, cfg.num_hidden_layers) for name in tensors}
     if len(tensors) != weight_count(cfg):
         raise dop.StateError(f"{path.name} holds {len(tensors)} tensors and a Llama decoder of this config reads "
                              f"{weight_count(cfg)}: the file and its metadata do not belong together")
     shapes, size, plan = dict(iter_expected(cfg)), path.stat().st_size, {}
     for name, t in tensors.items():
-        hf = _hf_name(name, cfg.num_hidden_layers)
+        hf = names[name]
         kind = t.tensor_type.name
         if kind not in SUPPORTED:
             raise dop.StateError(f"{name} is quantized as {kind}; this loader dequantizes {', '.join(SUPPORTED)}")
