@@ -114,3 +114,16 @@ def test_a_tensor_the_decoder_does_not_read_is_named_even_when_the_count_differs
     with pytest.raises(dop.StateError, match="holds a tensor 'rope_freqs.weight' that a Llama decoder of 2 layers "
                                              "does not read .*llama3 rope_freqs"):
         open_gguf(path)
+
+
+@pytest.mark.parametrize("meta,message", [
+    ({"llama.attention.key_length": 128}, "llama.rope.dimension_count=64 differs from its head dimension 128"),
+    ({"llama.attention.value_length": 32}, "llama.attention.value_length=32 differs from its head dimension 64"),
+])
+def test_a_partial_rotary_or_a_value_width_of_its_own_is_refused(tmp_path, meta, message):
+    """Heads of 128 with 64 rotary dimensions were read as a full rotary (RoPE on every pair:
+    other arithmetic, silently); a value_length of its own was ignored."""
+    import numpy as np
+    path = write_gguf(tmp_path / "p.gguf", CFG, hf_weights(np.random.default_rng(), CFG), meta=meta)
+    with pytest.raises(dop.StateError, match=f"the GGUF's {message}"):
+        open_gguf(path)

@@ -103,8 +103,14 @@ def _metadata(reader, arch: str) -> dict:
             "num_key_value_heads": "attention.head_count_kv", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
             "rope_theta": "rope.freq_base", "head_dim": "attention.key_length", "vocab_size": "vocab_size"}
     d = {hf: _value(reader.fields[f"{arch}.{key}"]) for hf, key in keys.items() if f"{arch}.{key}" in reader.fields}
-    if "head_dim" not in d and f"{arch}.rope.dimension_count" in reader.fields:
-        d["head_dim"] = _value(reader.fields[f"{arch}.rope.dimension_count"])
+    rotary, value = (_value(reader.fields[f"{arch}.{k}"]) if f"{arch}.{k}" in reader.fields else None
+                     for k in ("rope.dimension_count", "attention.value_length"))
+    if "head_dim" not in d and rotary is not None:
+        d["head_dim"] = rotary
+    for key, v in (("rope.dimension_count", rotary), ("attention.value_length", value)):
+        if v is not None and "head_dim" in d and v != d["head_dim"]:  # a partial rotary or a value width of its own
+            raise dop.StateError(f"the GGUF's {arch}.{key}={v!r} differs from its head dimension {d['head_dim']!r}: "
+                                 "the kernels rotate whole heads and give values the keys' width (a Llama decoder)")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling is not None and _value(scaling) not in ("none", ""):
         raise dop.StateError(f"the GGUF's RoPE scaling {_value(scaling)!r} is not served (plain RoPE, or llama3 "
