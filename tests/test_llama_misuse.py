@@ -95,6 +95,7 @@ def test_a_position_asked_for_twice_gets_its_logits_twice(llama, rng):
 @pytest.mark.parametrize("call,message", [
     (lambda m, p: m.logits_along(p, 2), "positions=2 must be a sequence of token positions"),
     (lambda m, p: m.logits_along(p, "01"), "positions='01' must be a sequence"),
+    (lambda m, p: m.logits_along(p * CAP, [0]), f"teacher forcing {3 * CAP} tokens takes {3 * CAP + 1} KV entries"),
     (lambda m, p: m.generate(p, 3, {"temperature": 1.0}), "sampling=.* is not a Sampling: pass Sampling"),
     (lambda m, p: m.generate(p, 3, (1.0, 0, 1.0, 0)), "is not a Sampling"),
     (lambda m, p: m.stream(p, 3, {"temperature": 1.0}), "is not a Sampling"),

@@ -207,6 +207,11 @@ class Llama:
 
     def _logits_along(self, tokens, positions):
         dec = self.decoder
+        n = len(tokens) if hasattr(tokens, "__len__") else 0
+        if n >= dec.capacity:  # (check_request would speak of a prompt and "1 new" token the caller never asked for)
+            raise dop.ShapeError(f"teacher forcing {n} tokens takes {n + 1} KV entries (the step after the last "
+                                 f"token appends one) and the cache holds {dec.capacity}: build the Llama with "
+                                 f"capacity >= {n + 1}, or pass fewer tokens")
         tokens = dec.check_request(tokens, 1)
         if positions is None:
             positions = range(tokens.size)
