@@ -58,3 +58,11 @@ def test_a_prompt_that_encodes_to_no_tokens_is_refused_before_the_weights_are_re
     code, out, err = run_example(capsys, ["--gguf", str(gguf_file), "--chat", "--prompt", "", "--capacity", "64",
                                           "--max-new", "2"])
     assert code == 0 and "answer: " in out   # an empty chat turn still has the template's tokens
+
+
+def test_weights_given_a_file_says_it_takes_a_directory(gguf_file, capsys):
+    """It said the file 'is not valid JSON' (read as the config)."""
+    code, out, err = run_example(capsys, ["--weights", str(gguf_file)])
+    assert code == 2 and out == ""
+    assert f"--weights takes a Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer.json); " \
+           f"{gguf_file} is not a directory (a GGUF file: --gguf)" in err

@@ -110,6 +110,10 @@ def choose_model(ap, args, device):
     """(config, tokenizer or None, a function making the weights, what to call it), every check
     that can refuse the model done before a weight is read."""
     if args.weights:
+        if not Path(args.weights).is_dir():
+            hint = " (a GGUF file: --gguf)" if args.weights.endswith(".gguf") else ""
+            ap.error(f"--weights takes a Hugging Face checkpoint directory (config.json, model.safetensors, "
+                     f"tokenizer.json); {args.weights} is not a directory{hint}")
         cfg = LlamaConfig.from_json(args.config or args.weights)
         from .tokenizer import Tokenizer
         tokenizer = Tokenizer.from_directory(args.weights) if (Path(args.weights) / "tokenizer.json").exists() else None
