@@ -92,7 +92,11 @@ def _hf_name(gguf_name: str, layers: int) -> str:
 
 def _value(field):
     """A GGUF metadata field as a plain Python value (str, number, bool, or a list of them)."""
-    value = field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError:  # gguf decodes strings when asked: a damaged byte surfaces here
+        raise dop.StateError(f"the GGUF's metadata {field.name} holds text that is not UTF-8: the file is "
+                             "damaged") from None
     return value.item() if isinstance(value, np.generic) else value
 
 
