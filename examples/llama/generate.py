@@ -207,7 +207,10 @@ class Llama:
 
     def _logits_along(self, tokens, positions):
         dec = self.decoder
-        n = len(tokens) if hasattr(tokens, "__len__") else 0
+        try:
+            n = len(tokens)
+        except TypeError:  # no sequence at all: check_request names it
+            n = 0
         if n >= dec.capacity:  # (check_request would speak of a prompt and "1 new" token the caller never asked for)
             raise dop.ShapeError(f"teacher forcing {n} tokens takes {n + 1} KV entries (the step after the last "
                                  f"token appends one) and the cache holds {dec.capacity}: build the Llama with "
@@ -216,8 +219,8 @@ class Llama:
         if positions is None:
             positions = range(tokens.size)
         elif isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
-            raise dop.ShapeError(f"positions={positions!r} must be a sequence of token positions (e.g. [{tokens.size - 1}]"
-                                 "), not a single value")
+            raise dop.ShapeError(f"positions={positions!r} must be a sequence of token positions "
+                                 f"(e.g. [{tokens.size - 1}]), not a single value")
         positions = list(positions)
         bad = [p for p in positions if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Integral)
                or not 0 <= p < tokens.size]
