@@ -66,3 +66,10 @@ def test_weights_given_a_file_says_it_takes_a_directory(gguf_file, capsys):
     assert code == 2 and out == ""
     assert f"--weights takes a Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer.json); " \
            f"{gguf_file} is not a directory (a GGUF file: --gguf)" in err
+
+
+def test_prompt_len_beside_a_text_prompt_is_refused(gguf_file, capsys):
+    """--prompt-len was silently ignored when the prompt was text."""
+    code, out, err = run_example(capsys, ["--gguf", str(gguf_file), "--prompt", "hello", "--prompt-len", "5"])
+    assert code == 2 and "weights on the device" not in out
+    assert "--prompt-len makes a random prompt for a model without a tokenizer" in err

@@ -72,7 +72,8 @@ def parse(argv):
     text.add_argument("--tokens", action="store_true", help="print token ids, not text")
     text.add_argument("--stream", action="store_true", help="one launch a token, each printed as it comes "
                                                             "(default: the whole generation in one launch)")
-    text.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens without --prompt (default 32)")
+    text.add_argument("--prompt-len", type=int, default=None,
+                      help="random prompt tokens, for a model without a tokenizer (default 32)")
     text.add_argument("--max-new", type=int, default=None, help="tokens to generate (default 128; 64 for text)")
     text.add_argument("--capacity", type=int, default=4096, help="KV cache entries (default 4096)")
     text.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompt and sampling")
@@ -163,6 +164,9 @@ def main(argv=None) -> int:
     except dop.DeviceOpError as exc:  # a model the kernels or this loader cannot serve: its reason, no traceback
         ap.error(str(exc))
     text = tokenizer is not None and not args.tokens
+    if args.prompt_len is not None and (args.prompt is not None or args.chat or tokenizer is not None):
+        ap.error(f"--prompt-len makes a random prompt for a model without a tokenizer; {label} takes text "
+                 "(--prompt): drop --prompt-len, or pass --random")
     if args.prompt is not None or args.chat:
         if tokenizer is None:
             ap.error(f"--prompt needs the model's tokenizer, and {label} has none: {INSTALL_SMOLLM2}, or pass "
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
         except dop.DeviceOpError as exc:  # a chat template that does not apply
             ap.error(str(exc))
     else:
-        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len).tolist()
+        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len or 32).tolist()
     max_new = args.max_new or (64 if text else 128)
     if len(prompt) + max_new > args.capacity:  # refused before a weight is read
         ap.error(f"a prompt of {len(prompt)} tokens + --max-new {max_new} exceed --capacity {args.capacity}")
