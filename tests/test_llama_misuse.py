@@ -163,3 +163,21 @@ def test_a_config_of_another_architecture_is_refused_naming_it(fields, message):
     with pytest.raises(dop.ShapeError, match=message):
         LlamaConfig.from_dict({**TINY.to_dict(), **fields})
     assert LlamaConfig.from_dict({**TINY.to_dict(), "model_type": "mistral", "sliding_window": None}) == TINY
+
+
+def test_a_server_of_fresh_seeds_keeps_a_bounded_number_of_graphs(llama, rng):
+    """Each seed (prompt length, budget) captures a graph of its own: 40 requests kept 40 whole
+    generations and 40 steps captured, for the Llama's lifetime.  The most recently used
+    MAX_GRAPHS stay; an evicted request captures again and draws the same tokens."""
+    import gc
+
+    from llama.generate import MAX_GRAPHS
+    from llama.model import Sampling
+    prompt = rng.integers(0, TINY.vocab_size, size=3).tolist()
+    first = [llama.generate(prompt, 3, Sampling(0.8, 20, 0.9, seed)) for seed in range(MAX_GRAPHS + 8)]
+    for seed in range(MAX_GRAPHS + 8):
+        list(llama.stream(prompt, 3, Sampling(0.8, 20, 0.9, seed)))
+    gc.collect()
+    live = [o for o in gc.get_objects() if type(o).__name__ == "CudaGraph" and "closed" not in repr(o)]
+    assert len(live) <= 2 * MAX_GRAPHS
+    assert llama.generate(prompt, 3, Sampling(0.8, 20, 0.9, 0)) == first[0]   # evicted, captured again

@@ -18,6 +18,7 @@ import numbers
 import statistics
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -30,6 +31,28 @@ from .model import NONFINITE, LlamaDecoder, Sampling
 STREAM_INTERRUPTED = ("this stream was interrupted: another generate, stream or logits_along on this Llama reloaded "
                       "its KV cache and decode state since the stream began; its next tokens would be garbage. "
                       "Start a new stream (one Llama serves one request at a time)")
+MAX_GRAPHS = 16  # captured generations (and steps) a Llama keeps, the most recently used
+
+
+class _Graphs(OrderedDict):
+    """Captured graphs by request key, the MAX_GRAPHS most recently used kept, the others closed:
+    every new seed, prompt length or token budget captures one, so a server's would otherwise
+    grow with its requests."""
+
+    def get(self, key, default=None):
+        g = super().get(key, default)
+        if g is not default:
+            self.move_to_end(key)
+        return g
+
+    def __setitem__(self, key, graph) -> None:
+        super().__setitem__(key, graph)
+        self.move_to_end(key)
+        while len(self) > MAX_GRAPHS:
+            _, oldest = self.popitem(last=False)
+            oldest.close()
+
+
 NO_TP_PREFILL = ("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 (the prompt is "
                  "then ingested token by token)")
 
@@ -67,8 +90,8 @@ class Llama:
                 self._own_group.abort(f"Llama(...) failed on rank {group.rank}: {type(exc).__name__}")
             raise
         self.cfg = cfg
-        self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
-        self._steps: dict = {}   # same key -> graph of one step
+        self._loops = _Graphs()  # (prompt_len, max_new, sampling) -> graph of the whole generation
+        self._steps = _Graphs()  # same key -> graph of one step
         self.prefill_chunk = prefill_chunk  # generate's default: None ingests the prompt token by token
         self._prefills: dict = {}  # chunk -> ChunkedPrefill (examples/llama/prefill.py)
         # One request at a time: the KV cache, the token buffer and the decode state are shared by every
