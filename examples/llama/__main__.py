@@ -72,7 +72,8 @@ def parse(argv):
     text.add_argument("--tokens", action="store_true", help="print token ids, not text")
     text.add_argument("--stream", action="store_true", help="one launch a token, each printed as it comes "
                                                             "(default: the whole generation in one launch)")
-    text.add_argument("--prompt-len", type=int, default=32, help="random prompt tokens without --prompt (default 32)")
+    text.add_argument("--prompt-len", type=int, default=None,
+                      help="random prompt tokens, for a model without a tokenizer (default 32)")
     text.add_argument("--max-new", type=int, default=None, help="tokens to generate (default 128; 64 for text)")
     text.add_argument("--capacity", type=int, default=4096, help="KV cache entries (default 4096)")
     text.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompt and sampling")
@@ -94,6 +95,15 @@ def parse(argv):
         ap.error("--prefill-chunk must be 0 (token by token) or a chunk size")
     if sum(map(bool, (args.gguf, args.weights, args.random))) > 1:
         ap.error("pick one model: --gguf, --weights or --random")
+    if args.config and args.gguf:
+        ap.error("--config applies to --weights or --random: a GGUF file holds its own config (drop --config)")
+    if args.prefill_chunk and args.stream:
+        ap.error("--prefill-chunk needs the whole generation in one launch: drop --stream (a stream ingests the "
+                 "prompt token by token) or drop --prefill-chunk")
+    try:  # every sampling flag (and the seed, which also seeds the random weights) checked before a model is read
+        args.sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except dop.DeviceOpError as exc:
+        ap.error(f"{exc} (--temperature, --top-k, --top-p, --seed)")
     return ap, args
 
 
@@ -101,6 +111,10 @@ def choose_model(ap, args, device):
     """(config, tokenizer or None, a function making the weights, what to call it), every check
     that can refuse the model done before a weight is read."""
     if args.weights:
+        if not Path(args.weights).is_dir():
+            hint = " (a GGUF file: --gguf)" if args.weights.endswith(".gguf") else ""
+            ap.error(f"--weights takes a Hugging Face checkpoint directory (config.json, model.safetensors, "
+                     f"tokenizer.json); {args.weights} is not a directory{hint}")
         cfg = LlamaConfig.from_json(args.config or args.weights)
         from .tokenizer import Tokenizer
         tokenizer = Tokenizer.from_directory(args.weights) if (Path(args.weights) / "tokenizer.json").exists() else None
@@ -150,6 +164,9 @@ def main(argv=None) -> int:
     except dop.DeviceOpError as exc:  # a model the kernels or this loader cannot serve: its reason, no traceback
         ap.error(str(exc))
     text = tokenizer is not None and not args.tokens
+    if args.prompt_len is not None and (args.prompt is not None or args.chat or tokenizer is not None):
+        ap.error(f"--prompt-len makes a random prompt for a model without a tokenizer; {label} takes text "
+                 "(--prompt): drop --prompt-len, or pass --random")
     if args.prompt is not None or args.chat:
         if tokenizer is None:
             ap.error(f"--prompt needs the model's tokenizer, and {label} has none: {INSTALL_SMOLLM2}, or pass "
@@ -158,15 +175,20 @@ def main(argv=None) -> int:
             prompt = tokenizer.chat(args.prompt or DEFAULT_CHAT) if args.chat else tokenizer.encode(args.prompt)
         except dop.DeviceOpError as exc:
             ap.error(str(exc))
+        if not prompt:
+            ap.error(f"--prompt {args.prompt!r} encodes to no tokens: give some text (or --chat)")
     elif tokenizer is not None:
         args.prompt, args.chat = DEFAULT_CHAT, tokenizer.chat_template is not None
-        prompt = tokenizer.chat(DEFAULT_CHAT) if args.chat else tokenizer.encode(DEFAULT_CHAT)
+        try:
+            prompt = tokenizer.chat(DEFAULT_CHAT) if args.chat else tokenizer.encode(DEFAULT_CHAT)
+        except dop.DeviceOpError as exc:  # a chat template that does not apply
+            ap.error(str(exc))
     else:
-        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len).tolist()
+        prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, args.prompt_len or 32).tolist()
     max_new = args.max_new or (64 if text else 128)
     if len(prompt) + max_new > args.capacity:  # refused before a weight is read
         ap.error(f"a prompt of {len(prompt)} tokens + --max-new {max_new} exceed --capacity {args.capacity}")
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = args.sampling
 
     print(f"model: {label}; {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size} "
           f"({cfg.weight_bytes() / 1e9:.3f} GB of bf16 weights); device: "

@@ -27,6 +27,7 @@ VECTOR = 8  # bf16 elements per 16-byte load: every row length must be a multipl
 INT32_MAX = 2 ** 31 - 1  # sizes and token ids live in int32 on the device
 ROPE_TYPES = ("default", "llama3")
 MAX_CHECKED_HEAD_DIM = 1 << 16  # RoPE tables checked finite up to this head_dim
+MODEL_TYPES = ("llama", "mistral")  # Hugging Face model types whose decoder is this one (Mistral: without a window)
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -154,6 +155,13 @@ class LlamaConfig:
             theta = params.get("rope_theta", theta)
             kind = params.get("rope_type", params.get("type", "default"))
             scaling = None if kind == "default" else {k: v for k, v in params.items() if k != "rope_theta"}
+        kind = d.get("model_type", "llama")
+        if kind not in MODEL_TYPES:
+            _bad(f"model_type={kind!r}: this decoder reads Llama-family configs ({', '.join(MODEL_TYPES)}); "
+                 f"{kind!r} differs in what the kernels compute (biases, norms, attention)")
+        if d.get("sliding_window") is not None:
+            _bad(f"sliding_window={d['sliding_window']!r}: the kernels attend to the whole cache (give null, as "
+                 "a Llama config has)")
         if d.get("hidden_act", "silu") != "silu":
             _bad(f"hidden_act={d['hidden_act']!r}: the kernels compute SiLU (silu)")
         for name in ("attention_bias", "mlp_bias"):

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import numbers
 import statistics
+import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 
@@ -24,6 +26,31 @@ import deviceop as dop
 
 from .config import LlamaConfig
 from .model import NONFINITE, LlamaDecoder, Sampling
+
+
+STREAM_INTERRUPTED = ("this stream was interrupted: another generate, stream or logits_along on this Llama reloaded "
+                      "its KV cache and decode state since the stream began; its next tokens would be garbage. "
+                      "Start a new stream (one Llama serves one request at a time)")
+MAX_GRAPHS = 16  # captured generations (and steps) a Llama keeps, the most recently used
+
+
+class _Graphs(OrderedDict):
+    """Captured graphs by request key, the MAX_GRAPHS most recently used kept, the others closed:
+    every new seed, prompt length or token budget captures one, so a server's would otherwise
+    grow with its requests."""
+
+    def get(self, key, default=None):
+        g = super().get(key, default)
+        if g is not default:
+            self.move_to_end(key)
+        return g
+
+    def __setitem__(self, key, graph) -> None:
+        super().__setitem__(key, graph)
+        self.move_to_end(key)
+        while len(self) > MAX_GRAPHS:
+            _, oldest = self.popitem(last=False)
+            oldest.close()
 
 
 NO_TP_PREFILL = ("chunked prefill is not tensor parallel yet: pass prefill_chunk=None with tp > 1 (the prompt is "
@@ -42,6 +69,7 @@ class Llama:
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
                  prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):
+        _check_arguments(cfg, stream, pdl, prefill_chunk)  # of the right kind, before any group or buffer is made
         made = group is None
         group = self._group(cfg, tp, group)
         self._own_group = group if made else None  # made here from the launcher's environment: closed by close()
@@ -62,10 +90,15 @@ class Llama:
                 self._own_group.abort(f"Llama(...) failed on rank {group.rank}: {type(exc).__name__}")
             raise
         self.cfg = cfg
-        self._loops: dict = {}   # (prompt_len, max_new, sampling) -> graph of the whole generation
-        self._steps: dict = {}   # same key -> graph of one step
+        self._loops = _Graphs()  # (prompt_len, max_new, sampling) -> graph of the whole generation
+        self._steps = _Graphs()  # same key -> graph of one step
         self.prefill_chunk = prefill_chunk  # generate's default: None ingests the prompt token by token
         self._prefills: dict = {}  # chunk -> ChunkedPrefill (examples/llama/prefill.py)
+        # One request at a time: the KV cache, the token buffer and the decode state are shared by every
+        # call, so concurrent calls (threads) are serialised, and each request that loads a prompt bumps
+        # the epoch, so that a stream started before it refuses to go on instead of yielding garbage.
+        self._lock = threading.RLock()
+        self._epoch = 0
 
     @property
     def decoder(self) -> LlamaDecoder:
@@ -78,8 +111,13 @@ class Llama:
         buffers, and the group (with its peer buffers) when ``tp=N`` made it (collective: every
         rank of the group calls it, after its last generation).  The captured generations are
         dropped; any later call raises StateError.  Idempotent."""
+        with self._lock:  # after a request running on another thread, not in the middle of it
+            self._close()
+
+    def _close(self) -> None:
         if self._decoder is None:
             return
+        self._epoch += 1  # a live stream now refuses to go on
         self.cuda_stream.synchronize()
         self._loops.clear()
         self._steps.clear()
@@ -94,6 +132,7 @@ class Llama:
             self._own_group.close()
 
     def __enter__(self) -> "Llama":
+        self.decoder  # noqa: B018 (a closed Llama is refused here, not at its first request)
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -141,8 +180,15 @@ class Llama:
         """Prompt in, generated tokens out (stopping at EOS or ``max_new_tokens``).
         ``graph=False`` runs the same ops eagerly (a host loop, for checking).
         ``prefill_chunk`` (default: the constructor's): ingest the prompt that many tokens a
-        pass over the weights (examples/llama/prefill.py) instead of one token a step."""
-        sampling = sampling or Sampling()
+        pass over the weights (examples/llama/prefill.py) instead of one token a step.
+        Thread-safe: concurrent requests on one Llama run one after the other."""
+        with self._lock:
+            return self._generate(prompt, max_new_tokens, sampling, graph, prefill_chunk)
+
+    def _generate(self, prompt, max_new_tokens, sampling, graph, prefill_chunk) -> list:
+        sampling = _sampling(sampling)
+        if not isinstance(graph, bool):
+            raise dop.ShapeError(f"graph={graph!r}: pass True (one graph launch) or False (the ops eagerly)")
         dec = self.decoder
         chunk = prefill_chunk if prefill_chunk is not None else self.prefill_chunk
         prefill = self._prefill(chunk) if chunk else None  # an unsupported chunk is refused here
@@ -152,6 +198,7 @@ class Llama:
         def generation():
             return (prefill or dec).generation(sampling, prompt.size, max_new_tokens)
 
+        self._epoch += 1
         dec.load_prompt(prompt)
         if not graph:
             generation().sync_on(self.cuda_stream)
@@ -176,22 +223,42 @@ class Llama:
     def logits_along(self, tokens, positions=None):
         """Teacher forcing: the decoder reads ``tokens`` one position at a time (the per-token
         graph, whatever it would have chosen) and returns the float32 logits it computed at each
-        of ``positions`` (default: every position), ``[len(positions), vocab]``; row i predicts
-        the token after ``positions[i]``."""
+        of ``positions`` (default: every position; a sequence of ints, repeats allowed),
+        ``[len(positions), vocab]``; row i predicts the token after ``positions[i]``."""
+        with self._lock:
+            return self._logits_along(tokens, positions)
+
+    def _logits_along(self, tokens, positions):
         dec = self.decoder
+        try:
+            n = len(tokens)
+        except TypeError:  # no sequence at all: check_request names it
+            n = 0
+        if n >= dec.capacity:  # (check_request would speak of a prompt and "1 new" token the caller never asked for)
+            raise dop.ShapeError(f"teacher forcing {n} tokens takes {n + 1} KV entries (the step after the last "
+                                 f"token appends one) and the cache holds {dec.capacity}: build the Llama with "
+                                 f"capacity >= {n + 1}, or pass fewer tokens")
         tokens = dec.check_request(tokens, 1)
-        positions = list(range(tokens.size) if positions is None else positions)
-        bad = [p for p in positions if isinstance(p, bool) or not isinstance(p, numbers.Integral)
+        if positions is None:
+            positions = range(tokens.size)
+        elif isinstance(positions, (str, bytes)) or not hasattr(positions, "__iter__"):
+            raise dop.ShapeError(f"positions={positions!r} must be a sequence of token positions "
+                                 f"(e.g. [{tokens.size - 1}]), not a single value")
+        positions = list(positions)
+        bad = [p for p in positions if isinstance(p, (bool, np.bool_)) or not isinstance(p, numbers.Integral)
                or not 0 <= p < tokens.size]
         if not positions or bad:
             raise dop.ShapeError(f"positions must name tokens of the sequence [0, {tokens.size}); got "
                                  f"{bad[0] if bad else 'none'} (each an integer)")
         positions = [int(p) for p in positions]
         self._agree(tokens.tobytes(), positions)
-        wanted = {p: i for i, p in enumerate(positions)}
+        wanted: dict = {}  # position -> the rows asking for it (a position may be asked for twice)
+        for i, p in enumerate(positions):
+            wanted.setdefault(p, []).append(i)
         out = np.empty((len(positions), self.cfg.vocab_size), np.float32)
         logits = dec.vocab_logits
         greedy = Sampling()
+        self._epoch += 1
         dec.load_prompt(tokens)
         key = self._key(tokens.size, 1, greedy) + ("logits",)
         g = self._steps.get(key)
@@ -213,15 +280,21 @@ class Llama:
         """A whole generation in one graph launch, timed: GPU µs per generated token over the
         steps after the prompt (a generation of ``max_new_tokens`` minus one of 1 token, over
         the tokens it generated less one), the host µs of the launch, medians of ``reps``."""
-        sampling = sampling or Sampling()
+        with self._lock:
+            return self._time_generation(prompt, max_new_tokens, sampling, reps)
+
+    def _time_generation(self, prompt, max_new_tokens, sampling, reps) -> dict:
+        sampling = _sampling(sampling)
         prompt = self.decoder.check_request(prompt, max_new_tokens)
+        if isinstance(reps, bool) or not isinstance(reps, numbers.Integral) or reps < 1:
+            raise dop.ShapeError(f"reps={reps!r}: time at least one replay (an integer >= 1)")
         stream = self.cuda_stream
 
         def timed(n):
             tokens = self.generate(prompt, n, sampling)  # captures and warms up
             graph = self._loops[self._key(prompt.size, n, sampling)]
             gpu, host = [], []
-            for _ in range(reps):
+            for _ in range(int(reps)):
                 self.decoder.load_prompt(prompt)
                 start = stream.record_event()
                 t0 = time.perf_counter()
@@ -238,24 +311,68 @@ class Llama:
                 "generation_us": full}
 
     def stream(self, prompt, max_new_tokens: int = 128, sampling: Sampling | None = None):
-        """Yield each generated token as soon as its step is done (one graph launch per token)."""
-        sampling = sampling or Sampling()
-        dec = self.decoder
-        prompt = dec.check_request(prompt, max_new_tokens)
-        self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), "stream")
-        dec.load_prompt(prompt)
-        key = self._key(prompt.size, max_new_tokens, sampling)
-        g = self._steps.get(key)
-        if g is None:
-            g = self._steps[key] = dec.step(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
-        dec.start().sync_on(self.cuda_stream)
+        """Yield each generated token as soon as its step is done (one graph launch per token).
+        The request is checked here, when ``stream`` is called; the generation starts at the
+        first ``next``.  Another request on this Llama (any thread) before the stream ends
+        interrupts it: its next ``next`` raises StateError rather than yield garbage."""
+        sampling = _sampling(sampling)
+        prompt = self.decoder.check_request(prompt, max_new_tokens)
+        return self._stream(prompt, max_new_tokens, sampling)
+
+    def _stream(self, prompt: np.ndarray, max_new_tokens: int, sampling: Sampling):
+        with self._lock:
+            dec = self.decoder
+            self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), "stream")
+            self._epoch += 1
+            mine = self._epoch
+            dec.load_prompt(prompt)
+            key = self._key(prompt.size, max_new_tokens, sampling)
+            g = self._steps.get(key)
+            if g is None:
+                g = self._steps[key] = dec.step(sampling, prompt.size, max_new_tokens).graph_on(self.cuda_stream)
+            dec.start().sync_on(self.cuda_stream)
         seen = 0
         while True:
-            g.replay()
-            self.cuda_stream.synchronize()
-            state = dec.state.numpy(stream=self.cuda_stream)
-            if state[3] > seen:  # a new token: checked (error word, finite logits) before it is given out
-                yield from dec.read_generated(prompt.size)[seen:]
-                seen = int(state[3])
+            with self._lock:  # not held while the caller has a token: an abandoned stream blocks nobody
+                dec = self.decoder  # closed meanwhile: StateError
+                if self._epoch != mine:
+                    raise dop.StateError(STREAM_INTERRUPTED)
+                g.replay()
+                self.cuda_stream.synchronize()
+                state = dec.state.numpy(stream=self.cuda_stream)
+                new = []
+                if state[3] > seen:  # a new token: checked (error word, finite logits) before it is given out
+                    new = dec.read_generated(prompt.size)[seen:]
+                    seen = int(state[3])
+            yield from new
             if state[1] == 0:
                 return
+
+
+def _check_arguments(cfg, stream, pdl, prefill_chunk) -> None:
+    """Llama(...)'s arguments of the wrong kind, refused naming the fix (they failed later as raw
+    AttributeErrors, or, for a chunk, only at the first generate)."""
+    if not isinstance(cfg, LlamaConfig):
+        raise dop.DTypeError(f"the config is a {type(cfg).__name__}, not a LlamaConfig: pass "
+                             "LlamaConfig.from_dict(d) or LlamaConfig.from_json(path)")
+    if stream is not None and not isinstance(stream, dop.Stream):
+        raise dop.DTypeError(f"stream={stream!r} is not a deviceop stream: pass device.new_stream(), or none")
+    if not isinstance(pdl, (bool, np.bool_)):
+        raise dop.DTypeError(f"pdl={pdl!r}: pass True (programmatic dependent launch) or False")
+    if prefill_chunk is not None and prefill_chunk is not False and prefill_chunk != 0:
+        from deviceop.kernels import llama_prefill as pf
+
+        from .config import kernel_limits
+        kernel_limits(cfg)  # (the chunk's plans assume a served shape)
+        pf.check_chunk(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                       cfg.head_dim, prefill_chunk)
+
+
+def _sampling(sampling) -> Sampling:
+    """``sampling=`` as a Sampling (None: greedy), or a ShapeError saying how to make one."""
+    if sampling is None:
+        return Sampling()
+    if not isinstance(sampling, Sampling):
+        raise dop.ShapeError(f"sampling={sampling!r} is not a Sampling: pass Sampling(temperature=..., top_k=..., "
+                             "top_p=..., seed=...) from examples/llama/model.py, or None for greedy")
+    return sampling

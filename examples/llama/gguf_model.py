@@ -92,7 +92,11 @@ def _hf_name(gguf_name: str, layers: int) -> str:
 
 def _value(field):
     """A GGUF metadata field as a plain Python value (str, number, bool, or a list of them)."""
-    value = field.contents()
+    try:
+        value = field.contents()
+    except UnicodeDecodeError:  # gguf decodes strings when asked: a damaged byte surfaces here
+        raise dop.StateError(f"the GGUF's metadata {field.name} holds text that is not UTF-8: the file is "
+                             "damaged") from None
     return value.item() if isinstance(value, np.generic) else value
 
 
@@ -103,8 +107,14 @@ def _metadata(reader, arch: str) -> dict:
             "num_key_value_heads": "attention.head_count_kv", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
             "rope_theta": "rope.freq_base", "head_dim": "attention.key_length", "vocab_size": "vocab_size"}
     d = {hf: _value(reader.fields[f"{arch}.{key}"]) for hf, key in keys.items() if f"{arch}.{key}" in reader.fields}
-    if "head_dim" not in d and f"{arch}.rope.dimension_count" in reader.fields:
-        d["head_dim"] = _value(reader.fields[f"{arch}.rope.dimension_count"])
+    rotary, value = (_value(reader.fields[f"{arch}.{k}"]) if f"{arch}.{k}" in reader.fields else None
+                     for k in ("rope.dimension_count", "attention.value_length"))
+    if "head_dim" not in d and rotary is not None:
+        d["head_dim"] = rotary
+    for key, v in (("rope.dimension_count", rotary), ("attention.value_length", value)):
+        if v is not None and "head_dim" in d and v != d["head_dim"]:  # a partial rotary or a value width of its own
+            raise dop.StateError(f"the GGUF's {arch}.{key}={v!r} differs from its head dimension {d['head_dim']!r}: "
+                                 "the kernels rotate whole heads and give values the keys' width (a Llama decoder)")
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
     if scaling is not None and _value(scaling) not in ("none", ""):
         raise dop.StateError(f"the GGUF's RoPE scaling {_value(scaling)!r} is not served (plain RoPE, or llama3 "
@@ -149,13 +159,15 @@ def open_gguf(path, *, kernels: bool = True) -> GGUFModel:
                                  f"model a vocabulary of {cfg.vocab_size}: they do not belong together")
         tokenizer.check_vocab(cfg.vocab_size)
 
-    # every tensor from the header alone: the count first (cheap for any layer count), then each one
+    # every tensor from the header alone: each name the file holds (a tensor this decoder does not read, as
+    # llama3's rope_freqs, is named), then the count (cheap for any layer count), then each one's kind and shape
+    names = {name: _hf_name(name, cfg.num_hidden_layers) for name in tensors}
     if len(tensors) != weight_count(cfg):
         raise dop.StateError(f"{path.name} holds {len(tensors)} tensors and a Llama decoder of this config reads "
                              f"{weight_count(cfg)}: the file and its metadata do not belong together")
     shapes, size, plan = dict(iter_expected(cfg)), path.stat().st_size, {}
     for name, t in tensors.items():
-        hf = _hf_name(name, cfg.num_hidden_layers)
+        hf = names[name]
         kind = t.tensor_type.name
         if kind not in SUPPORTED:
             raise dop.StateError(f"{name} is quantized as {kind}; this loader dequantizes {', '.join(SUPPORTED)}")

@@ -94,7 +94,8 @@ class LlamaDecoder:
                                  "neither applies), 'oneshot' (no fusion) or 'nccl'")
         # every refusal before a byte is allocated: the request, the kernels' limits, the weights, the memory
         if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or not 2 <= capacity <= INT32_MAX:
-            raise dop.ShapeError(f"a KV capacity of {capacity!r} holds no generation; give an integer of at least 2")
+            raise dop.ShapeError(f"a KV capacity of {capacity!r} is not served: give an integer in [2, {INT32_MAX}] "
+                                 "(positions live in int32 on the device)")
         capacity = int(capacity)
         kernel_limits(cfg)
         self.shard = sh = Shard(cfg, group.rank, group.world_size) if group is not None else Shard(cfg)
@@ -320,7 +321,11 @@ class LlamaDecoder:
     # -- host side ----------------------------------------------------------------------
     def check_request(self, prompt, max_new: int) -> np.ndarray:
         """The prompt as int32, or a deviceop error before anything launches."""
-        prompt = np.asarray(prompt)
+        try:
+            prompt = np.asarray(prompt)
+        except (ValueError, TypeError):  # ragged nesting ([[1, 2], [3]]), objects NumPy cannot lay out
+            raise dop.ShapeError(f"a prompt is a non-empty 1-D sequence of token ids, got {type(prompt).__name__} "
+                                 "that is not one (ragged or nested)") from None
         if prompt.ndim != 1 or prompt.size == 0 or not np.issubdtype(prompt.dtype, np.integer):
             raise dop.ShapeError(f"a prompt is a non-empty 1-D sequence of token ids, got shape {prompt.shape} "
                                  f"of {prompt.dtype}")

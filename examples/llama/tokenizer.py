@@ -13,7 +13,10 @@ types, pre-tokenizer name and chat template; examples/llama/gguf_model.py).
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
+
+import numpy as np
 
 import deviceop as dop
 
@@ -26,6 +29,64 @@ TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS = ("gpt2", "default", "smollm", "llama-bpe")
+
+
+def _flag(v, name: str) -> bool:
+    """A true/false setting, refusing what only looks like one (the string "false" is truthy)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise dop.StateError(f"{name}={v!r} must be true or false")
+    return bool(v)
+
+
+def _template(v, name: str) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise dop.StateError(f"{name} is a {type(v).__name__}, not the text of a Jinja template")
+    return v or None
+
+
+def _directory_template(directory: Path, config: dict) -> str | None:
+    """The chat template of a checkpoint directory: ``chat_template.jinja`` (where transformers
+    writes it since 4.47), else tokenizer_config.json's ``chat_template``, a string or a list of
+    named templates (the one named "default")."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text() or None
+        except (OSError, ValueError) as exc:
+            raise dop.StateError(f"cannot read {jinja}: {exc}") from None
+    v = config.get("chat_template")
+    if isinstance(v, list):
+        named = {t.get("name"): t.get("template") for t in v if isinstance(t, dict)}
+        v = named.get("default")
+    return _template(v, "tokenizer_config.json's chat_template")
+
+
+def _gguf_vocabulary(fields: dict) -> tuple:
+    """(tokens, merges as pairs, token types) of a GGUF's tokenizer metadata, each checked:
+    the library they go to raises raw errors, or quietly drops what it cannot use."""
+    tokens = fields["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise dop.StateError("the GGUF's tokenizer.ggml.tokens must be a non-empty list of strings")
+    if len(set(tokens)) != len(tokens):
+        first = {}
+        dup = next(i for i, t in enumerate(tokens) if first.setdefault(t, i) != i)
+        raise dop.StateError(f"the GGUF's token list repeats {tokens[dup]!r} (ids {first[tokens[dup]]} and {dup}): "
+                             "a byte-level BPE maps each token to one id; is the file damaged?")
+    merges, pairs = fields.get("tokenizer.ggml.merges", []), []
+    for m in merges if isinstance(merges, list) else [merges]:
+        pair = tuple(m.split(" ", 1)) if isinstance(m, str) and isinstance(merges, list) else ()
+        if len(pair) != 2:
+            raise dop.StateError(f"the GGUF's tokenizer.ggml.merges holds {m!r}; it is a list of merges, each two "
+                                 "tokens separated by a space")
+        pairs.append(pair)
+    types = fields.get("tokenizer.ggml.token_type")
+    if types is None:
+        types = [1] * len(tokens)
+    if (not isinstance(types, list) or len(types) != len(tokens)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in types)):
+        raise dop.StateError(f"the GGUF's tokenizer.ggml.token_type must give an integer type for each of the "
+                             f"{len(tokens)} tokens")
+    return tokens, pairs, types
 
 
 def _need_tokenizers():
@@ -55,10 +116,12 @@ class Tokenizer:
             raise dop.StateError(f"the GGUF's tokenizer is {model!r}; only byte-level BPE ('gpt2') is read here")
         if pre not in PRE_TOKENIZERS:
             raise dop.StateError(f"the GGUF's pre-tokenizer {pre!r} is not one of {', '.join(PRE_TOKENIZERS)}")
-        tokens, merges = fields["tokenizer.ggml.tokens"], fields.get("tokenizer.ggml.merges", [])
-        types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        bpe = tk.models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                            merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False)
+        tokens, merges, types = _gguf_vocabulary(fields)
+        try:  # the library raises plain Exceptions (a merge of tokens the vocabulary lacks ...)
+            bpe = tk.models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+        except Exception as exc:  # noqa: BLE001
+            raise dop.StateError(f"the GGUF's tokenizer does not build ({exc}): its token list and merges do not "
+                                 "belong together; is the file damaged?") from None
         backend = tk.Tokenizer(bpe)
         byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre != "llama-bpe")
         if pre == "smollm":
@@ -76,8 +139,10 @@ class Tokenizer:
         eos = [fields[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                    "tokenizer.ggml.eom_token_id") if k in fields]
         return cls(backend, bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-                   eos_token_ids=tuple(dict.fromkeys(eos)), chat_template=fields.get("tokenizer.chat_template"),
-                   add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+                   eos_token_ids=tuple(dict.fromkeys(eos)),
+                   chat_template=_template(fields.get("tokenizer.chat_template"), "the GGUF's tokenizer.chat_template"),
+                   add_bos=_flag(fields.get("tokenizer.ggml.add_bos_token", False),
+                                 "the GGUF's tokenizer.ggml.add_bos_token"))
 
     @classmethod
     def from_directory(cls, directory) -> "Tokenizer":
@@ -93,22 +158,31 @@ class Tokenizer:
             backend = tk.Tokenizer.from_file(str(path))
         except Exception as exc:  # the library raises plain Exceptions for a malformed file
             raise dop.StateError(f"cannot read the tokenizer {path}: {exc}") from None
-        config = {}
-        if (directory / "tokenizer_config.json").is_file():
+        config, where = {}, directory / "tokenizer_config.json"
+        if where.is_file():
             try:
-                config = json.loads((directory / "tokenizer_config.json").read_text())
+                config = json.loads(where.read_text())
             except (OSError, ValueError) as exc:
-                raise dop.StateError(f"cannot read {directory / 'tokenizer_config.json'}: {exc}") from None
+                raise dop.StateError(f"cannot read {where}: {exc}") from None
+            if not isinstance(config, dict):
+                raise dop.StateError(f"{where} holds a JSON {type(config).__name__}, not an object of settings: "
+                                     "is it a tokenizer_config.json?")
 
         def token_id(key):
             tok = config.get(key)
             tok = tok.get("content") if isinstance(tok, dict) else tok
-            return backend.token_to_id(tok) if isinstance(tok, str) else None
+            if tok is None:
+                return None
+            found = backend.token_to_id(tok) if isinstance(tok, str) else None
+            if found is None:
+                raise dop.StateError(f"{where.name}'s {key} {tok!r} is not a token of {path.name}: the two files do "
+                                     "not belong together")
+            return found
 
         eos = token_id("eos_token")
         return cls(backend, bos_token_id=token_id("bos_token"), eos_token_ids=() if eos is None else (eos,),
-                   chat_template=config.get("chat_template") if isinstance(config.get("chat_template"), str)
-                   else None, add_bos=bool(config.get("add_bos_token", False)))
+                   chat_template=_directory_template(directory, config),
+                   add_bos=_flag(config.get("add_bos_token", False), f"{where.name}'s add_bos_token"))
 
     # -- use ----------------------------------------------------------------------------------
     @property
@@ -139,6 +213,15 @@ class Tokenizer:
         return ids
 
     def decode(self, ids, skip_special: bool = True) -> str:
+        """The text of token ids (ids past the tokenizer's vocabulary, as a padded embedding has, decode
+        to nothing)."""
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise dop.DTypeError(f"decode takes a sequence of token ids, not {type(ids).__name__}")
+        ids = list(ids)
+        bad = [i for i in ids if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral)
+               or not 0 <= i <= np.iinfo(np.uint32).max]
+        if bad:
+            raise dop.DTypeError(f"decode takes token ids (integers >= 0); got {bad[0]!r}")
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
     def render_chat(self, messages: list) -> str:
@@ -154,13 +237,18 @@ class Tokenizer:
         def raise_exception(message):
             raise dop.StateError(f"the chat template refused the messages: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        from jinja2 import TemplateError
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # as transformers renders it
         env.globals["raise_exception"] = raise_exception
         token = self.backend.id_to_token
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
-            eos_token=token(self.eos_token_ids[0]) if self.eos_token_ids else "")
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=token(self.bos_token_id) if self.bos_token_id is not None else "",
+                eos_token=token(self.eos_token_ids[0]) if self.eos_token_ids else "")
+        except TemplateError as exc:  # a template that does not parse, or reads what is not given to it
+            raise dop.StateError(f"the model's chat template cannot be applied ({type(exc).__name__}: {exc}): "
+                                 "pass --prompt without --chat, or fix the template") from None
 
     def chat(self, prompt: str, system: str | None = None) -> list:
         """Token ids of a one-turn chat: the user's ``prompt`` (after an optional ``system`` message)."""

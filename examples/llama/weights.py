@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
@@ -84,6 +85,9 @@ def check_weights(cfg: LlamaConfig, weights: dict) -> None:
     """Every weight present, of its shape, in bfloat16, and (host arrays) finite: else a
     ShapeError/DTypeError naming it.  The count is compared first, so a config that names
     more weights than the checkpoint holds is refused without naming them all."""
+    if not isinstance(weights, Mapping):
+        raise dop.DTypeError(f"the weights are a {type(weights).__name__}, not a mapping of Hugging Face names to "
+                             "arrays: pass load_checkpoint(dir), a state_dict() or random_weights(cfg)")
     need = weight_count(cfg)
     if len(weights) < need:
         missing = []
@@ -95,10 +99,17 @@ def check_weights(cfg: LlamaConfig, weights: dict) -> None:
         raise dop.ShapeError(f"the checkpoint holds {len(weights)} tensors and the config needs {need}: it lacks "
                              f"{', '.join(missing)}{' ...' if len(missing) == 3 else ''}: is it a Llama-family "
                              "model of this config?")
+    bias = next((n for n in weights if isinstance(n, str) and n.endswith(".bias")), None)
+    if bias is not None:  # a Qwen2-style checkpoint passes the shape checks, then decodes without its biases
+        raise dop.ShapeError(f"the checkpoint holds {bias}, a bias a Llama decoder does not add: it is a model of "
+                             "another architecture (Qwen2, GPT-2 ...), which these kernels do not serve")
     for name, shape in iter_expected(cfg):
         w = weights.get(name)
         if w is None:
             raise dop.ShapeError(f"the checkpoint lacks {name}: is it a Llama-family model of this config?")
+        if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+            raise dop.DTypeError(f"{name} is a {type(w).__name__}, not an array: pass NumPy (bf16), torch or CuPy "
+                                 "arrays")
         if tuple(w.shape) != shape:
             raise dop.ShapeError(f"{name} has shape {tuple(w.shape)}, the config needs {shape}: the config and "
                                  "the weights do not belong together")
