@@ -80,17 +80,24 @@ class BodyGuard:
                                    f"kernels and copy): {reason}")
         if not self.entries:
             return
-        stack, seen = [op], set()
-        while stack:
-            o = stack.pop()
-            if id(o) in seen:
-                continue
-            seen.add(id(o))
+        for o in walk(op):
             writes = getattr(o, "writes", None)
             if writes is not None:
                 for t in writes():
                     self.check(t, o.describe)
-            stack.extend(o.children())
+
+
+def walk(op):
+    """Each op of ``op``'s tree once, depth first (shared clones make the tree a DAG: walked
+    as a tree it is exponential).  Ops a ``then`` callback returns are not in the tree."""
+    stack, seen = [op], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        yield o
+        stack.extend(o.children())
 
 
 def check_stream(what: str, stream) -> None:

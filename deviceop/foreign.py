@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 
 from .errors import AliasingError, GraphSafetyError, LaunchError
-from .execution import executing, executing_now
+from .execution import executing, executing_now, walk
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .tensor import Partition, SharedTensor, Tensor
@@ -276,16 +276,10 @@ def refuse_host_nodes(op, body: str) -> None:
     with a ``host_node``: a host callback, the launch of a graph holding one), before the node is
     added: refused alike where the GPU adds the node before recording its body and where the
     reference device does not.  (One a ``then`` returns is refused when it runs.)"""
-    stack, seen = [op], set()
-    while stack:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
+    for o in walk(op):
         what = getattr(o, "host_node", None)
         if what:
             raise in_conditional_body(what, body)
-        stack.extend(o.children())
 
 
 def in_conditional_body(what: str, body: str) -> GraphSafetyError:

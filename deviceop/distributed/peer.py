@@ -314,7 +314,9 @@ class _Guarded(DeviceOp):
         return self
 
     def _execute(self, ctx):
-        self.bufs._check_usable(self.op.describe())
+        bufs = self.bufs
+        if bufs._closed or bufs.group._state != "open":  # the launch is described only to refuse it
+            bufs._check_usable(self.op.describe())
         result = self.op._run(ctx)
         if ctx.capture is not None:
             ctx.capture.keep.append(self.bufs.replay_check)
