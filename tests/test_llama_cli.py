@@ -10,17 +10,7 @@ pytest.importorskip("gguf", reason="the GGUF loader needs the gguf package: pip 
 pytest.importorskip("tokenizers", reason="the tokenizer needs tokenizers: pip install -e '.[llama]'")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from test_llama_gguf import CFG, hf_weights, write_gguf  # noqa: E402
-
-
-def run_example(capsys, args):
-    from llama.__main__ import main
-    try:
-        code = main(args)
-    except SystemExit as exc:   # argparse's usage error
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from test_llama_gguf import CFG, hf_weights, run_example, write_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")
