@@ -26,23 +26,23 @@ from __future__ import annotations
 
 from ._checks import _need
 
-# Measured by bench/llama_kernels_shard.py on an H100 (2026-11-27, bench/RESULTS.md); an entry is
-# kept where its shape's 16- or 32-layer chain got faster, not only the kernel alone.  The TP=4
-# Llama-3.2-1B entries the sweep proposed (qkv (2048, 8, 2, 64), O (2048, 512)) are left out:
-# together they made that rank's chain 0.34 us a layer slower.
+# From bench/llama_kernels_shard.py's sweep on an H100 (its numbers: bench/RESULTS.md and
+# bench/results/llama_kernels_shard.json); an entry is kept where its shape's layer chain got
+# faster, not only the kernel alone, which is why the sweep's TP=4 Llama-3.2-1B qkv and O entries
+# are not here.
 TUNED: dict[tuple[str, tuple], dict] = {
-    # Llama-3.2-1B: O (TP=1) and down (TP=4), 3.76 -> 3.64 us
+    # Llama-3.2-1B: O (TP=1) and down (TP=4)
     ("matvec", (2048, 2048)): {"ctas": 128, "nr": 2, "ch": 4, "warps": 16, "ks": 2, "nb": 1},
-    # Llama-3.2-1B at TP=2: qkv 3.92 -> 3.37 us, O 2.46 -> 2.18, down 6.65 -> 6.31 (chain -1.66 us a layer)
+    # Llama-3.2-1B at TP=2: qkv, O and down
     ("qkv", (2048, 16, 4, 64)): {"ctas": 64, "ch": 8, "warps": 12, "nb": 2},
     ("matvec", (2048, 1024)): {"ctas": 128, "nr": 2, "ch": 4, "warps": 8, "ks": 1, "nb": 2},
     ("matvec", (2048, 4096)): {"ctas": 128, "nr": 1, "ch": 4, "warps": 16, "ks": 2, "nb": 2},
-    # Llama-3.1-8B: down 41.03 -> 39.67 us
+    # Llama-3.1-8B: down
     ("matvec", (4096, 14336)): {"ctas": 128, "nr": 2, "ch": 4, "warps": 16, "ks": 1, "nb": 2},
-    # Llama-3.1-8B at TP=2: qkv 9.52 -> 9.19 us, down (unfused) 21.18 -> 20.27 (chain -2.63 us a layer)
+    # Llama-3.1-8B at TP=2: qkv, and down where the all-reduce is not fused
     ("qkv", (4096, 16, 4, 128)): {"ctas": 128, "ch": 4, "warps": 12, "nb": 3},
     ("matvec", (4096, 7168)): {"ctas": 256, "nr": 2, "ch": 4, "warps": 8, "ks": 1, "nb": 2},
-    # Llama-3.1-8B at TP=4: qkv 7.96 -> 5.70 us, O 4.26 -> 3.53, down (unfused) 11.59 -> 10.59 (chain -4.04 us a layer)
+    # Llama-3.1-8B at TP=4: qkv, O, and down where the all-reduce is not fused
     ("qkv", (4096, 8, 2, 128)): {"ctas": 64, "ch": 4, "warps": 12, "nb": 3},
     ("matvec", (4096, 1024)): {"ctas": 128, "nr": 2, "ch": 4, "warps": 16, "ks": 1, "nb": 2},
     ("matvec", (4096, 3584)): {"ctas": 512, "nr": 2, "ch": 1, "warps": 8, "ks": 2, "nb": 2},

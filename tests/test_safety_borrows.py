@@ -254,3 +254,15 @@ def test_a_foreign_op_never_writes_a_read_only_import(rng):
     with pytest.raises(dop.OwnershipError, match=r"dop.foreign\(_poke\) writes writes\[0\].*read-only memory"):
         dop.foreign(_poke, writes=[x], reference=lambda t: t.fill(0))
     np.testing.assert_array_equal(x.numpy(), host)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph_on", "scope"])
+def test_a_branch_in_a_loop_body_that_writes_the_index_is_refused(stream, mode):
+    """The branch's op is built when the branch runs (or is captured), after the loop's body was
+    checked, so the loop's guard must reach the branch's context too."""
+    index, count, on = int32_cell(-5, stream), int32_cell(3, stream), int32_cell(1, stream)
+    body = lambda i: dop.if_(on, lambda: bump(i.partition([1])))  # noqa: E731
+    with pytest.raises(dop.OwnershipError, match=r"loop\(count tensor\)'s body writes its index.*read-only"):
+        _run(dop.loop(count, index, body), mode, stream)
+    assert not stream.is_capturing()
+    assert count.numpy(stream=stream)[0] == 3

@@ -149,7 +149,7 @@ class _Branches(DeviceOp):
             ctx.device.graphs.capture_branches(
                 ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
                 self._launch_select, self._host_select,
-                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, body=self._label)))
+                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, ctx.guard, self._label)))
         except BaseException:
             for op in ops:
                 op.discard()  # refused (or failed) with an error that says so

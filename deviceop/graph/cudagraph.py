@@ -140,8 +140,8 @@ class CudaGraph:
             stream = self._stream
         else:  # a live stream of the graph's device
             placed("graph.replay(stream)", self._device, stream)
-        # _replay's body, inlined, and acquire/release instead of `with` (half its cost on
-        # CPython 3.11): the host time of a replay is what a device loop's launch costs
+        # _replay's body, inlined, and acquire/release instead of `with` (cheaper): the host
+        # time of a replay is what a device loop's launch costs
         lock = self._lock
         lock.acquire()
         try:
