@@ -49,7 +49,7 @@ def weights_digest(cfg: LlamaConfig, weights: dict) -> str:
     DIGEST_RUN elements (a memory-mapped checkpoint reads a page or two a run, not the
     file).  A difference confined to elements it skips is not seen: ``group.check_same`` a
     digest of the files for that; device tensors (torch, CuPy) count by name, shape and
-    dtype only."""
+    dtype only, so ranks must load alike (host arrays on every rank, or device tensors)."""
     h = hashlib.blake2b(digest_size=16)
     for name, _ in iter_expected(cfg):
         w = weights[name]
