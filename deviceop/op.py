@@ -52,6 +52,10 @@ class DeviceOp:
         raise StateError(f"{self.describe()} was already executed: an op describes one execution. "
                          "Build it again, or make it .shared() to reuse its result")
 
+    def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle call
+        raise StateError(f"copying or pickling {self.describe()}: an op describes one execution, which a copy would "
+                         "run twice; build the op again, or make it .shared() and .clone() the handle to reuse it")
+
     def discard(self) -> None:
         """Drop this op deliberately: it will never execute, and collecting it does not warn."""
         self._armed = False
