@@ -84,3 +84,18 @@ def test_copying_or_pickling_an_op_is_refused(rng, how):
         how(op)
     stream = dop.Device().new_stream()
     assert op.sync_on(stream).shape == (4,)  # the refusal left the op usable
+
+
+def test_streams_events_and_graphs_copy_as_themselves_and_refuse_pickling(rng):
+    from deviceop import api
+    stream = dop.Device().new_stream()
+    host = rng.standard_normal(4).astype(np.float32)
+    src, dst = dop.from_numpy(host), dop.empty([4])
+    graph = api.memcpy(dst, src).graph_on(stream)
+    event = stream.record_event()
+    for handle in (stream, event, graph):
+        assert copy.copy(handle) is handle and copy.deepcopy({"h": handle})["h"] is handle
+        with pytest.raises(dop.StateError, match=f"pickling a {type(handle).__name__}"):
+            pickle.dumps(handle)
+    copy.deepcopy(graph).replay(stream)  # the same graph, still usable
+    np.testing.assert_array_equal(dst.numpy(stream=stream), host)
