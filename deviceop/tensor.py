@@ -150,6 +150,9 @@ class Tensor:
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
         device = as_device(device) if device is not None else Device(0)
+        if not hasattr(obj, "__cuda_array_interface__"):  # (CuPy alone would copy a host array to the GPU)
+            raise DTypeError(f"{type(obj).__name__!r} has no __cuda_array_interface__, so it is no GPU memory to view; "
+                             "copy host data with dop.from_numpy(array)")
         array = device.import_cuda_array(obj)
         data = obj.__cuda_array_interface__.get("data")  # (pointer, read-only)
         return cls._wrap(array, device, external=True, read_only=bool(data[1]) if isinstance(data, tuple) else False)
@@ -275,6 +278,10 @@ class Tensor:
     def __iter__(self):
         """The views ``tensor[0]``, ``tensor[1]``, ... along the first dimension."""
         return (self[i] for i in range(len(self)))
+
+    def __contains__(self, value):
+        raise StateError("`value in tensor` would compare device data on the host, which a tensor never reads "
+                         "behind your back: test `value in tensor.numpy()`")
 
     def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle call
         raise StateError("copying or pickling a deviceop tensor: it is a view of device memory that a copy of the "

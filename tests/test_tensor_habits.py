@@ -19,6 +19,8 @@ def test_len_and_iteration_walk_the_first_dimension(rng):
     np.testing.assert_array_equal(np.stack([r.numpy() for r in rows]), host)
     with pytest.raises(dop.ShapeError, match="0-d tensor"):
         len(dop.empty([]))
+    with pytest.raises(dop.StateError, match=r"value in tensor\.numpy\(\)"):
+        host[1, 2] in t  # (was False: it compared the rows' objects)
     assert dop.empty([]) and dop.empty([0, 3])  # truth stays an object's: `out or default` keeps `out`
 
 
@@ -99,3 +101,10 @@ def test_streams_events_and_graphs_copy_as_themselves_and_refuse_pickling(rng):
             pickle.dumps(handle)
     copy.deepcopy(graph).replay(stream)  # the same graph, still usable
     np.testing.assert_array_equal(dst.numpy(stream=stream), host)
+
+
+def test_a_cuda_array_interface_import_of_host_data_is_refused_on_either_device(rng):
+    host = rng.standard_normal(3)
+    for obj in (host, host.tolist()):  # on a GPU CuPy alone would copy it: no zero-copy view
+        with pytest.raises(dop.DTypeError, match=r"no __cuda_array_interface__.*dop\.from_numpy"):
+            dop.Tensor.from_cuda_array_interface(obj)

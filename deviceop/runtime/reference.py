@@ -194,7 +194,8 @@ class ReferenceDevice(Device):
 
     @staticmethod
     def import_cuda_array(obj):
-        raise StateError("__cuda_array_interface__ describes GPU memory; the reference device has none")
+        raise StateError("__cuda_array_interface__ describes GPU memory; the reference device has none: "
+                         "copy host data with dop.from_numpy(array), or run on a GPU")
 
     @staticmethod
     def contiguous(array, stream):
