@@ -82,7 +82,7 @@ def test_copy_of_a_shared_handle_is_a_counted_clone(rng):
 def test_copying_or_pickling_an_op_is_refused(rng, how):
     from deviceop import api
     op = api.randn([4], seed=int(rng.integers(1 << 30)))
-    with pytest.raises(dop.StateError, match="an op describes one execution"):
+    with pytest.raises(dop.StateError, match="an op runs once"):
         how(op)
     stream = dop.Device().new_stream()
     assert op.sync_on(stream).shape == (4,)  # the refusal left the op usable
@@ -108,3 +108,21 @@ def test_a_cuda_array_interface_import_of_host_data_is_refused_on_either_device(
     for obj in (host, host.tolist()):  # on a GPU CuPy alone would copy it: no zero-copy view
         with pytest.raises(dop.DTypeError, match=r"no __cuda_array_interface__.*dop\.from_numpy"):
             dop.Tensor.from_cuda_array_interface(obj)
+
+
+@pytest.mark.parametrize("pick", ["first", "last"])
+def test_first_and_last_of_an_op_producing_a_tensor_are_refused(rng, pick):
+    from deviceop import api
+    stream = dop.Device().new_stream()
+    op = getattr(api.randn([4], seed=int(rng.integers(1 << 30))), pick)()
+    with pytest.raises(dop.ShapeError, match=f"{pick}\\(\\) needs an op producing a tuple"):
+        op.sync_on(stream)  # (was the tensor's element 0 / -1, silently)
+
+
+@pytest.mark.parametrize("combinator", ["map", "then", "inspect"])
+def test_a_combinator_given_no_function_is_refused_when_built(combinator):
+    from deviceop import api
+    op = api.randn([4], seed=0)
+    with pytest.raises(dop.LaunchError, match=f"op.{combinator}\\(f\\) takes a function"):
+        getattr(op, combinator)(3)  # (was a raw TypeError when the op ran)
+    op.discard()
