@@ -201,11 +201,14 @@ def _tensor_of(x, what: str) -> Tensor:
 
 def _check_copy(dst: Tensor, src: Tensor) -> None:
     if dst.dtype is not src.dtype:
-        raise DTypeError(f"memcpy from a {src.dtype.name} tensor into a {dst.dtype.name} tensor; dtypes must match")
+        raise DTypeError(f"memcpy from a {src.dtype.name} tensor into a {dst.dtype.name} tensor; dtypes must match "
+                         "(memcpy copies bytes, it does not convert): make the two buffers one dtype")
     if dst.size != src.size:
-        raise ShapeError(f"memcpy from {src.shape} ({src.size} elements) into {dst.shape} ({dst.size} elements)")
+        raise ShapeError(f"memcpy from {src.shape} ({src.size} elements) into {dst.shape} ({dst.size} elements); "
+                         "copy between buffers of the same element count (a slice or view of the larger)")
     if not (dst.is_contiguous and src.is_contiguous):
-        raise ShapeError("memcpy needs contiguous tensors on both sides")
+        raise ShapeError(f"memcpy needs contiguous tensors on both sides, got strides {src.strides} -> {dst.strides}; "
+                         "copy a strided source's .contiguous() copy, and write into a dense buffer")
     if dst.data_ptr != src.data_ptr and dst.overlaps(src):
         raise AliasingError("memcpy between overlapping buffers; copy through a separate buffer")
 

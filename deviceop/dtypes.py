@@ -86,15 +86,15 @@ class DType:
         out of an integer type's range, a fraction or NaN into an integer type, a finite
         number that would become inf.  Arrays of another kind than numbers are refused."""
         host = np.asarray(host)
-        if host.dtype == self.np:
-            return np.ascontiguousarray(host)
+        if host.dtype == self.np:  # (reshape: ascontiguousarray makes a 0-d array 1-d)
+            return np.ascontiguousarray(host).reshape(host.shape)
         src = _BY_NP.get(host.dtype)
         kind = src.kind if src is not None else host.dtype.kind
         if kind not in "biuf":
             raise DTypeError(f"from_numpy copies arrays of numbers (bool, int, float), not an array of {host.dtype}; "
                              f"convert it to numbers first (array.astype(...))")
         with np.errstate(over="ignore", invalid="ignore"):
-            out = np.ascontiguousarray(host, dtype=self.np)
+            out = np.ascontiguousarray(host, dtype=self.np).reshape(host.shape)
         if host.size == 0 or self.kind == "b":
             return out
         if self.kind in "iu":
@@ -165,7 +165,10 @@ def dtype(spec) -> DType:
                 "f64": "float64", "i32": "int32", "i64": "int64", "bool_": "bool"}.get(spec, spec)
         if name in _BY_NAME:
             return _BY_NAME[name]
-        raise DTypeError(f"unknown dtype {spec!r}; known: {', '.join(_BY_NAME)}")
+        try:  # NumPy's spellings, as CuPy takes them: "f4", "<f2", "float", "int"
+            spec = np.dtype(spec)
+        except TypeError:
+            raise DTypeError(f"unknown dtype {spec!r}; known: {', '.join(_BY_NAME)}") from None
     try:
         npd = np.dtype(spec)
     except TypeError:

@@ -275,6 +275,15 @@ class SharedTensor:
             alloc.handles += 1
         return SharedTensor(self._tensor, _counted=True)
 
+    def __copy__(self) -> "SharedTensor":
+        """``copy.copy(handle)`` is ``handle.clone()``: another counted live handle."""
+        return self.clone()
+
+    def __reduce_ex__(self, protocol):  # what copy.deepcopy and pickle call
+        raise StateError("copy.deepcopy or pickling of a SharedTensor: its buffer is device memory; another "
+                         "handle is handle.clone(), a copy of the data api.dup(handle) or "
+                         "dop.from_numpy(handle.tensor.numpy()).into_shared()")
+
     def release(self) -> None:
         """End this handle (idempotent, also when threads race to release it)."""
         if self._live:

@@ -20,7 +20,8 @@ import asyncio
 from .errors import KernelFaultError, StateError
 from .runtime.device import Device
 from .tensor import Tensor
-from .values import _first, _last, _reshape, _selector, _unpartition, launched_kernels, reshape_dims, unzip_count
+from .values import (_first, _last, _reshape, _selector, _unpartition, checked_fn, launched_kernels, reshape_dims,
+                     unzip_count)
 from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, capture_graph, check_stream,  # noqa: F401
                         describe_chain, executing, not_a_stream, stats, too_deep, warn_if_unexecuted)
 
@@ -51,6 +52,9 @@ class DeviceOp:
     def _already_executed(self):
         raise StateError(f"{self.describe()} was already executed: an op describes one execution. "
                          "Build it again, or make it .shared() to reuse its result")
+
+    def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle call
+        raise StateError(f"copying or pickling {self.describe()}: an op runs once; build it again, or .shared() it")
 
     def discard(self) -> None:
         """Drop this op deliberately: it will never execute, and collecting it does not warn."""
@@ -157,7 +161,7 @@ class DeviceOp:
 
     def inspect(self, f) -> "DeviceOp":
         """Call ``f(value)`` for its side effect; the value passes through."""
-        return Map(self, f, inspect=True)
+        return Map(self, checked_fn(f, 'inspect'), inspect=True)
 
     def then(self, f) -> "DeviceOp":
         """``f(value)`` returns an op (or a plain value), executed on the same stream."""
@@ -229,7 +233,7 @@ class Map(DeviceOp):
 
     def __init__(self, op, f, inspect: bool = False, name: str | None = None):
         super().__init__()
-        self.op, self.f, self.is_inspect, self.name = value(op), f, inspect, name
+        self.op, self.f, self.is_inspect, self.name = value(op), checked_fn(f, name or 'map'), inspect, name
 
     def children(self):
         return (self.op,)
@@ -287,7 +291,7 @@ class Then(DeviceOp):
 
     def __init__(self, op, f):
         super().__init__()
-        self.op, self.f = value(op), f
+        self.op, self.f = value(op), checked_fn(f, 'then')
 
     def children(self):
         return (self.op,)

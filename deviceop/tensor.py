@@ -150,6 +150,9 @@ class Tensor:
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
         device = as_device(device) if device is not None else Device(0)
+        if not hasattr(obj, "__cuda_array_interface__"):  # (CuPy alone would copy a host array to the GPU)
+            raise DTypeError(f"{type(obj).__name__!r} has no __cuda_array_interface__, so it is no GPU memory to view; "
+                             "copy host data with dop.from_numpy(array)")
         array = device.import_cuda_array(obj)
         data = obj.__cuda_array_interface__.get("data")  # (pointer, read-only)
         return cls._wrap(array, device, external=True, read_only=bool(data[1]) if isinstance(data, tuple) else False)
@@ -250,15 +253,40 @@ class Tensor:
     def __getitem__(self, key) -> "Tensor":
         """Basic slicing (ints, slices, ``...``) returns a view; no copying index forms."""
         items = key if isinstance(key, tuple) else (key,)
-        for k in items:
-            if not isinstance(k, (int, np.integer, slice)) and k is not Ellipsis and k is not None:
+        for k in items:  # (a bool is NumPy's mask index: a copy, never a view)
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer, slice)) and k is not Ellipsis \
+                    and k is not None:
                 raise ShapeError(f"only basic indexing (ints, slices, ...) makes views; got {type(k).__name__}")
-        arr = self._array[key]
+        try:
+            arr = self._array[key]
+        except IndexError as e:  # out of range, too many indices
+            raise ShapeError(f"index {key!r} into tensor {self._shape}: {e}; index within the shape") from None
         item = self.dtype.itemsize
         ptr = self.device.address(arr)
         t = self._view(ptr, tuple(arr.shape), tuple(st // item for st in arr.strides), bool(arr.flags.c_contiguous))
         t._arr = arr
         return t
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise ShapeError("len() of a 0-d tensor: it has no first dimension; read tensor.shape")
+        return self._shape[0]
+
+    def __bool__(self) -> bool:  # an object, always true (`out or default`), whatever len() is
+        return True
+
+    def __iter__(self):
+        """The views ``tensor[0]``, ``tensor[1]``, ... along the first dimension."""
+        return (self[i] for i in range(len(self)))
+
+    def __contains__(self, value):
+        raise StateError("`value in tensor` would compare device data on the host, which a tensor never reads "
+                         "behind your back: test `value in tensor.numpy()`")
+
+    def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle call
+        raise StateError("copying or pickling a deviceop tensor: it is a view of device memory that a copy of the "
+                         "object would alias or lose; copy the data with api.dup(tensor) (device) or "
+                         "tensor.numpy() (host), and rebuild one with dop.from_numpy(array)")
 
     def contiguous(self, *, stream=None) -> "Tensor":
         """This tensor if it is dense (C-contiguous), else a dense copy of it in new

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 
-from .errors import ShapeError, StateError
+from .errors import LaunchError, ShapeError, StateError
 from .tensor import Partition, SharedTensor, Tensor
 
 
@@ -39,8 +39,18 @@ def _selector(i: int, n: int):
     return select
 
 
+def checked_fn(f, combinator: str):
+    """``f``, if it can be called: refused when the op is built, not when it runs."""
+    if not callable(f):
+        raise LaunchError(f"op.{combinator}(f) takes a function of the op's value, got {f!r:.60} "
+                          f"({type(f).__name__}); pass a callable, e.g. lambda v: ...")
+    return f
+
+
 def _first(v):
     try:
+        if isinstance(v, (Tensor, SharedTensor, Partition)):  # indexable, but not a tuple of values
+            raise TypeError
         return v[0]
     except (TypeError, IndexError, KeyError):
         raise ShapeError(f"first() needs an op producing a tuple (a kernel launch's arguments), got "
@@ -49,6 +59,8 @@ def _first(v):
 
 def _last(v):
     try:
+        if isinstance(v, (Tensor, SharedTensor, Partition)):
+            raise TypeError
         return v[-1]
     except (TypeError, IndexError, KeyError):
         raise ShapeError(f"last() needs an op producing a tuple (a kernel launch's arguments), got "

@@ -22,14 +22,14 @@ from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, Sta
 from ..execution import SCOPE, _running, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
 from ..runtime.device import placed
-from ..runtime.stream import capturing, refuse_if_captured_elsewhere
+from ..runtime.stream import ProcessHandle, capturing, refuse_if_captured_elsewhere
 from .capture import Capture, Recording, ReplayCheck, not_recordable, preload
 from .child import Ambiguous, ChildGraphNode, GraphLaunch
 from .nodes import KernelNode, Node
 from .render import render_dot
 
 
-class CudaGraph:
+class CudaGraph(ProcessHandle):
     """A captured, instantiated graph, bound to the stream it was captured on."""
 
     def __init__(self, stream, graph, exec_, output, capture: Capture):

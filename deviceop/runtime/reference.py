@@ -25,7 +25,7 @@ from . import driver, refcache
 from .device import CTX_SYNC, Device
 from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, Tape, TapeGraphs
 from .params import ParamLayout, check_param_layout
-from .stream import _CAPTURED_EVENT, _CLOSED, Stream, closed_stream, sync_in_capture
+from .stream import _CAPTURED_EVENT, _CLOSED, ProcessHandle, Stream, closed_stream, sync_in_capture
 
 _announced = False
 
@@ -194,7 +194,8 @@ class ReferenceDevice(Device):
 
     @staticmethod
     def import_cuda_array(obj):
-        raise StateError("__cuda_array_interface__ describes GPU memory; the reference device has none")
+        raise StateError("__cuda_array_interface__ describes GPU memory; the reference device has none: "
+                         "copy host data with dop.from_numpy(array), or run on a GPU")
 
     @staticmethod
     def contiguous(array, stream):
@@ -343,7 +344,7 @@ class ReferenceStream(Stream):
         return f"<reference stream 0x{id(self):x}{' (closed)' if self._closed else ''}>"
 
 
-class ReferenceEvent:
+class ReferenceEvent(ProcessHandle):
     """Host-clock event of the reference device.  Like a CUDA event, one last
     recorded on a capturing stream cannot be waited for (it marks a point of
     the graph) until it is recorded again outside a capture."""

@@ -105,7 +105,25 @@ class _ClosedDevice:
 _CLOSED = _ClosedDevice()
 
 
-class Stream:
+class ProcessHandle:
+    """A handle to a driver object of this process (stream, event, graph): a copy is the
+    same handle, as a Device's is; pickling one is refused (it means nothing elsewhere)."""
+
+    __slots__ = ()
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise StateError(f"pickling a {type(self).__name__}: it is a handle to a driver object of this "
+                         "process; make one where it is needed (device.new_stream(), stream.record_event(), "
+                         "op.graph_on(stream))")
+
+
+class Stream(ProcessHandle):
     """Base of :class:`CudaStream` and the reference device's ``ReferenceStream``."""
 
     device = None
@@ -276,7 +294,7 @@ class CudaStream(Stream):
         return f"<{kind} on device {self.device.ordinal}>"
 
 
-class CudaEvent:
+class CudaEvent(ProcessHandle):
     def __init__(self, device, *, timing: bool = True):
         self.device = device
         device.bind()
