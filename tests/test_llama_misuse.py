@@ -165,6 +165,15 @@ def test_a_config_of_another_architecture_is_refused_naming_it(fields, message):
     assert LlamaConfig.from_dict({**TINY.to_dict(), "model_type": "mistral", "sliding_window": None}) == TINY
 
 
+@pytest.mark.parametrize("kernels", ["no", 0, None])
+def test_from_dict_takes_only_a_bool_for_kernels(kernels):
+    """``kernels="no"`` is truthy: it applied the kernels' limits the caller meant to skip."""
+    from llama.config import LlamaConfig
+    with pytest.raises(dop.DTypeError, match=r"kernels=.*pass True .* or False"):
+        LlamaConfig.from_dict(TINY.to_dict(), kernels=kernels)
+    assert LlamaConfig.from_dict(TINY.to_dict(), kernels=False) == TINY
+
+
 def test_a_server_of_fresh_seeds_keeps_a_bounded_number_of_graphs(llama, rng):
     """Each seed (prompt length, budget) captures a graph of its own: 40 requests kept 40 whole
     generations and 40 steps captured, for the Llama's lifetime.  The most recently used

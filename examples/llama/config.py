@@ -134,6 +134,9 @@ class LlamaConfig:
         ``rope_theta``/``rope_scaling`` or 5's ``rope_parameters``).  ``kernels``: also refuse
         what the kernels cannot serve (``kernel_limits``); False for a config only read (the
         NumPy decoder, Hugging Face)."""
+        if not isinstance(kernels, bool):  # "no" would be truthy: the kernels' limits silently applied
+            raise dop.DTypeError(f"LlamaConfig.from_dict(kernels={kernels!r}): pass True (refuse what the kernels "
+                                 "cannot serve) or False (a config only read)")
         if not isinstance(d, dict):
             _bad(f"a config is a JSON object of fields, got {type(d).__name__}")
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
