@@ -97,7 +97,7 @@ def walk(op):
             continue
         seen.add(id(o))
         yield o
-        stack.extend(o.children())
+        stack.extend(reversed(o.children()))  # children in their order: the first found is the first run
 
 
 def check_stream(what: str, stream) -> None:

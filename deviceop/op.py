@@ -23,7 +23,7 @@ from .tensor import Tensor
 from .values import (_first, _last, _reshape, _selector, _unpartition, checked_fn, launched_kernels, reshape_dims,
                      unzip_count)
 from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, capture_graph, check_stream,  # noqa: F401
-                        describe_chain, executing, not_a_stream, stats, too_deep, warn_if_unexecuted)
+                        describe_chain, executing, not_a_stream, stats, too_deep, walk, warn_if_unexecuted)
 
 class DeviceOp:
     """A lazy value.  Subclasses implement ``_execute(ctx)``."""
@@ -70,17 +70,11 @@ class DeviceOp:
 
         ``fresh``, a list, receives the ops not executed yet (shared ops: those whose
         cell is unclaimed): what a capture must hand back if it fails."""
-        stack, seen = [self], set()
-        while stack:
-            op = stack.pop()
-            if id(op) in seen:
-                continue
-            seen.add(id(op))
+        for op in walk(self):
             if not op.graph_safe:
                 return op
             if fresh is not None and not op._consumed and (type(op) is not SharedOp or op.core.unclaimed):
                 fresh.append(op)
-            stack.extend(reversed(op.children()))
         return None
 
     def describe(self) -> str:

@@ -6,27 +6,21 @@ It was made with Triton 3.6.0, compiled for sm_90 without a GPU:
 """
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 os.environ["TRITON_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="triton-cache-")
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+sys.path.insert(0, str(HERE.parent.parent))  # tests/: the kernel's one source
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+import triton  # noqa: E402
+from triton_source import SIGNATURE, scale_shift  # noqa: E402
 
-@triton.jit
-def scale_shift(x_ptr, y_ptr, n, a, b, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keep = i < n
-    tl.store(y_ptr + i, tl.load(x_ptr + i, mask=keep) * a + b, mask=keep)
-
-
-signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "a": "fp32", "b": "fp32", "BLOCK": "constexpr"}
-triton.compile(ASTSource(scale_shift, signature, constexprs={"BLOCK": 256}), target=GPUTarget("cuda", 90, 32),
+triton.compile(ASTSource(scale_shift, SIGNATURE, constexprs={"BLOCK": 256}), target=GPUTarget("cuda", 90, 32),
                options={"num_warps": 4})
 for suffix in (".json", ".cubin"):
     (found,) = Path(cache).rglob(f"scale_shift{suffix}")
