@@ -358,8 +358,8 @@ def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), in
     NVRTC's log and the failing source lines.
     """
     if arch is None:
-        from .runtime.device import Device
-        arch = Device(0).arch
+        from .runtime.device import default_arch
+        arch = default_arch()
     arch = normalize_arch(arch)
     names = tuple(name_expressions)
     user_dirs = [str(Path(d).resolve()) for d in include_dirs]

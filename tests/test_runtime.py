@@ -88,3 +88,52 @@ def test_capture_begin_end_on_a_stream(device, stream):
     assert not stream.is_capturing()
     check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
     stream.synchronize()  # the stream is usable again
+
+
+class _Contexts:
+    """A stand-in for the driver's context calls: which context is current on the thread."""
+
+    def __init__(self, current):
+        self.current, self.set_calls = current, []
+
+    def cuCtxGetCurrent(self):
+        return (cu.CUresult.CUDA_SUCCESS, self.current)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.set_calls.append(ctx)
+        self.current = ctx
+        return (cu.CUresult.CUDA_SUCCESS,)
+
+
+def test_bind_makes_the_devices_context_current_whenever_another_is(monkeypatch):
+    # opening GPU 0 after GPU 1 (or a library's set_device) made GPU 0's context current, and a
+    # bind remembered per thread stayed a no-op: GPU 1's graphs then failed to instantiate
+    from deviceop.runtime import device as rt
+    gpu0_ctx, gpu1_ctx = cu.CUcontext(0x1000), cu.CUcontext(0x2000)
+    fake = _Contexts(gpu0_ctx)
+    monkeypatch.setattr(rt, "cu", fake)
+    gpu1 = object.__new__(rt.CudaDevice)
+    gpu1.context, gpu1._context_id = gpu1_ctx, int(gpu1_ctx)
+    gpu1.bind()
+    assert fake.set_calls == [gpu1_ctx]
+    gpu1.bind()                                    # already current: no driver call
+    assert fake.set_calls == [gpu1_ctx]
+    fake.current = gpu0_ctx                        # another device or library took the thread
+    gpu1.bind()
+    assert fake.set_calls == [gpu1_ctx, gpu1_ctx] and fake.current is gpu1_ctx
+
+
+def test_a_graph_launched_on_a_closed_cuda_stream_is_refused_before_the_driver(monkeypatch):
+    # a closed CudaStream's handle is None, which cuGraphLaunch reads as the legacy stream:
+    # the replay ran there instead of being refused
+    from types import SimpleNamespace
+
+    from deviceop.runtime import graphs
+    monkeypatch.setattr(graphs.cu, "cuGraphLaunch", lambda *a: pytest.fail("reached the driver"))
+    with pytest.raises(dop.StateError, match=r"graph.replay\(\) on a stream that was closed"):
+        graphs.launch(object(), SimpleNamespace(handle=None))
+
+
+def test_the_default_arch_is_device_0s(device):
+    from deviceop.runtime.device import default_arch
+    assert default_arch() == device.arch

@@ -44,7 +44,7 @@ from pathlib import Path
 from ..compile import compile_cubin, normalize_arch
 from ..errors import CompileError, CudaError, LaunchError
 from ..op import DeviceOp
-from ..runtime.device import Device, device_key
+from ..runtime.device import Device, default_arch, device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
 from . import geometry, prebuilt
 from .fast import _fast_launch_type
@@ -262,7 +262,7 @@ class Kernel:
         expression is always generated (NVRTC mangles a C++ name, leaves an extern "C"
         one), except for an entry that is a mangled symbol already."""
         if self.binary is not None:  # nothing to compile: the binary for arch (the driver unknown here)
-            return prebuilt.program(self, normalize_arch(arch) if arch is not None else Device(0).arch, None)
+            return prebuilt.program(self, normalize_arch(arch) if arch is not None else default_arch(), None)
         expr = self.name_expression(values)
         mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
         filename = self.source_path.name if self.source_path else f"{self.name}.cu"

@@ -11,7 +11,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from ..errors import LaunchError
-from ..runtime.device import Device
+from ..runtime.device import default_arch
 
 
 def progress(iterable, *, total: int, desc: str):
@@ -44,7 +44,7 @@ def precompile(items, *, arch: str | None = None, threads: int | None = None) ->
         fix = f"({kernel.name}, {{}})"
         given = kernel.generic_names or generics not in ((), [], None)  # generics for a kernel without: refused
         work.append((kernel, kernel.check_generics(generics, fix) if given else ()))
-    arch = arch if arch is not None else Device(0).arch
+    arch = arch if arch is not None else default_arch()
     workers = max(1, min(threads or os.cpu_count() or 1, len(work)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deviceop-precompile") as pool:
         futures = [pool.submit(kernel.check_compiled, arch, generics) for kernel, generics in work]

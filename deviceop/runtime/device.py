@@ -121,7 +121,7 @@ class CudaDevice(Device):
         self.max_shared_memory_per_block = self._attr(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         self.l2_cache_size = self._attr(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
-        self._tls = threading.local()
+        self._context_id = int(self.context)
         self.bind()
 
     def _attr(self, attribute) -> int:
@@ -134,12 +134,12 @@ class CudaDevice(Device):
         return f"sm_{major}{minor}"
 
     def bind(self) -> None:
-        """Make this device's primary context current on the calling thread
-        (cheap after the first call on a thread)."""
-        if getattr(self._tls, "bound", False):
-            return
-        check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        self._tls.bound = True
+        """Make this device's primary context current on the calling thread, where it is
+        not: another device opened since, or a library's ``set_device``, may have made
+        another GPU's context current (a context-bound call would then act on that GPU)."""
+        code, current = cu.cuCtxGetCurrent()
+        if code or current is None or int(current) != self._context_id:
+            check(cu.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
     @property
     def driver_version(self) -> str:
@@ -349,6 +349,24 @@ def load_module(program, device=None) -> CudaModule:
 
 def current_device() -> Device:
     return Device(0)
+
+
+def default_arch() -> str:
+    """The arch code is compiled for when none is named: GPU 0's, read from the driver
+    without opening a context on GPU 0 (a tensor-parallel rank's process drives
+    another GPU, and a context costs memory on its GPU)."""
+    if not driver.driver_available():
+        return Device(0).arch
+    opened = _instances.get((CudaDevice, 0))
+    if opened is not None:
+        return opened.arch
+    handle = check(cu.cuDeviceGet(0), "cuDeviceGet")
+    attr = cu.CUdevice_attribute
+    major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle),
+                  "cuDeviceGetAttribute")
+    minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, handle),
+                  "cuDeviceGetAttribute")
+    return f"sm_{major}{minor}"
 
 
 def Event(device=None, *, timing: bool = True):

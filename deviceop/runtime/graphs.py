@@ -19,6 +19,7 @@ from cuda.bindings import driver as cu
 
 from ..errors import CaptureError
 from .driver import check, error_name, raise_error
+from .stream import closed_stream
 
 
 def capture_failed(label: str, code_name: str) -> CaptureError:
@@ -48,6 +49,7 @@ def end(stream, label: str):
 
 def instantiate(stream, graph, label: str):
     """Instantiate and upload ``graph`` (destroyed if that fails): the executable graph."""
+    stream.device.bind()  # the graph's kernels are modules of that device's context
     code, exec_ = cu.cuGraphInstantiate(graph, 0)
     if code:
         cu.cuGraphDestroy(graph)
@@ -63,7 +65,10 @@ def instantiate(stream, graph, label: str):
 
 
 def launch(exec_, stream) -> None:
-    code = cu.cuGraphLaunch(exec_, stream.handle)[0]
+    handle = stream.handle
+    if handle is None:  # closed: the driver would read None as the legacy stream
+        raise closed_stream("graph.replay()")
+    code = cu.cuGraphLaunch(exec_, handle)[0]
     if code:
         raise_error(code, "cuGraphLaunch")
 
