@@ -239,7 +239,7 @@ def _auto(group, bufs, x, out, op, deferred=False) -> DeviceOp:
     """"auto"'s choice for tensors ``x`` and ``out`` (the one-shot kernel where ``bufs`` takes
     both), or the NCCL Collective (also for ops, where ``bufs`` is None or the op no sum)."""
     if deferred:  # as a tensor's all-reduce built on buffers closed since would be refused when it runs
-        bufs._check_usable("dist.all_reduce on the group's peer buffers")
+        bufs._check_usable("dist.all_reduce(algorithm='auto')")
     if bufs is not None and op == "sum" and bufs.accepts(x) and (out is None or bufs.accepts(out)):
         return _oneshot(bufs, x, out)
     return Collective(group, "all_reduce", x, x if out is None else out, reduce=op)
