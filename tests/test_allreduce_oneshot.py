@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import deviceop as dop
+from deviceop import api
 import deviceop.distributed as dist
 from deviceop.distributed.peer import PeerBuffers
 from helpers import ranked_sum
@@ -175,6 +176,39 @@ def test_dist_all_reduce_picks_the_one_shot_kernel_where_the_group_has_peer_buff
     for out, summed in dist.run_reference(2, rank):
         assert same_bits(out, ranked_sum(xs, np.float32))
         assert np.array_equal(summed, ints[0] + ints[1])
+
+
+def test_auto_picks_alike_for_a_tensor_and_an_op_that_produces_it(rng):
+    """Rank 0 passes its tensor, rank 1 an op producing the same (memcpy's value is its
+    destination): "auto" picked the one-shot kernel for the tensor and NCCL for the op, and
+    the ranks' agreement check aborted both.  It now asks the tensors in both cases, when
+    they exist: eagerly, and in a graph with the output given as an op too."""
+    n = 256
+    xs = [[rng.standard_normal(n).astype(np.float32) for _ in range(2)] for _ in range(2)]  # [rank][round]
+
+    def rank(group):
+        s = group.stream
+        with PeerBuffers(group, max_bytes=1024):
+            x, out = dop.empty(n, stream=s), dop.empty(n, stream=s)
+            host = dop.from_numpy(xs[group.rank][0], stream=s)
+            if group.rank == 0:
+                api.memcpy(x, host).sync_on(s)
+                op = dist.all_reduce(group, x, out)
+            else:
+                op = dist.all_reduce(group, api.memcpy(x, host), out)
+            assert op.sync_on(s) is out
+            eager = out.numpy(stream=s)
+            host = dop.from_numpy(xs[group.rank][1], stream=s)
+            written = api.fill(out, 0.0) if group.rank == 1 else out
+            graph = dist.all_reduce(group, api.memcpy(x, host), written).graph_on(s)
+            graph.replay()
+            group.synchronize()
+            return eager, out.numpy(stream=s)
+
+    for eager, replayed in dist.run_reference(2, rank):
+        # the one-shot kernel's rank-ordered fp32 sum, bit for bit, on both ranks
+        assert same_bits(eager, ranked_sum([xs[0][0], xs[1][0]], np.float32))
+        assert same_bits(replayed, ranked_sum([xs[0][1], xs[1][1]], np.float32))
 
 
 @pytest.mark.parametrize("mode, dtype, world", [("sum", "bfloat16", 2), ("accumulate", "float32", 8),

@@ -18,7 +18,7 @@ from deviceop.distributed.store import open_store
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from llama.generate import Llama  # noqa: E402
 from llama.tp import TINY_TP  # noqa: E402
-from llama.weights import random_weights  # noqa: E402
+from llama.weights import random_weights, weights_digest  # noqa: E402
 
 
 def _up(group, array):
@@ -328,6 +328,45 @@ def test_ranks_that_load_different_checkpoints_are_refused_at_init(weights):
             Llama(CFG, (weights, other)[group.rank], capacity=16, group=group, allreduce="nccl")
         return True
     assert dist.run_reference(2, rank) == [True, True]
+
+
+def on_device(weights: dict, stream) -> dict:
+    """The weights as deviceop tensors (device tensors, as torch's or CuPy's would be)."""
+    return {k: dop.from_numpy(v, stream=stream) for k, v in weights.items()}
+
+
+def test_the_weights_digest_samples_device_tensors_as_it_samples_host_arrays(weights, rng):
+    """Device tensors counted by name, shape and dtype only, so ranks that loaded different
+    device weights agreed; their sampled runs are now copied to the host, and digest as the
+    host arrays of the same values do."""
+    stream = dop.Device(0).new_stream()
+    host = weights_digest(CFG, weights)
+    assert weights_digest(CFG, on_device(weights, stream)) == host  # (stream=: where the runs are copied)
+    name = list(weights)[rng.integers(len(weights))]
+    changed = dict(weights)
+    changed[name] = weights[name].copy()
+    changed[name].reshape(-1)[0] = -weights[name].reshape(-1)[0] - 1  # in the first sampled run
+    assert weights_digest(CFG, on_device(changed, stream), stream) != host
+
+
+def test_ranks_whose_device_weights_differ_are_refused_and_a_host_and_a_device_load_agree(weights):
+    torch = pytest.importorskip("torch", reason="device weights through DLPack: torch's CPU tensors here")
+    other = random_weights(CFG, seed=int.from_bytes(os.urandom(4), "little"), std=0.1)
+
+    def as_torch(ws):
+        return {k: torch.from_numpy(v.view(np.int16)).view(torch.bfloat16) for k, v in ws.items()}
+
+    def refused(group):
+        with pytest.raises(dop.StateError, match="ranks disagree on the weights"):
+            Llama(CFG, as_torch((weights, other)[group.rank]), capacity=16, group=group, allreduce="nccl")
+        return True
+    assert dist.run_reference(2, refused) == [True, True]
+
+    def mixed(group):  # rank 0 host arrays, rank 1 the same values as device tensors
+        with Llama(CFG, (weights, as_torch(weights))[group.rank], capacity=16, group=group,
+                   allreduce="nccl") as llama:
+            return llama.decoder.shard.rank
+    assert dist.run_reference(2, mixed) == [0, 1]
 
 
 def test_ranks_that_load_the_same_checkpoint_from_different_copies_agree(weights):

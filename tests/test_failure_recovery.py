@@ -17,6 +17,7 @@ and the process goes on.
 from __future__ import annotations
 
 import gc
+import traceback
 
 import numpy as np
 import pytest
@@ -320,3 +321,26 @@ def test_a_scope_whose_record_failed_halfway_cannot_end_with_half_the_op_in_its_
     s.graph.replay()
     stream.synchronize()
     np.testing.assert_array_equal(bufs[1].numpy(stream=stream), 2 * x.numpy(stream=stream))
+
+
+def test_a_broken_scopes_refusals_do_not_grow_their_traceback(stream, spy, rng):
+    """Each refusal of a scope whose record() failed halfway re-raised one stored exception,
+    whose traceback gained this frame's line at every call: 50 calls, 50 more frames."""
+    x = upload(rng.standard_normal(N), stream)
+    bufs = [dop.empty(N, stream=stream) for _ in range(STEPS)]
+    lengths, errors = [], []
+    with pytest.raises(dop.CaptureError, match="after recording part of its work") as at_exit:
+        with CudaGraph.scope(stream) as s:
+            with pytest.raises(ValueError):
+                s.record(chain(stream, x, bufs, 2, ValueError("user code failed")))
+            for _ in range(50):
+                try:
+                    s.record(api.fill(bufs[0], 1.0))
+                except dop.CaptureError as exc:
+                    lengths.append(len(traceback.extract_tb(exc.__traceback__)))
+                    errors.append(exc)
+    assert len(lengths) == 50 and len(set(lengths)) == 1, lengths
+    assert len({id(e) for e in errors}) == 50  # a fresh exception each time, chained from the stored one
+    assert all(e.__cause__ is errors[0].__cause__ is at_exit.value.__cause__ for e in errors)
+    assert "after recording part" in str(errors[0].__cause__)
+    assert_recovered(stream, spy, "scope, 50 refusals after a record that failed halfway")

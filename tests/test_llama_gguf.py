@@ -81,8 +81,8 @@ def write_gguf(path, cfg, weights, *, arch="llama", kinds=None, tokens=TOKENS, d
     w.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
-    for key, value in (meta or {}).items():
-        w.add_uint32(key, value)
+    for key, value in (meta or {}).items():  # a list: a per-layer array, as llama.cpp writes some fields
+        w.add_array(key, value) if isinstance(value, list) else w.add_uint32(key, value)
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "smollm")
     w.add_token_list(tokens)
@@ -240,6 +240,17 @@ def test_a_tokenizer_whose_vocabulary_disagrees_with_the_config_is_refused(tmp_p
     path = write_gguf(tmp_path / "vocab.gguf", CFG, hf_weights(rng, CFG), tokens=TOKENS + ["extra", "more"])
     refused(path, dop.ShapeError, f"tokenizer has {len(TOKENS) + 2} tokens and its model a vocabulary of "
                                   f"{len(TOKENS)}", allocations)
+
+
+def test_a_per_layer_kv_head_count_is_read_as_one_when_every_layer_has_it(tmp_path, rng, allocations):
+    """head_count_kv as an array of equal entries (one a layer) was refused; unequal ones are
+    refused naming the layers, as the kernels size every layer alike."""
+    weights = hf_weights(rng, CFG)
+    path = write_gguf(tmp_path / "kv.gguf", CFG, weights, meta={"llama.attention.head_count_kv": [2, 2]})
+    assert open_gguf(path).config == CFG
+    path = write_gguf(tmp_path / "kv_differ.gguf", CFG, weights, meta={"llama.attention.head_count_kv": [2, 1]})
+    refused(path, dop.StateError, r"layer\(s\) \[0\] have 2 KV heads, layer\(s\) \[1\] have 1\): deviceop needs "
+                                  "one KV-head count for every layer", allocations)
 
 
 def test_a_tensor_this_decoder_does_not_read_is_refused_naming_it(tmp_path, rng, allocations):

@@ -211,27 +211,48 @@ def all_reduce(group, x, out=None, op: str = "sum", algorithm: str = "auto") -> 
     ``algorithm``: ``"nccl"``, NCCL's all-reduce; ``"oneshot"``, the one-shot kernel
     over the group's peer buffers (``dist.PeerBuffers(group)`` first, on every rank: a
     sum of float32 or bfloat16, a multiple of 512 bytes up to its ``max_bytes``; see
-    peer.py); ``"auto"`` (the default), the one-shot kernel where the group has peer
-    buffers and it applies, NCCL otherwise."""
+    peer.py); ``"auto"`` (the default), the one-shot kernel where the group had peer
+    buffers when the all-reduce was built and they accept the tensors, NCCL otherwise.
+    The tensors are asked once they exist: at once when given, when the ops producing them
+    have run when ops are given, so a tensor and an op producing it choose alike."""
     _check_group(group, "all_reduce")
     if algorithm not in ALGORITHMS:
         raise DistributedError(f"dist.all_reduce: unknown algorithm {algorithm!r}; use one of "
                                f"{', '.join(map(repr, ALGORITHMS))}")
     bufs = peer_buffers(group) if algorithm != "nccl" else None
-    if algorithm == "oneshot" or (bufs is not None and op == "sum" and bufs.accepts(x)
-                                  and (out is None or bufs.accepts(out))):
+    if algorithm == "oneshot":
         if bufs is None:
             raise DistributedError("dist.all_reduce(algorithm='oneshot') needs the group's peer buffers: make them "
                                    "once on every rank with dist.PeerBuffers(group)")
         if op != "sum":
             raise DistributedError(f"dist.all_reduce(op={op!r}, algorithm='oneshot'): the one-shot kernel sums; "
                                    "use algorithm='nccl'")
-        if isinstance(x, DeviceOp) or isinstance(out, DeviceOp):  # ops producing them, as NCCL's path takes
-            return zip_(x, out).then(lambda xo: bufs.all_reduce(xo[0], xo[1]).map(
-                lambda _: xo[0] if out is None else xo[1]))
-        written = x if out is None else out
-        return bufs.all_reduce(x, out).map(lambda _: written)
+        return _oneshot(bufs, x, out)
+    if bufs is not None and op == "sum" and (isinstance(x, DeviceOp) or isinstance(out, DeviceOp)):
+        # "auto" asks the tensors (dtype, size, alignment), which an op gives only when it runs
+        out = None if out is x else out
+        return zip_(x, out).then(lambda xo: _auto(group, bufs, xo[0], xo[1], op, deferred=True))
+    return _auto(group, bufs, x, out, op)
+
+
+def _auto(group, bufs, x, out, op, deferred=False) -> DeviceOp:
+    """"auto"'s choice for tensors ``x`` and ``out`` (the one-shot kernel where ``bufs`` takes
+    both), or the NCCL Collective (also for ops, where ``bufs`` is None or the op no sum)."""
+    if deferred:  # as a tensor's all-reduce built on buffers closed since would be refused when it runs
+        bufs._check_usable("dist.all_reduce(algorithm='auto')")
+    if bufs is not None and op == "sum" and bufs.accepts(x) and (out is None or bufs.accepts(out)):
+        return _oneshot(bufs, x, out)
     return Collective(group, "all_reduce", x, x if out is None else out, reduce=op)
+
+
+def _oneshot(bufs, x, out) -> DeviceOp:
+    """The one-shot all-reduce of ``x`` into ``out`` (tensors, or ops producing them), whose
+    value is the written tensor."""
+    if isinstance(x, DeviceOp) or isinstance(out, DeviceOp):  # ops producing them, as NCCL's path takes
+        return zip_(x, out).then(lambda xo: bufs.all_reduce(xo[0], xo[1]).map(
+            lambda _: xo[0] if out is None else xo[1]))
+    written = x if out is None else out
+    return bufs.all_reduce(x, out).map(lambda _: written)
 
 
 def all_gather(group, x, out) -> DeviceOp:

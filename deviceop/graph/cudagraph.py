@@ -358,8 +358,8 @@ class Scope:
         if not isinstance(op, DeviceOp):
             raise not_recordable(op)
         op._armed = False  # taken in: recorded below, or refused with an error that says so
-        if self._broken is not None:
-            raise self._broken
+        if self._broken is not None:  # a fresh error each time: re-raising the stored one grew its traceback
+            raise CaptureError(str(self._broken)) from self._broken
         self._cap.check_graph_safe(op)
         preload(op, self.stream.device)  # a no-op when already loaded; module loads are legal mid-capture on CUDA >= 12.3
         graphs, nodes = self.stream.device.graphs, len(self._cap.nodes)
@@ -422,7 +422,7 @@ class Scope:
         try:
             self._rec.__exit__(exc_type, exc, tb)  # ends (or aborts) the capture; instantiates
             if broken is not None:
-                raise broken
+                raise CaptureError(str(broken)) from broken
             if exc_type is not None:
                 return False
             if not self._instantiate:

@@ -107,6 +107,8 @@ def _metadata(reader, arch: str) -> dict:
             "num_key_value_heads": "attention.head_count_kv", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
             "rope_theta": "rope.freq_base", "head_dim": "attention.key_length", "vocab_size": "vocab_size"}
     d = {hf: _value(reader.fields[f"{arch}.{key}"]) for hf, key in keys.items() if f"{arch}.{key}" in reader.fields}
+    if isinstance(d.get("num_key_value_heads"), list):  # llama.cpp may write it per layer
+        d["num_key_value_heads"] = _one_for_every_layer(d["num_key_value_heads"], f"{arch}.attention.head_count_kv")
     rotary, value = (_value(reader.fields[f"{arch}.{k}"]) if f"{arch}.{k}" in reader.fields else None
                      for k in ("rope.dimension_count", "attention.value_length"))
     if "head_dim" not in d and rotary is not None:
@@ -120,6 +122,20 @@ def _metadata(reader, arch: str) -> dict:
         raise dop.StateError(f"the GGUF's RoPE scaling {_value(scaling)!r} is not served (plain RoPE, or llama3 "
                              "from a Hugging Face checkpoint)")
     return d
+
+
+def _one_for_every_layer(counts: list, key: str):
+    """A per-layer KV-head count as the one count of every layer; else StateError naming the layers."""
+    if len(set(counts)) <= 1:
+        return counts[0] if counts else counts  # (an empty list: refused by the config, naming the field)
+    layers = {}
+    for i, c in enumerate(counts):
+        layers.setdefault(c, []).append(i)
+    groups = ", ".join(f"layer(s) {ls} have {c}" + (" KV heads" if not n else "")
+                       for n, (c, ls) in enumerate(layers.items()))
+    raise dop.StateError(f"the GGUF's {key} gives its layers different KV-head counts ({groups}): deviceop needs one "
+                         "KV-head count for every layer (one KV cache layout and one set of kernels serve them all); "
+                         "this model is not served")
 
 
 def open_gguf(path, *, kernels: bool = True) -> GGUFModel:

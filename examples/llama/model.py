@@ -106,9 +106,8 @@ class LlamaDecoder:
         if group is not None:  # before any allocation: ranks building different decoders would hang later
             agree(group, "the model (config, KV capacity, PDL, allreduce)", (repr(cfg.to_dict()), capacity, pdl,
                                                                              allreduce))
-            agree(group, "the weights (a sample of each: load the same checkpoint the same way on every rank, "
-                         "all host arrays or all device tensors)",
-                  weights_digest(cfg, weights))
+            agree(group, "the weights (a sample of each: load the same checkpoint on every rank)",
+                  weights_digest(cfg, weights, stream))
         self.group = group if sh.size > 1 else None
         self.cfg, self.capacity, self.stream, self.pdl = cfg, capacity, stream, pdl
         self.w = DeviceWeights(cfg, weights, stream, sh, check=False)

@@ -39,25 +39,30 @@ def weight_count(cfg: LlamaConfig) -> int:
     return 2 + (0 if cfg.tie_word_embeddings else 1) + len(layer_names(0)) * cfg.num_hidden_layers
 
 
-DIGEST_RUNS, DIGEST_RUN = 16, 256  # runs of elements of each host array weights_digest reads
+DIGEST_RUNS, DIGEST_RUN = 16, 256  # runs of elements of each weight weights_digest reads
 
 
-def weights_digest(cfg: LlamaConfig, weights: dict) -> str:
+def weights_digest(cfg: LlamaConfig, weights: dict, stream=None) -> str:
     """A digest of the weights the model reads, cheap enough for every tensor-parallel load
     (ranks compare it, so that ranks that loaded different checkpoints are refused): each
-    weight's name, shape and dtype, and of a host array DIGEST_RUNS evenly spaced runs of
-    DIGEST_RUN elements (a memory-mapped checkpoint reads a page or two a run, not the
-    file).  A difference confined to elements it skips is not seen: ``group.check_same`` a
-    digest of the files for that; device tensors (torch, CuPy) count by name, shape and
-    dtype only, so ranks must load alike (host arrays on every rank, or device tensors)."""
+    weight's name, shape and dtype, and DIGEST_RUNS evenly spaced runs of DIGEST_RUN
+    elements, read in place from a host array (a memory-mapped checkpoint reads a page or
+    two a run, not the file) and copied from a device tensor (torch, CuPy, deviceop: a
+    small copy a run, on ``stream``), so a host load and a device load of the same weights
+    digest alike.  A difference confined to elements it skips is not seen:
+    ``group.check_same`` a digest of the files for that."""
     h = hashlib.blake2b(digest_size=16)
     for name, _ in iter_expected(cfg):
         w = weights[name]
-        h.update(f"{name} {tuple(w.shape)} {str(w.dtype).removeprefix('torch.')}|".encode())
-        if isinstance(w, np.ndarray) and w.size:
-            flat = w.reshape(-1)
-            for start in np.unique(np.linspace(0, max(w.size - DIGEST_RUN, 0), DIGEST_RUNS).astype(np.int64)):
-                h.update(np.ascontiguousarray(flat[start:start + DIGEST_RUN]).view(np.uint8).tobytes())
+        host = isinstance(w, np.ndarray)
+        t = w if host else dop.from_dlpack(w, stream=stream)
+        h.update(f"{name} {tuple(t.shape)} {t.dtype if host else t.dtype.name}|".encode())
+        if t.size:
+            # a device tensor laid out otherwise (a transposed view) is copied dense once, on the device
+            flat = t.reshape(-1) if host else t.contiguous(stream=stream).view(t.size)
+            for start in np.unique(np.linspace(0, max(t.size - DIGEST_RUN, 0), DIGEST_RUNS).astype(np.int64)):
+                run = flat[int(start):int(start) + DIGEST_RUN]
+                h.update((np.ascontiguousarray(run) if host else run.numpy(stream=stream)).view(np.uint8).tobytes())
     return h.hexdigest()
 
 
