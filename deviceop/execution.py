@@ -10,6 +10,7 @@ from threading import get_ident
 
 from .errors import GraphSafetyError, LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
 from .runtime.stream import captured_elsewhere, capturing, not_a_stream, stream_key
+from .tensor import Partition, SharedTensor, Tensor
 
 stats = {"launches": 0, "allocations": 0, "copies": 0}  # process-wide counters (tests, diagnostics)
 
@@ -98,6 +99,43 @@ def walk(op):
         seen.add(id(o))
         yield o
         stack.extend(reversed(o.children()))  # children in their order: the first found is the first run
+
+
+def tensors_device(op, what: str):
+    """The device of the tensors ``op``'s tree holds before it runs, or None where it holds
+    none; tensors of two devices are refused.  ``op.sync()`` runs on this device's default
+    stream: Device(0)'s for an op on GPU 1 would open GPU 0 and launch there with GPU 1's
+    pointers (a fault that loses the context)."""
+    device = None
+    for o in walk(op):
+        for t in _tensors_in(o):
+            if device is None:
+                device = t.device
+            elif t.device is not device:
+                raise LaunchError(f"{what}: {op.describe()} uses tensors of {device.label} and of {t.device.label}, so "
+                                  "it has no one default stream; execute it on a stream you choose: "
+                                  "op.sync_on(stream) / op.graph_on(stream) / await op.on(stream)")
+    return device
+
+
+def _tensors_in(op):
+    """The tensors an op holds (kernel arguments, copy and fill buffers, foreign reads and
+    writes, values): whatever its slots hold, one level into tuples, lists and (key, value)
+    pairs, so that every op class is covered without declaring them."""
+    for cls in type(op).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            value = getattr(op, name, None)
+            if isinstance(value, (tuple, list)):
+                for v in value:
+                    yield from _tensor_of(v[1] if isinstance(v, tuple) and len(v) == 2 else v)
+            else:
+                yield from _tensor_of(value)
+
+
+def _tensor_of(v):
+    t = v.tensor if isinstance(v, Partition) else v._tensor if isinstance(v, SharedTensor) else v
+    if isinstance(t, Tensor):  # (a released SharedTensor holds none)
+        yield t
 
 
 def check_stream(what: str, stream) -> None:

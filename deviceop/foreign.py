@@ -22,6 +22,7 @@ from .errors import AliasingError, GraphSafetyError, LaunchError
 from .execution import executing, executing_now, walk
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
+from .runtime.device import wrong_device
 from .tensor import Partition, SharedTensor, Tensor
 
 
@@ -141,6 +142,9 @@ class ForeignOp(DeviceOp):
         reads = [resolve(v, ctx) for _, v in self.declared_reads]
         writes = [resolve(v, ctx) for _, v in self.declared_writes]
         tensors = self._tensors(reads, writes)  # checked again: clones may have been made since
+        for t in tensors:  # the body's libraries would run on the stream's GPU with another GPU's pointers
+            if t.device is not device:
+                raise wrong_device(f"executing {self.describe()}", device, t.device, "a tensor of its reads/writes")
         if ctx.guard is not None:  # in a loop's body: not into the loop's index or count
             for t in tensors[len(reads):]:
                 ctx.guard.check(t, self.describe)

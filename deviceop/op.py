@@ -23,7 +23,8 @@ from .tensor import Tensor
 from .values import (_first, _last, _reshape, _selector, _unpartition, checked_fn, launched_kernels, reshape_dims,
                      unzip_count)
 from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, capture_graph, check_stream,  # noqa: F401
-                        describe_chain, executing, not_a_stream, stats, too_deep, walk, warn_if_unexecuted)
+                        describe_chain, executing, not_a_stream, stats, tensors_device, too_deep, walk,
+                        warn_if_unexecuted)
 
 class DeviceOp:
     """A lazy value.  Subclasses implement ``_execute(ctx)``."""
@@ -103,8 +104,9 @@ class DeviceOp:
         return out
 
     def sync(self):
-        """Execute on the default stream (the device's own non-blocking stream) and wait."""
-        return self.sync_on(_default_stream())
+        """Execute on the default stream (its own non-blocking stream) of the device the op's
+        tensors live on (Device(0) for an op naming none), and wait."""
+        return self.sync_on(_default_stream(self, "op.sync()"))
 
     def async_on(self, stream):
         """Enqueue the work on ``stream`` without waiting; the value's buffers are
@@ -120,7 +122,7 @@ class DeviceOp:
         return self._await_on(None).__await__()
 
     async def _await_on(self, stream):
-        stream = stream if stream is not None else _default_stream()
+        stream = stream if stream is not None else _default_stream(self, "await op")
         out = self.async_on(stream)
         event = stream.record_event(timing=False)
         if not event.query():  # wait in a worker thread: the event loop keeps running
@@ -145,8 +147,8 @@ class DeviceOp:
             raise too_deep(self, exc) from exc
 
     def graph(self, parallel: bool = False):
-        """``graph_on`` the default stream."""
-        return self.graph_on(_default_stream(), parallel)
+        """``graph_on`` the default stream of the op's device (see ``sync``)."""
+        return self.graph_on(_default_stream(self, "op.graph()"), parallel)
 
     # -- combinators -------------------------------------------------------------
     def map(self, f) -> "DeviceOp":
@@ -187,8 +189,11 @@ class DeviceOp:
         return Boxed(self)
 
 
-def _default_stream():
-    return Device(0).default_stream()
+def _default_stream(op, what: str):
+    """The default stream of the device ``op``'s tensors live on (execution.tensors_device);
+    Device(0)'s when it names none (an op of allocations only)."""
+    device = tensors_device(op, what)
+    return (device if device is not None else Device(0)).default_stream()
 
 
 # -- the ops -----------------------------------------------------------------------

@@ -16,12 +16,12 @@ import math
 
 import numpy as np
 
-from .dtypes import DType, dlpack_producer, dtype as as_dtype
+from .dtypes import DType, dlpack_producer, dtype as as_dtype, producer_name
 from .errors import DTypeError, LaunchError, ShapeError, StateError
 from .memory import (READ_ONLY, Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
                      _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
-from .runtime.device import Device, as_device, placed
+from .runtime.device import Device, as_device, placed, pointer_ordinal
 from .runtime.stream import sync_in_capture
 
 
@@ -68,7 +68,9 @@ class Tensor:
             with _owned_lock:
                 _owned.add(t._alloc)
         t._home_stream = home_stream
-        t._sig = (t._ptr, t._shape, t._strides, t.dtype) + ((READ_ONLY,) if read_only else ())
+        # the device too: an address freed on one device may be handed out on another, and a launch key
+        # (kernel/plan.py) must not find the plan checked for the first
+        t._sig = (t._ptr, t._shape, t._strides, t.dtype, device) + ((READ_ONLY,) if read_only else ())
         t._sig_id = _sig_id(t._sig)
         t._views = None
         return t
@@ -79,7 +81,7 @@ class Tensor:
         t._base, t._arr, t.device, t.dtype = self._base, None, self.device, self.dtype
         t._ptr, t._shape, t._strides, t._contig = ptr, shape, strides, contiguous
         t._alloc, t._home_stream, t._borrow = self._alloc, self._home_stream, self._borrow
-        t._sig, t._views = (ptr, shape, strides, self.dtype), None
+        t._sig, t._views = (ptr, shape, strides, self.dtype, self.device), None
         if self._alloc.read_only:
             t._sig += (READ_ONLY,)
         t._sig_id = _sig_id(t._sig)
@@ -135,9 +137,16 @@ class Tensor:
         memory stays the other framework's: ``try_partition`` on a handle to it
         is refused (deviceop cannot see who else holds it); ``api.dup`` makes a
         copy deviceop owns."""
+        home = None if isinstance(obj, Tensor) else _gpu_of(obj)
+        if home is not None and device is None and stream is None:
+            device = home  # a cuda:1 tensor imports onto Device(1), not the default device
         device, stream = placed("dop.from_dlpack", device, stream)
         if isinstance(obj, Tensor):
             return obj
+        if home is not None and device.ordinal != home:
+            raise LaunchError(f"dop.from_dlpack: the {producer_name(obj)} lives on GPU {home} (its __dlpack_device__), "
+                              f"and the import was asked on {device.label}; import it on its own device "
+                              f"(device={home}, or a stream of Device({home}), or neither), or copy it there first")
         if isinstance(obj, np.ndarray):  # on either device, as the GPU must: a NumPy array is host memory
             raise StateError("a NumPy array lives in host memory, and zero-copy import (dop.from_dlpack, "
                              "dop.as_tensor) takes device memory: copy it with dop.from_numpy(array)")
@@ -149,12 +158,16 @@ class Tensor:
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
         """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
-        device = as_device(device) if device is not None else Device(0)
         if not hasattr(obj, "__cuda_array_interface__"):  # (CuPy alone would copy a host array to the GPU)
             raise DTypeError(f"{type(obj).__name__!r} has no __cuda_array_interface__, so it is no GPU memory to view; "
                              "copy host data with dop.from_numpy(array)")
-        array = device.import_cuda_array(obj)
-        data = obj.__cuda_array_interface__.get("data")  # (pointer, read-only)
+        data = obj.__cuda_array_interface__.get("data")
+        home = pointer_ordinal(data[0]) if isinstance(data, tuple) and data[0] else None
+        device = as_device(device) if device is not None else Device(home if home is not None else 0)
+        if home is not None and device.ordinal != home:
+            raise LaunchError(f"dop.from_cuda_array_interface: the memory lives on GPU {home} (its pointer's device) "
+                              f"and the view was asked on {device.label}; pass device={home}, or none")
+        array = device.import_cuda_array(obj)  # data: (pointer, read-only)
         return cls._wrap(array, device, external=True, read_only=bool(data[1]) if isinstance(data, tuple) else False)
 
     # -- metadata ------------------------------------------------------------
@@ -351,6 +364,16 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
+
+
+def _gpu_of(obj) -> int | None:
+    """The GPU ordinal ``obj``'s memory lives on, by its ``__dlpack_device__``; None for host
+    memory or an object that does not say (the import then checks it)."""
+    try:
+        kind, ordinal = obj.__dlpack_device__()
+        return int(ordinal) if int(kind) in (2, 13) else None  # kDLCUDA, kDLCUDAManaged
+    except Exception:  # noqa: BLE001 - no (usable) __dlpack_device__: dlpack_producer names what is wrong
+        return None
 
 
 _launch.set_tensor_type(Tensor)  # the launchers' fast path reads a Tensor's pointer without a call

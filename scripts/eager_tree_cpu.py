@@ -63,8 +63,13 @@ class FakeGpuDevice:
     name = "fake GPU (no driver calls)"
     arch = "sm_90"
 
+    label = "fake GPU"
+
     def bind(self) -> None:
         pass
+
+    def __getattr__(self, name):  # memory: the reference device's (a launch needs tensors of its stream's device)
+        return getattr(dop.Device(0), name)
 
 
 class FakeStream:
@@ -113,10 +118,10 @@ def main() -> int:
     fns = install_fake_functions(device, cfg)
     d = cfg.d
     # np.empty memory: the kernels never run, so the contents do not matter
-    weights = [LayerWeights(*(dop.empty(s).into_shared() for s in ([d], [d, d], [d, d])))
+    weights = [LayerWeights(*(dop.empty(s, device=device).into_shared() for s in ([d], [d, d], [d, d])))
                for _ in range(cfg.n_layers)]
-    raw = [[dop.empty(shape) for shape in ([1, d], [d], [d], [d])] for _ in range(cfg.n_layers)]
-    x = dop.empty([d])
+    raw = [[dop.empty(shape, device=device) for shape in ([1, d], [d], [d], [d])] for _ in range(cfg.n_layers)]
+    x = dop.empty([d], device=device)
     n_launch = 4 * cfg.n_layers
 
     def build():

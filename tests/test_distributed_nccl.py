@@ -216,6 +216,10 @@ class _Gpu:
     def __init__(self):
         self.issued = self.done = 0
         self.ptr, self.device = 0xB000, self
+        self.bound_on = []  # the threads that made its context current (bind)
+
+    def bind(self):
+        self.bound_on.append(threading.current_thread().name)
 
     def is_capturing(self):
         return False
@@ -248,8 +252,8 @@ def test_the_watchdog_aborts_a_stuck_stream_not_one_that_keeps_progressing(monke
     from deviceop.distributed.ops import Call
     clock = [100.0]
     monkeypatch.setattr(backend, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
-    nccl = backend.NcclBackend(FakeComm(2, 0), FakeNccl(), 0, timeout=10.0)
     gpu, t = _Gpu(), _Tensor()
+    nccl = backend.NcclBackend(FakeComm(2, 0), FakeNccl(), 0, timeout=10.0, device=gpu)
 
     def issue():
         gpu.issued += 1
@@ -324,3 +328,20 @@ def test_the_pair_check_lets_a_ring_send_before_it_receives(tmp_path):
     out = _groups(3, tmp_path, fakes, rank, timeout=3.0)
     assert time.monotonic() - start < 2  # (the check made every sender wait for its receiver: a deadlock)
     assert out == [[("send", 4, 7, (r + 1) % 3), ("recv", 4, 7, (r - 1) % 3)] for r in range(3)]
+
+
+def test_nccl_calls_bind_the_ranks_device_first_on_whichever_thread_makes_them():
+    # NCCL switches to the communicator's GPU and back to the thread's current device, which on a
+    # thread with no context current is GPU 0: a rank driving GPU 1 opened GPU 0 from its collectives,
+    # its abort thread and its close
+    from deviceop.distributed.ops import Call
+    gpu, t, comm = _Gpu(), _Tensor(), FakeComm(2, 0)
+    nccl = backend.NcclBackend(comm, FakeNccl(), 0, timeout=10.0, device=gpu)
+    nccl.issue(_AgreedGroup(), gpu, Call("all_reduce", t, t, "sum", None, None, 4))
+    assert gpu.bound_on == [threading.current_thread().name]
+    nccl.abort()
+    assert comm.aborted and gpu.bound_on[1] == "deviceop-nccl-abort-0"
+    other = FakeComm(2, 0)
+    closing = backend.NcclBackend(other, FakeNccl(), 0, timeout=10.0, device=gpu)
+    closing.close()
+    assert other.destroyed and gpu.bound_on[2] == threading.current_thread().name

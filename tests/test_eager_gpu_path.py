@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import deviceop as dop
+from deviceop import tensor as tensor_mod
 from deviceop.op import stats
 from deviceop.runtime import launch as launch_mod
 from deviceop.runtime.launch import ptr
@@ -33,9 +34,14 @@ from helpers import calls_during  # noqa: E402
 
 
 class FakeGpu:
+    """A GPU whose memory is the reference device's: tensors made while it is installed
+    (fake_gpu) are its own, as a kernel launched on its stream requires."""
     is_reference = False
     ordinal = -7  # no real device has it: the kernels' function caches keep these apart
-    name = "fake GPU"
+    name = label = "fake GPU"
+
+    def __getattr__(self, name):  # memory, streams and transfers: the reference device's
+        return getattr(dop.Device(0), name)
 
 
 class FakeStream:
@@ -79,6 +85,9 @@ def fake_gpu(monkeypatch, kernels):
     fake GPU whose cuLaunchKernel records each launch; ``checks`` records each run of
     a kernel's ``validate`` (by kernel name)."""
     driver, device = RecordingDriver(), FakeGpu()
+    placed = tensor_mod.placed  # tensors made without device= or stream= are the fake GPU's
+    monkeypatch.setattr(tensor_mod, "placed", lambda what, d, s: placed(what, d if d is not None or s is not None
+                                                                        else device, s))
     monkeypatch.setattr(launch_mod, "cu", driver)  # what the generated launchers call
     monkeypatch.setattr(launch_mod, "launch_kernel", driver.launch_kernel)
     checks = []

@@ -239,7 +239,8 @@ def test_a_negative_zero_fill_keeps_its_sign_on_the_gpu_path(dtype):
     from contextlib import nullcontext
     from types import SimpleNamespace
     from deviceop.runtime.stream import CudaStream
-    gpu_stream = SimpleNamespace(_live=lambda what: 0, cupy=nullcontext())  # all CudaStream.fill uses of a stream
+    gpu_stream = SimpleNamespace(_live=lambda what: 0, cupy=nullcontext(),  # all CudaStream.fill uses of a stream
+                                 device=SimpleNamespace(bind=lambda: None))
     array = np.ones(16, dtype=dop.dtype(dtype).np).view(_CupyLikeArray)
     CudaStream.fill(gpu_stream, array, -0.0)
     assert np.all(array.astype(np.float64) == 0) and np.all(np.signbit(array.astype(np.float64)))

@@ -51,8 +51,8 @@ class NcclBackend:
 
     name = "nccl"
 
-    def __init__(self, comm, low, rank: int, timeout: float):
-        self.comm, self.low, self.rank, self.timeout = comm, low, rank, timeout
+    def __init__(self, comm, low, rank: int, timeout: float, device):
+        self.comm, self.low, self.rank, self.timeout, self.device = comm, low, rank, timeout, device
         self.handle = low.Comm(comm.ptr)  # what the low-level calls take
         self.error = None          # why the watchdog aborted the communicator, once it has
         self._watch: dict = {}     # stream handle -> _Watch of its eager collectives
@@ -67,6 +67,9 @@ class NcclBackend:
             group.agree(call.signature, call)
         elif (call.kind, call.peer, call.dtype.name, call.count) not in self._pairs_agreed:
             self._agree_pair(group, call)
+        # NCCL switches to the communicator's device and back to the current one, which on a thread with
+        # no context current is GPU 0: bound first, nothing opens GPU 0 (also in abort and close)
+        stream.device.bind()
         dt, s, h = _DTYPES[call.dtype.name], stream.ptr, self.handle
         send = call.send.data_ptr if call.send is not None else 0
         recv = call.recv.data_ptr if call.recv is not None else 0
@@ -157,6 +160,7 @@ class NcclBackend:
 
         def run():
             try:
+                self.device.bind()  # (see issue)
                 comm.abort()
             except Exception:  # noqa: BLE001 - aborting is the last resort; it must not raise
                 pass
@@ -167,6 +171,7 @@ class NcclBackend:
     def close(self) -> None:
         comm, self.comm = self.comm, None
         if comm is not None:
+            self.device.bind()  # (see issue)
             comm.destroy()
 
 
@@ -311,7 +316,7 @@ def nccl_group(rank: int, world_size: int, device, store, timeout: float, launch
     except Exception as exc:
         exchanger.abort(rank, f"ncclCommInitRank failed: {exc}")
         raise DistributedError(f"dist.init: NCCL could not build the communicator on rank {rank} ({exc})") from None
-    backend = NcclBackend(comm, low, rank, timeout)
+    backend = NcclBackend(comm, low, rank, timeout, device)
     group = NcclGroup(rank, world_size, device, device.new_stream(), exchanger, backend, timeout, launcher)
     group._watchdog = Watchdog(group, exchanger, backend, timeout)
     atexit.register(abort_at_exit, weakref.ref(group))

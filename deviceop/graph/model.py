@@ -31,7 +31,7 @@ class GraphModel(Module):
         self.graph = graph
         self.input = input.tensor if isinstance(input, SharedTensor) else input
         self.output = output
-        self._in_sig = self.input._sig[1:]  # shape, strides, dtype
+        self._in_sig = self.input._sig[1:]  # shape, strides, dtype, device
         self._nbytes = self.input.nbytes
 
     def forward(self, x):

@@ -14,6 +14,7 @@ import math
 
 from ..errors import AliasingError, LaunchError
 from ..runtime import codegen
+from ..runtime.device import wrong_device
 from ..runtime.launch import LaunchConfig
 from ..tensor import SharedTensor, Tensor
 from .signature import _as_tensor_arg, bind, check_arg, run_rule
@@ -160,6 +161,9 @@ def checked_launch(kernel, head: tuple, values, describe, key=None) -> tuple[lis
         return launch_args, plan
     device, gen, pdl, cooperative = head
     launch_args, gen, env = _check_launch(kernel, values, gen, describe())
+    for p, t in zip(kernel.params, launch_args):  # the key holds each tensor's device: checked once per key
+        if type(t) is Tensor and t.device is not device:
+            raise wrong_device(f"launching {describe()}", device, t.device, f"argument {p.name}")
     config = kernel.launch_config(values, launch_args, gen, env)  # before compiling: a refused geometry is cheap
     fn = kernel.function(device, gen)  # compiled, loaded and checked against the CUBIN once
     plan = LaunchPlan(fn, pdl, cooperative, config, gen)

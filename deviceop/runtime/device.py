@@ -213,6 +213,9 @@ class CudaDevice(Device):
     def alloc(self, dims, dt, stream):
         import cupy
         stream = stream if stream is not None else self.default_stream()
+        # bound first: entering cupy.cuda.Device(n) reads the runtime's current device (0 on a
+        # thread with no context current) and restores it on exit, which would open GPU 0
+        self.bind()
         try:
             with cupy.cuda.Device(self.ordinal), stream.cupy:
                 return cupy.empty(dims, dtype=dt.np)
@@ -240,6 +243,7 @@ class CudaDevice(Device):
 
     def from_host(self, host, dt, stream):
         array = self.alloc(host.shape, dt, stream)
+        self.bind()  # CuPy's set() enters the array's device and restores the current one after
         array.set(host, stream=(stream or self.default_stream()).cupy)
         return array
 
@@ -252,6 +256,7 @@ class CudaDevice(Device):
         if kind is not None and int(kind) not in (2, 13):  # kDLCUDA, kDLCUDAManaged
             raise StateError(f"{producer_name(obj)} lives in host memory (DLPack device type {int(kind)}); "
                              "zero-copy import needs device memory: copy it with dop.from_numpy(...)")
+        self.bind()  # (see alloc)
         with cupy.cuda.Device(self.ordinal), stream.cupy:
             return cupy.from_dlpack(obj)
 
@@ -272,16 +277,19 @@ class CudaDevice(Device):
 
     def import_cuda_array(self, obj):
         import cupy
+        self.bind()  # (see alloc)
         with cupy.cuda.Device(self.ordinal):
             return cupy.asarray(obj)  # CuPy wraps CAI memory without copying
 
     def contiguous(self, array, stream):
         import cupy
+        self.bind()  # (see alloc)
         with cupy.cuda.Device(self.ordinal), stream.cupy:
             return cupy.ascontiguousarray(array)
 
     @staticmethod
     def to_host(array, stream):
+        stream.device.bind()  # CuPy's get() enters the array's device and restores the current one after
         out = array.get(stream=stream.cupy)
         stream.synchronize()
         return out
@@ -328,10 +336,17 @@ def placed(what: str, device, stream):
         refuse_if_captured_elsewhere(what, stream)  # another thread captures it: not into its graph
         if device is None:
             return home, stream
-        if device_key(home) != device_key(device):
-            raise LaunchError(f"{what}: the stream is on {home.label}, the tensor on {device.label}; "
-                              "use a stream of the tensor's device (device.new_stream())")
+        if home is not device:  # identity: thread-ranks' reference devices share a kind and an ordinal
+            raise wrong_device(what, home, device)
     return (device if device is not None else Device(0)), stream
+
+
+def wrong_device(what: str, stream_device, tensor_device, tensor: str = "the tensor") -> LaunchError:
+    """The error of work on a stream of one device with a tensor of another: a GPU given
+    another GPU's pointer faults (the context is lost) or reads the wrong memory."""
+    return LaunchError(f"{what}: the stream is on {stream_device.label}, {tensor} on {tensor_device.label}; "
+                       f"use a stream of the tensor's device ({tensor_device.label}: device.new_stream(), or "
+                       "no stream= where the device is inferred), or copy the tensor there first (api.memcpy)")
 
 
 def load_module(program, device=None) -> CudaModule:
@@ -349,6 +364,19 @@ def load_module(program, device=None) -> CudaModule:
 
 def current_device() -> Device:
     return Device(0)
+
+
+def pointer_ordinal(address: int) -> int | None:
+    """The ordinal of the GPU whose memory ``address`` is (a foreign array's pointer), or
+    None: no driver, or memory the driver does not know (host memory)."""
+    if not driver.driver_available():
+        return None
+    try:
+        code, ordinal = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                                 int(address))
+        return None if code else int(ordinal)
+    except Exception:  # noqa: BLE001 - a binding that cannot say: the caller keeps its default
+        return None
 
 
 def default_arch() -> str:

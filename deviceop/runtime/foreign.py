@@ -63,6 +63,7 @@ class GpuForeign:
         capturing (``capture``: the capture in progress, whose ``before`` is an event
         recorded on the stream before it began).  ``bind(s)`` gives the body's tensor
         arguments ``(args, kwargs)`` for stream ``s``; ``arrays`` is the reference device's."""
+        stream.device.bind()  # a library in the body works on the current device (CuPy, cuBLAS handles)
         if capture is None:
             args, kwargs = bind(stream)
             self.body(stream, *args, **kwargs)

@@ -142,6 +142,7 @@ class Function(ParamLayout):
 
     def set_max_dynamic_shared_memory(self, nbytes: int) -> None:
         dev = self.module.device
+        dev.bind()  # a function's attributes are set in its module's context
         static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                                              self.handle), "cuFuncGetAttribute")
         if nbytes + static > dev.max_shared_memory_per_block:
@@ -291,6 +292,7 @@ class Function(ParamLayout):
         if config.shared_mem > self._smem_limit:
             self.set_max_dynamic_shared_memory(config.shared_mem)
         c = self._ex_config("cluster", config, 0)
+        self.module.device.bind()  # the query's stream 0 is the current context's: this kernel's device
         return int(check(cu.cuOccupancyMaxActiveClusters(self.handle, c), "cuOccupancyMaxActiveClusters"))
 
     @property

@@ -237,6 +237,7 @@ class CudaStream(Stream):
     def fill(self, array, value) -> None:
         """Set every element of the CuPy ``array`` to ``value``, ordered on this stream."""
         self._live("a fill")
+        self.device.bind()  # CuPy launches its fill kernel on its current device (the bound context's)
         with self.cupy:
             if value == 0 and math.copysign(1.0, value) < 0 and array.dtype.kind not in "biu":
                 # CuPy memsets a fill that == 0, so -0.0 would become +0.0 (NumPy keeps it): fill its bits
@@ -248,6 +249,7 @@ class CudaStream(Stream):
     def upload(self, array, host) -> None:
         """Copy the host array ``host`` into the CuPy ``array``, ordered on this stream."""
         self._live("an upload")
+        self.device.bind()  # CuPy's set() enters the array's device and restores the current one after
         array.set(host, stream=self.cupy)
 
     # -- interop -----------------------------------------------------------

@@ -1,0 +1,117 @@
+"""Work of one device is never run with another device's stream or tensors.
+
+On a GPU, a kernel given another GPU's pointer faults (the context is lost) or reads the
+wrong memory, and a stream of GPU 0 taken by default opens GPU 0 in a process that drives
+GPU 1.  Here the two devices are the reference backend's thread-rank devices
+(``rank_device``: each rank's device is its own, told apart by identity, as each process's
+GPU is), so every refusal runs on CPU; tests/test_two_devices_gpu.py runs the same on two GPUs.
+"""
+import numpy as np
+import pytest
+
+import deviceop as dop
+from deviceop import api
+from deviceop.distributed.reference import rank_device
+from deviceop.kernels import add
+from deviceop.tensor import Tensor
+
+
+@pytest.fixture
+def two():
+    return rank_device(0), rank_device(1)
+
+
+def _on(device, host):
+    return dop.from_numpy(host, stream=device.new_stream())
+
+
+def test_a_launch_with_a_tensor_of_another_device_is_refused_naming_both(two, rng):
+    gpu0, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a, b, out = _on(gpu0, x), _on(gpu1, x), _on(gpu0, x)
+    with pytest.raises(dop.LaunchError, match=r"launching add: the stream is on reference \(rank 0\), argument b "
+                                              r"on reference \(rank 1\); use a stream of the tensor's device"):
+        add(out.partition([128]), a, b).sync_on(gpu0.new_stream())
+    np.testing.assert_array_equal(out.numpy(), x)  # nothing ran
+    add(out.partition([128]), a, a).sync_on(gpu0.new_stream())  # its own device's tensors: launched
+    np.testing.assert_array_equal(out.numpy(), 2 * x)
+
+
+def test_a_launch_key_tells_the_same_address_on_two_devices_apart(two, rng):
+    # a plan checked for a tensor of device 0 was found for another at the same address on device 1
+    # (addresses are reused across devices once freed): the second launch skipped the device check
+    gpu0, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a = _on(gpu0, x)
+    out = _on(gpu0, x)
+    twin = Tensor._wrap(a._base, gpu1, a.dtype, external=True)  # a's address, seen on device 1
+    stream = gpu0.new_stream()
+    add(out.partition([128]), a, a).sync_on(stream)
+    with pytest.raises(dop.LaunchError, match=r"argument b on reference \(rank 1\)"):
+        add(out.partition([128]), a, twin).sync_on(stream)
+
+
+def test_a_stream_of_another_device_is_refused_for_a_tensor_of_this_one(two):
+    gpu0, gpu1 = two
+    with pytest.raises(dop.LaunchError, match=r"dop.empty: the stream is on reference \(rank 0\), the tensor on "
+                                              r"reference \(rank 1\)"):
+        dop.empty([4], device=gpu1, stream=gpu0.new_stream())
+
+
+def test_sync_and_graph_without_a_stream_run_on_the_device_of_the_ops_tensors(two, rng):
+    # Device(0)'s default stream was taken: on a GPU that opens GPU 0 and launches there with GPU 1's pointers
+    _, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a, b, out = _on(gpu1, x), _on(gpu1, 3 * x), _on(gpu1, x)
+    add(out.partition([128]), a, a).sync()
+    np.testing.assert_array_equal(out.numpy(), 2 * x)
+    graph = add(out.partition([128]), a, b).graph()
+    assert graph.stream is gpu1.default_stream()
+    graph.replay()
+    np.testing.assert_array_equal(out.numpy(), x + 3 * x)
+    graph.close()
+    api.fill(out, 1.5).sync()
+    np.testing.assert_array_equal(out.numpy(), np.full(256, 1.5, np.float32))
+
+
+def test_await_without_a_stream_runs_on_the_device_of_the_ops_tensors(two, rng):
+    import asyncio
+    _, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a, out = _on(gpu1, x), _on(gpu1, x)
+
+    async def main():
+        return await add(out.partition([128]), a, a).first().unpartition()
+    assert asyncio.run(main()) is out
+    assert gpu1.__dict__.get("_default_stream") is not None  # its stream, not Device(0)'s
+    np.testing.assert_array_equal(out.numpy(), 2 * x)
+
+
+def test_sync_without_a_stream_refuses_an_op_on_two_devices_naming_the_fix(two, rng):
+    gpu0, gpu1 = two
+    x = rng.standard_normal(64).astype(np.float32)
+    a, b = _on(gpu0, x), _on(gpu1, x)
+    op = api.memcpy(a, b)
+    with pytest.raises(dop.LaunchError, match=r"op.sync\(\): api.memcpy uses tensors of reference \(rank 0\) and of "
+                                              r"reference \(rank 1\).*op.sync_on\(stream\)"):
+        op.sync()
+    op.sync_on(gpu0.new_stream())  # a stream chosen: the copy runs
+    np.testing.assert_array_equal(a.numpy(), x)
+
+
+def test_foreign_work_with_a_tensor_of_another_device_is_refused_before_its_body_runs(two, rng):
+    gpu0, gpu1 = two
+    x = rng.standard_normal(64).astype(np.float32)
+    src, dst = _on(gpu1, x), _on(gpu1, x)
+    ran = []
+
+    def reference(s, d):
+        ran.append(1)
+        d[...] = 2 * s
+    op = dop.foreign(lambda stream, s, d: None, reads=[src], writes=[dst], reference=reference)
+    with pytest.raises(dop.LaunchError, match=r"executing dop.foreign\(<lambda>\): the stream is on reference "
+                                              r"\(rank 0\), a tensor of its reads/writes on reference \(rank 1\)"):
+        op.sync_on(gpu0.new_stream())
+    assert not ran
+    dop.foreign(lambda stream, s, d: None, reads=[src], writes=[dst], reference=reference).sync()  # its device's
+    np.testing.assert_array_equal(dst.numpy(), 2 * x)
