@@ -315,6 +315,14 @@ class StoreExchanger:
         self.post(rank, seq, obj)
         found, deadline, pause, checked = {}, time.monotonic() + timeout, 0.0005, 0.0
         while True:
+            now = time.monotonic()
+            # the others' news (an abort, a rank that left) is read BEFORE their values: a rank that
+            # posted and then aborted completed this exchange, which must not fail on its abort
+            why = gone = None
+            if now - checked > 0.01:
+                checked = now
+                why = self.problem()
+                gone = [r for r in parties if r not in found and self.store.get(f"{self.prefix}closed/{r}") is not None]
             for r in parties:
                 if r not in found:
                     value = self.store.get(p + str(r))
@@ -322,17 +330,13 @@ class StoreExchanger:
                         found[r] = pickle.loads(value)
             if len(found) == len(parties):
                 return [found[r] for r in parties]
-            now = time.monotonic()
             missing = [r for r in parties if r not in found]
-            if now - checked > 0.01:  # the others' news: an abort, a rank that left
-                checked = now
-                why = self.problem()
-                if why is not None:
-                    raise DistributedError(f"{what} on rank {rank}: the group was aborted ({why})")
-                gone = [r for r in missing if self.store.get(f"{self.prefix}closed/{r}") is not None]
-                if gone:
-                    raise DistributedError(f"{what} on rank {rank}: rank(s) {gone} closed their group without "
-                                           "reaching it; every rank must make the same exchanges and collectives")
+            if why is not None:
+                raise DistributedError(f"{what} on rank {rank}: the group was aborted ({why})")
+            gone = [r for r in gone or () if r not in found]
+            if gone:
+                raise DistributedError(f"{what} on rank {rank}: rank(s) {gone} closed their group without "
+                                       "reaching it; every rank must make the same exchanges and collectives")
             if now > deadline:
                 raise DistributedError(f"{what} timed out after {timeout:g} s on rank {rank}: rank(s) {missing} never "
                                        "reached it (a rank failed, hung, or took another path); the group is aborted")
