@@ -365,6 +365,8 @@ def test_ranks_whose_device_weights_differ_are_refused_and_a_host_and_a_device_l
     def mixed(group):  # rank 0 host arrays, rank 1 the same values as device tensors
         with Llama(CFG, (weights, as_torch(weights))[group.rank], capacity=16, group=group,
                    allreduce="nccl") as llama:
+            w = llama.decoder.w  # imported onto the rank's device, not the process's Device(0)
+            assert w.embed.device is group.device and w.layers[0]["o"].device is group.device
             return llama.decoder.shard.rank
     assert dist.run_reference(2, mixed) == [0, 1]
 

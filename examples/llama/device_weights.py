@@ -45,7 +45,7 @@ def _to_device(w, stream) -> dop.Tensor:
     """A host array is copied; a device tensor (torch, CuPy: anything with DLPack) is used in place."""
     if isinstance(w, np.ndarray):
         return dop.from_numpy(np.ascontiguousarray(w), stream=stream)
-    return dop.from_dlpack(w)
+    return dop.from_dlpack(w, stream=stream)  # onto the decoder's device (a rank's, in tensor parallel)
 
 
 def _concat(parts: list, stream) -> dop.Tensor:
