@@ -63,16 +63,16 @@ def eager_cases():
     stream = FakeStream(device)
     n = 4096
     fake_function(add, device, [256])
-    y, a, b = dop.empty([n]), dop.empty([n]), dop.empty([n])
+    y, a, b = (dop.empty([n], device=device) for _ in range(3))  # the fake GPU's (its memory is host)
     yp = y.partition([256])
 
     d, vocab = 2048, 32000
     tile, rows, gen = lp.lm_head_plan(d, vocab)
     fake_function(lp.rms_lm_head_argmax, device, gen)
-    logits, x = dop.empty([rows]), dop.empty([d])
-    norm_w = dop.empty([d], dtype="bfloat16")
-    w = dop.empty([vocab, d], dtype="bfloat16")
-    token, work, error = dop.empty([1], dtype="int32"), dop.empty([2], dtype="uint64"), dop.empty([1], dtype="int32")
+    logits, x = dop.empty([rows], device=device), dop.empty([d], device=device)
+    norm_w = dop.empty([d], dtype="bfloat16", device=device)
+    w = dop.empty([vocab, d], dtype="bfloat16", device=device)
+    token, work, error = (dop.empty([k], dtype=t, device=device) for k, t in ((1, "int32"), (2, "uint64"), (1, "int32")))
     lp_ = logits.partition([tile])
 
     def build_add():
