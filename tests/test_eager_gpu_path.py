@@ -13,6 +13,7 @@ scalars, and a rebuilt forward over the same buffers is not checked again.
 import collections
 import ctypes
 import struct
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,6 +144,17 @@ def test_the_host_cost_script_runs():
                           "--tokens", "3", "--reps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "op-tree overhead (eager - launcher)" in run.stdout
+
+
+def test_the_hot_calls_host_cost_script_runs():
+    """scripts/host_costs_cpu.py (eager launches, replay, forward, node set), briefly: it broke
+    once unnoticed when launches began refusing tensors of another device than the stream's."""
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "host_costs_cpu.py"), "--n", "20", "--reps", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert run.returncode == 0, run.stderr
+    for row in ("eager add", "eager lm_head", "replay", "forward", "node set"):
+        assert row in run.stdout, row
 
 
 # -- prepared launches: a launch seen before is one lookup and one driver call ----
