@@ -394,7 +394,8 @@ def test_checks_of_a_repeated_launch_run_once(stream, rng):
     for _ in range(3):
         k(out.partition([128]), x, 2.0, 1.0).generics([128]).sync_on(stream)
     assert calls == [(2.0, 1.0)]
-    k(out.partition([128]), dop.empty(256), 2.0, 1.0).generics([128]).sync_on(stream)  # a new tensor: checked again
+    other = dop.from_numpy(rng.standard_normal(256).astype(np.float32))  # (not dop.empty: its garbage may overflow)
+    k(out.partition([128]), other, 2.0, 1.0).generics([128]).sync_on(stream)  # a new tensor: checked again
     assert len(calls) == 2
     for alpha in (3.0, 2.0, 3.0, -0.0, 0.0, -0.0):  # a new scalar, or the sign of a zero: checked again
         k(out.partition([128]), x, alpha, 1.0).generics([128]).sync_on(stream)
