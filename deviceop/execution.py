@@ -102,40 +102,72 @@ def walk(op):
 
 
 def tensors_device(op, what: str):
-    """The device of the tensors ``op``'s tree holds before it runs, or None where it holds
-    none; tensors of two devices are refused.  ``op.sync()`` runs on this device's default
-    stream: Device(0)'s for an op on GPU 1 would open GPU 0 and launch there with GPU 1's
-    pointers (a fault that loses the context)."""
+    """The device of the tensors ``op``'s tree holds before it runs (a graph launch: the
+    graph's device), or None where it holds none; tensors of two devices are refused.
+    ``op.sync()`` runs on this device's default stream: Device(0)'s for an op on GPU 1 would
+    open GPU 0 and launch there with GPU 1's pointers (a fault that loses the context)."""
     device = None
     for o in walk(op):
-        for t in _tensors_in(o):
+        for d in _devices_in(o):
             if device is None:
-                device = t.device
-            elif t.device is not device:
-                raise LaunchError(f"{what}: {op.describe()} uses tensors of {device.label} and of {t.device.label}, so "
+                device = d
+            elif d is not device:
+                raise LaunchError(f"{what}: {op.describe()} uses tensors of {device.label} and of {d.label}, so "
                                   "it has no one default stream; execute it on a stream you choose: "
                                   "op.sync_on(stream) / op.graph_on(stream) / await op.on(stream)")
     return device
 
 
-def _tensors_in(op):
-    """The tensors an op holds (kernel arguments, copy and fill buffers, foreign reads and
-    writes, values): whatever its slots hold, one level into tuples, lists and (key, value)
-    pairs, so that every op class is covered without declaring them."""
-    for cls in type(op).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            value = getattr(op, name, None)
-            if isinstance(value, (tuple, list)):
-                for v in value:
-                    yield from _tensor_of(v[1] if isinstance(v, tuple) and len(v) == 2 else v)
-            else:
-                yield from _tensor_of(value)
+_slot_names: dict = {}  # op class -> (its slots that may hold tensors, whether it has home_device): once per class
 
 
-def _tensor_of(v):
-    t = v.tensor if isinstance(v, Partition) else v._tensor if isinstance(v, SharedTensor) else v
-    if isinstance(t, Tensor):  # (a released SharedTensor holds none)
-        yield t
+def _devices_in(op) -> list:
+    """The devices of the tensors an op holds (kernel arguments, copy and fill buffers, foreign
+    reads and writes, values, a shared op's result once computed): whatever its public slots
+    hold (a leading underscore marks an op's own state: generics, flags, builders), one level
+    into tuples, lists and (key, value) pairs, so that every op class is covered without
+    declaring them; and ``op.home_device()`` where the op defines it (a graph launch).  The
+    slot names are read once per class: this runs for every op of an op.sync()'s tree."""
+    cls = type(op)
+    layout = _slot_names.get(cls)
+    if layout is None:
+        names = []
+        for c in cls.__mro__:
+            slots = c.__dict__.get("__slots__", ())
+            names += [n for n in ((slots,) if isinstance(slots, str) else slots) if not n.startswith("_")]
+        layout = _slot_names[cls] = (tuple(names), hasattr(cls, "home_device"))
+    names, has_home = layout
+    found = []
+    for name in names:
+        v = getattr(op, name, None)
+        if type(v) is _SharedCore:  # a shared op computed already: its tree is gone, its result holds the tensors
+            v = v.result if v.done else None
+        if type(v) is tuple or type(v) is list:
+            for x in v:
+                if type(x) is tuple and len(x) == 2:  # a (name, value) pair: foreign reads and writes
+                    x = x[1]
+                d = _device_of(x)
+                if d is not None:
+                    found.append(d)
+        else:
+            d = _device_of(v)
+            if d is not None:
+                found.append(d)
+    if has_home:
+        found.append(op.home_device())
+    return found
+
+
+def _device_of(v):
+    """The device of a tensor, a partition's or a live SharedTensor's; None for anything else."""
+    tv = type(v)
+    if tv is Tensor:
+        return v.device
+    if tv is Partition:
+        return v.tensor.device
+    if tv is SharedTensor:
+        return v._tensor.device if v._tensor is not None else None  # (a released handle holds none)
+    return v.device if isinstance(v, Tensor) else None
 
 
 def check_stream(what: str, stream) -> None:

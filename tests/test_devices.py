@@ -115,3 +115,49 @@ def test_foreign_work_with_a_tensor_of_another_device_is_refused_before_its_body
     assert not ran
     dop.foreign(lambda stream, s, d: None, reads=[src], writes=[dst], reference=reference).sync()  # its device's
     np.testing.assert_array_equal(dst.numpy(), 2 * x)
+
+
+def test_a_graph_launch_runs_on_its_graphs_device_and_refuses_another_devices_stream(two, rng):
+    # graph.launch() holds no tensor in its slots: sync() took Device(0)'s stream, and sync_on(a stream of
+    # another device) launched the graph there, which graph.replay(stream) refuses
+    gpu0, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a, out = _on(gpu1, x), _on(gpu1, x)
+    graph = add(out.partition([128]), a, a).graph_on(gpu1.new_stream())
+    with pytest.raises(dop.LaunchError, match=r"executing graph.launch on a stream of reference \(rank 0\): the graph "
+                                              r"was captured on reference \(rank 1\)"):
+        graph.launch().sync_on(gpu0.new_stream())
+    np.testing.assert_array_equal(out.numpy(), x)  # nothing ran
+    graph.launch().sync()
+    assert gpu1.__dict__.get("_default_stream") is not None  # the graph's device's default stream
+    np.testing.assert_array_equal(out.numpy(), 2 * x)
+    graph.close()
+
+
+def test_sync_sees_the_tensors_of_a_shared_op_already_computed(two, rng):
+    # a computed shared op has no children: its tensors were not seen, and sync() took Device(0)'s stream
+    _, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a, out = _on(gpu1, x), _on(gpu1, x)
+    dop.shared(a).then(lambda t: add(out.partition([128]), t, t)).sync()
+    np.testing.assert_array_equal(out.numpy(), 2 * x)
+
+
+@pytest.mark.parametrize("make", ["loop", "while_", "if_"])
+def test_a_loop_or_branch_whose_control_cell_is_another_devices_is_refused(two, rng, make):
+    # the control kernel (captured) or the host loop (eager) was given the other device's cell:
+    # a captured loop(3, index) ran with no error, an eager one set the index through the wrong stream
+    gpu0, gpu1 = two
+    x = rng.standard_normal(256).astype(np.float32)
+    a, out = _on(gpu0, x), _on(gpu0, x)
+    cell = _on(gpu1, np.ones(1, np.int32))
+
+    def body(*_):
+        return add(out.partition([128]), a, a)
+    build = {"loop": lambda: dop.loop(3, cell, body), "while_": lambda: dop.while_(cell, body),
+             "if_": lambda: dop.if_(cell, body)}[make]
+    for run in (lambda op: op.sync_on(gpu0.new_stream()), lambda op: op.graph_on(gpu0.new_stream())):
+        with pytest.raises(dop.LaunchError, match=r"the stream is on reference \(rank 0\), its count, index or "
+                                                  r"condition on reference \(rank 1\)"):
+            run(build())
+    np.testing.assert_array_equal(out.numpy(), x)  # nothing ran

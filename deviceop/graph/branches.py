@@ -39,7 +39,7 @@ from ..foreign import refuse_host_nodes
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
-from .loops import _int32_cell
+from .loops import _int32_cell, refuse_cells_elsewhere
 
 _SELECT_SOURCE = r"""
 // Declared as cuda_device_runtime_api.h does (see loops.py).
@@ -129,6 +129,7 @@ class _Branches(DeviceOp):
         return op
 
     def _execute(self, ctx: ExecutionContext):
+        refuse_cells_elsewhere(ctx, (self.value,), self._label)
         if ctx.capture is None:
             chosen = self._pick(int(self.value.numpy(stream=ctx.stream)[0]))  # eagerly the host reads it once
             if chosen is not None:

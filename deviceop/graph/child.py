@@ -24,7 +24,7 @@ On the reference device the child is a tape step holding a copy of ``g``'s tape.
 from __future__ import annotations
 
 from ..api import fill_pattern
-from ..errors import StateError
+from ..errors import LaunchError, StateError
 from ..foreign import in_conditional_body
 from ..op import DeviceOp, warn_if_unexecuted
 from .copy_nodes import MemcpyNode, MemsetNode
@@ -200,6 +200,10 @@ class GraphLaunch(DeviceOp):
         hosts = self.graph._hosts
         return f"graph.launch() of a graph holding {hosts[0]}" if hosts else None
 
+    def home_device(self):
+        """The graph's device: ``op.sync()`` runs on its default stream (execution.tensors_device)."""
+        return self.graph._device
+
     def writes(self) -> tuple:
         """The buffers the graph's kernel, copy and fill nodes write (a loop body's checks)."""
         out = []
@@ -211,6 +215,11 @@ class GraphLaunch(DeviceOp):
         return tuple(out)
 
     def _execute(self, ctx):
+        if ctx.device is not self.graph._device:  # as graph.replay(stream): its nodes are that device's work
+            home = self.graph._device.label
+            raise LaunchError(f"executing {self.describe()} on a stream of {ctx.device.label}: the graph was captured "
+                              f"on {home} (its kernels and buffers are that device's); launch it on a stream of "
+                              f"{home} (graph.stream, or none: op.sync() takes the graph's device)")
         if ctx.guard is not None:  # in a loop's body: not into the loop's index or count
             for t in self.writes():
                 ctx.guard.check(t, "graph.launch()")

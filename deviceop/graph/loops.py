@@ -38,7 +38,7 @@ from ..errors import CapabilityError, DTypeError, LaunchError, ShapeError
 from ..execution import BodyGuard
 from ..foreign import refuse_host_nodes
 from ..op import DeviceOp, ExecutionContext, value
-from ..runtime.device import device_key, load_module
+from ..runtime.device import device_key, load_module, wrong_device
 from ..runtime.launch import LaunchConfig, ptr
 from ..memory import read_only_error
 from ..tensor import SharedTensor, Tensor
@@ -118,6 +118,15 @@ def _body_builder(body):
     return body
 
 
+def refuse_cells_elsewhere(ctx, cells, label: str) -> None:
+    """Refuse a loop or branch whose control cells (count, index, condition) are another
+    device's than the stream's: its control kernel, or the host reading them, would be
+    given another GPU's pointers (as a kernel launch refuses)."""
+    for t in cells:
+        if t is not None and t.device is not ctx.device:
+            raise wrong_device(f"executing {label}", ctx.device, t.device, "its count, index or condition")
+
+
 class _Loop(DeviceOp):
     """The shared machinery of ``loop`` and ``while_``: eager host loop,
     conditional WHILE node when captured, tape loop on the reference device."""
@@ -172,6 +181,7 @@ class _Loop(DeviceOp):
         return op
 
     def _execute(self, ctx: ExecutionContext):
+        refuse_cells_elsewhere(ctx, self._keep(), self._label)
         outer = ctx.guard
         if outer is not None:  # a loop inside another's body: it must not write what that one borrows
             for t in self.writes():
