@@ -161,3 +161,16 @@ def test_a_loop_or_branch_whose_control_cell_is_another_devices_is_refused(two, 
                                                   r"condition on reference \(rank 1\)"):
             run(build())
     np.testing.assert_array_equal(out.numpy(), x)  # nothing ran
+
+
+def test_a_replay_on_another_devices_stream_names_the_graph_not_a_tensor(two, rng):
+    # graph.replay(stream) shares the tensors' device check, whose fix said to copy "the tensor"
+    gpu0, gpu1 = two
+    x = _on(gpu1, rng.standard_normal(256).astype(np.float32))
+    y = _on(gpu1, rng.standard_normal(256).astype(np.float32))
+    graph = add(y.partition([128]), x, x).graph_on(gpu1.new_stream())
+    with pytest.raises(dop.LaunchError, match=r"graph.replay\(stream\): the stream is on reference \(rank 0\), the graph "
+                                              r"on reference \(rank 1\); use a stream of the graph's device") as info:
+        graph.replay(gpu0.new_stream())
+    assert "api.memcpy" not in str(info.value) and "capture the work again" in str(info.value)
+    graph.close()

@@ -139,7 +139,7 @@ class CudaGraph(ProcessHandle):
         if stream is None or stream is self._stream:
             stream = self._stream
         else:  # a live stream of the graph's device
-            placed("graph.replay(stream)", self._device, stream)
+            placed("graph.replay(stream)", self._device, stream, "the graph")
         # _replay's body, inlined, and acquire/release instead of `with` (cheaper): the host
         # time of a replay is what a device loop's launch costs
         lock = self._lock
