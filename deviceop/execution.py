@@ -143,12 +143,7 @@ def _devices_in(op) -> list:
         if type(v) is _SharedCore:  # a shared op computed already: its tree is gone, its result holds the tensors
             v = v.result if v.done else None
         if type(v) is tuple or type(v) is list:
-            for x in v:
-                if type(x) is tuple and len(x) == 2:  # a (name, value) pair: foreign reads and writes
-                    x = x[1]
-                d = _device_of(x)
-                if d is not None:
-                    found.append(d)
+            _devices_within(v, found, 4)
         else:
             d = _device_of(v)
             if d is not None:
@@ -156,6 +151,19 @@ def _devices_in(op) -> list:
     if has_home:
         found.append(op.home_device())
     return found
+
+
+def _devices_within(items, found: list, depth: int) -> None:
+    """The devices of the tensors in nested tuples and lists (a value of pairs of tensors,
+    foreign ``(name, tensor)`` pairs), a few levels down."""
+    for x in items:
+        if type(x) is tuple or type(x) is list:
+            if depth:
+                _devices_within(x, found, depth - 1)
+            continue
+        d = _device_of(x)
+        if d is not None:
+            found.append(d)
 
 
 def _device_of(v):

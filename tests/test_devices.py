@@ -174,3 +174,14 @@ def test_a_replay_on_another_devices_stream_names_the_graph_not_a_tensor(two, rn
         graph.replay(gpu0.new_stream())
     assert "api.memcpy" not in str(info.value) and "capture the work again" in str(info.value)
     graph.close()
+
+
+def test_sync_sees_every_tensor_of_a_value_of_pairs(two, rng):
+    # a 2-tuple was read as a (name, tensor) pair: dop.value(((a0, a1), (b0, b1))) saw a1 and b1 only
+    gpu0, gpu1 = two
+    x = rng.standard_normal(64).astype(np.float32)
+    on1 = [_on(gpu1, x) for _ in range(3)]
+    op = dop.value(((_on(gpu0, x), on1[0]), (on1[1], on1[2])))
+    with pytest.raises(dop.LaunchError, match=r"uses tensors of reference \(rank 0\) and of reference \(rank 1\)"):
+        op.sync()
+    op.discard()
