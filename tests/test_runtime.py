@@ -137,3 +137,16 @@ def test_a_graph_launched_on_a_closed_cuda_stream_is_refused_before_the_driver(m
 def test_the_default_arch_is_device_0s(device):
     from deviceop.runtime.device import default_arch
     assert default_arch() == device.arch
+
+
+def test_the_default_arch_is_that_of_the_gpu_the_process_opened(monkeypatch):
+    # a tensor-parallel rank opens GPU 1 only: its kernels compile for GPU 1's arch, read without
+    # opening GPU 0 (on a machine of mixed GPUs, GPU 0's arch would not load on GPU 1)
+    from types import SimpleNamespace
+
+    from deviceop.runtime import device as rt
+    monkeypatch.setattr(rt.driver, "driver_available", lambda: True)
+    monkeypatch.setattr(rt, "cu", SimpleNamespace())  # any driver call would fail: nothing is asked of GPU 0
+    monkeypatch.setattr(rt, "_instances", {(rt.CudaDevice, 3): SimpleNamespace(arch="sm_100"),
+                                           (rt.CudaDevice, 1): SimpleNamespace(arch="sm_89")})
+    assert rt.default_arch() == "sm_89"

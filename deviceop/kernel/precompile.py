@@ -28,7 +28,7 @@ def progress(iterable, *, total: int, desc: str):
 
 def precompile(items, *, arch: str | None = None, threads: int | None = None) -> int:
     """Compile each ``(kernel, generics)`` of ``items`` (or a kernel without generics)
-    to CUBIN for ``arch`` (default: Device(0)'s) in parallel threads, into the
+    to CUBIN for ``arch`` (default: the GPU this process uses, runtime.device.default_arch) in parallel threads, into the
     in-memory and on-disk compile caches, checking each against its declaration;
     returns how many were compiled.  A later launch loads the cached CUBIN.
     Every item's generics are checked before any compiles; the first failure

@@ -384,14 +384,14 @@ def pointer_ordinal(address: int) -> int | None:
 
 
 def default_arch() -> str:
-    """The arch code is compiled for when none is named: GPU 0's, read from the driver
-    without opening a context on GPU 0 (a tensor-parallel rank's process drives
-    another GPU, and a context costs memory on its GPU)."""
+    """The arch code is compiled for when none is named: that of the lowest-numbered GPU this
+    process opened (a tensor-parallel rank drives one GPU, not GPU 0), else GPU 0's, read from
+    the driver without opening a context there (a context costs memory on its GPU)."""
     if not driver.driver_available():
         return Device(0).arch
-    opened = _instances.get((CudaDevice, 0))
-    if opened is not None:
-        return opened.arch
+    opened = sorted((key[1], dev) for key, dev in list(_instances.items()) if key[0] is CudaDevice)
+    if opened:
+        return opened[0][1].arch
     handle = check(cu.cuDeviceGet(0), "cuDeviceGet")
     attr = cu.CUdevice_attribute
     major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, handle),
