@@ -28,7 +28,7 @@ import operator
 
 from ..errors import AliasingError, DistributedError, DTypeError, ShapeError
 from ..op import DeviceOp, resolve, warn_if_unexecuted, zip_
-from ..tensor import SharedTensor, Tensor
+from ..tensor import Tensor
 from .args import check_device, tensor_arg, written_arg
 from .group import Group
 from .peer import peer_buffers

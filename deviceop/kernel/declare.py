@@ -44,7 +44,7 @@ from pathlib import Path
 from ..compile import compile_cubin, normalize_arch
 from ..errors import CompileError, CudaError, LaunchError
 from ..op import DeviceOp
-from ..runtime.device import Device, default_arch, device_key
+from ..runtime.device import default_arch, device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
 from . import geometry, prebuilt
 from .fast import _fast_launch_type

@@ -27,7 +27,7 @@ from functools import partial
 
 from cuda.bindings import driver as cu
 
-from ..errors import CudaError, LaunchError, StateError
+from ..errors import CudaError, LaunchError
 from . import codegen
 from .driver import check, raise_error
 from .params import _MISSING, LaunchConfig, ParamLayout, _as_config, check_param_layout, ptr
