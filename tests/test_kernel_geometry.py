@@ -93,6 +93,17 @@ def test_a_grid_function_reads_the_arguments(stream, rng):
     assert {p.config.grid for p in k._plans.values()} == {(3, 1, 1)}
 
 
+def test_geometry_functions_may_return_lists_as_tuples(stream, rng):
+    """A grid or block function returning [x] (a list, as a tuple would be) launches as its tuple does."""
+    k = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], block=lambda g: [32 * g["W"]],
+               shared_mem=lambda g: 128 * g["W"], grid=lambda g, out, x, cols: [x.shape[0]], reference=_row_sums_ref)
+    x, out = put(rng, (3, 64), stream), dop.empty(3, stream=stream)
+    k(out.partition([3]), x, 64).generics([2]).sync_on(stream)
+    np.testing.assert_allclose(out.numpy(stream=stream), x.numpy(stream=stream).astype(np.float64).sum(axis=1),
+                               rtol=1e-5, atol=1e-5)
+    assert {(p.config.grid, p.config.block) for p in k._plans.values()} == {((3, 1, 1), (64, 1, 1))}
+
+
 def test_a_geometry_past_cudas_limits_is_refused_naming_the_declaration_and_the_values(stream, rng):
     x, out = put(rng, (2, 64), stream), dop.empty(2, stream=stream)
     with pytest.raises(dop.LaunchError, match=r"row_sums's launch geometry \(grid=\[R\], block=32\*W, "

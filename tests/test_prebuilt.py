@@ -187,6 +187,19 @@ def test_ptx_newer_than_the_driver_is_refused_naming_a_cubin(stream, rng):
         kernel(y, dop.empty(256, stream=stream), 1.0, 256).sync_on(stream)
 
 
+def test_ptx_of_an_isa_newer_than_any_cuda_bindings_knows_is_refused_naming_a_cubin(stream, rng):
+    """PTX ISA 99.0 is newer than the newest ISA in cuda-bindings' table, so newer than a driver no newer than
+    that table's CUDA (the reference device's, the H100's 13.0) can JIT-compile: refused when loaded, as the
+    driver would refuse it (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), not left to fail there."""
+    kernel = saxpy((NVCC / "saxpy.ptx").read_bytes().replace(b".version 9.0", b".version 99.0"))
+    y = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
+    before = y.numpy(stream=stream)
+    with pytest.raises(dop.ArchError, match=r"PTX of ISA 99.0, which needs a driver newer than CUDA \d+\.\d+ "
+                                            r"\(whose newest PTX ISA is .*nvcc -cubin -arch=sm_90"):
+        kernel(y, dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream), 2.0, 256).sync_on(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), before)
+
+
 def _known(cuda_for, isa: str) -> bool:
     try:
         cuda_for(isa)
@@ -210,6 +223,19 @@ def test_what_is_not_a_binary_is_refused_naming_what_is():
     for text in ("not\na path", "saxpy.ptx\0"):              # text that is no path (open() refuses a NUL)
         with pytest.raises(dop.LaunchError, match="a str is a kernel binary's path, or PTX text; this one is neither"):
             saxpy(text)
+
+
+@pytest.mark.parametrize("name,cut", [("saxpy.fatbin", 10), ("saxpy.fatbin", 4000), ("saxpy.ptx", 2000),
+                                      ("saxpy.ptx", 4000)])
+def test_a_fatbin_or_ptx_cut_short_is_refused_when_declared(name, cut):
+    """A fatbin shorter than its header says (the driver, handed a pointer, would read past its end) and PTX
+    ending inside a function (no driver compiles it) are refused when declared, on both devices; the whole
+    files are kernels (test_nvcc_binaries_compose_eagerly_and_replayed)."""
+    image = (NVCC / name).read_bytes()[:cut]
+    says = "starts as a fatbin but has .* the file is truncated" if name.endswith("fatbin") else \
+        "is PTX text whose braces do not pair up .*block.* never closed.*truncated"
+    with pytest.raises(dop.LaunchError, match=says):
+        saxpy(image)
 
 
 def test_ptx_text_as_a_str_is_a_binary_as_its_bytes_are(stream, rng):
@@ -294,6 +320,16 @@ def test_what_is_not_a_compiled_triton_kernel_is_refused():
         Kernel.from_triton(scale_shift_reference, SCALE_SHIFT, grid=(1,))
     with pytest.raises(dop.LaunchError, match="cannot read the Triton kernel .*nothing.json"):
         Kernel.from_triton(DATA / "nothing.json", SCALE_SHIFT, grid=(1,))
+
+
+def test_a_compiled_kernel_whose_metadata_is_no_dict_or_object_is_refused():
+    """A CompiledKernel-shaped object whose .metadata is a list (no fields to read) is refused as metadata
+    Triton did not write, like such a .json (was: TypeError from vars())."""
+    from types import SimpleNamespace
+    compiled = SimpleNamespace(metadata=["scale_shift"], asm={"cubin": TRITON_ENTRY.with_suffix(".cubin").read_bytes()})
+    with pytest.raises(dop.LaunchError, match="the metadata of the Triton kernel .* is a list, not the dict Triton "
+                                              "writes"):
+        Kernel.from_triton(compiled, SCALE_SHIFT, grid=(1,), reference=scale_shift_reference)
 
 
 def test_triton_compiles_for_sm90_here_and_its_compiled_kernel_is_a_kernel(stream, rng):

@@ -25,6 +25,7 @@ driver decides at load, never refused on a guess.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -133,6 +134,33 @@ def _check_elf(image: bytes) -> None:
         raise ValueError("no sections")
 
 
+def _check_fatbin_size(image: bytes, label: str, origin: str) -> None:
+    """Refuse a fatbin shorter than its header says: the driver is handed only a pointer and
+    reads the size the header gives, past the end of a file cut short."""
+    end = sum(struct.unpack_from("<HQ", image, 6)) if len(image) >= 16 else None  # header size + entries' size
+    if end is None or end > len(image):
+        size = "an incomplete 16-byte header" if end is None else f"a header saying it is {end} bytes long"
+        raise LaunchError(f"{label}: {origin} starts as a fatbin but has {size}, and the file has {len(image)}: "
+                          "the file is truncated, and the driver would read past its end; build it again "
+                          "(nvcc -fatbin), or pass a CUBIN (nvcc -cubin -arch=sm_XY)")
+
+
+def _check_ptx_blocks(image: bytes, label: str, origin: str) -> None:
+    """Refuse PTX text whose braces do not pair up (comments and quoted strings aside): text cut
+    short ends inside a function, which no driver JIT-compiles (CUDA_ERROR_INVALID_PTX)."""
+    text = re.sub(rb'//[^\n]*|/\*.*?\*/|"[^"\n]*"', b"", image.rstrip(b"\0"), flags=re.S)
+    depth = 0
+    for brace in re.findall(rb"[{}]", text):
+        depth += 1 if brace == b"{" else -1
+        if depth < 0:
+            break
+    if depth:
+        found = "a } closing no block" if depth < 0 else f"{depth} block(s) never closed"
+        raise LaunchError(f"{label}: {origin} is PTX text whose braces do not pair up ({found}): "
+                          "it is truncated or corrupt, and no driver would compile it; write it again (nvcc -ptx), "
+                          "or pass a CUBIN (nvcc -cubin -arch=sm_XY)")
+
+
 def _ptx_code(text: bytes, arch: int | None = None, version: str | None = None) -> Code:
     src = text.decode(errors="replace")
     v = re.search(r"^\s*\.version\s+(\d+\.\d+)", src, re.M)
@@ -219,8 +247,10 @@ class Binary:
             self.kind, parse = "CUBIN", lambda: [_cubin_code(image)]
         elif image[:4] == struct.pack("<I", _FATBIN_MAGIC):
             self.kind, parse = "fatbin", lambda: _fatbin_codes(image)
+            _check_fatbin_size(image, label, self.origin)
         elif b".version" in image[:4096] and b".target" in image[:4096]:
             self.kind, parse = "PTX", lambda: [_ptx_code(image)]
+            _check_ptx_blocks(image, label, self.origin)
         else:
             raise LaunchError(f"{label}: {self.origin} is not a CUBIN (ELF), a fatbin or PTX text; pass what nvcc "
                               "-cubin, -fatbin or -ptx writes (a .o or an executable embeds a fatbin: extract it with "
@@ -300,10 +330,10 @@ class Binary:
                             f"architecture, from its minor one up; PTX on its arch and newer): rebuild it for this GPU, "
                             f"nvcc -cubin -arch={arch} (or -gencode arch=compute_{device},code=sm_{device} in a fatbin)")
         best = max(ptx, key=lambda c: c.arch)
-        needed = _cuda_for_ptx(best.ptx_version)
-        if driver is not None and needed is not None and needed > _version(driver):
+        needs = _driver_needed(best.ptx_version, driver)
+        if needs is not None:
             raise ArchError(f"{self.label}: {self.describe()} runs on {arch} only as PTX of ISA {best.ptx_version}, "
-                            f"which needs a CUDA {needed[0]}.{needed[1]} driver to JIT-compile; this one is CUDA {driver} "
+                            f"which needs {needs} to JIT-compile; this one is CUDA {driver} "
                             f"(CUDA_ERROR_UNSUPPORTED_PTX_VERSION). Compile it to a CUBIN for {arch} (nvcc -cubin "
                             f"-arch={arch}, or ptxas -arch={arch} on the PTX), which this driver loads, or emit the PTX "
                             f"with a CUDA {driver} toolkit")
@@ -322,6 +352,37 @@ class Binary:
 def _version(text: str) -> tuple[int, int]:
     major, minor = text.split(".")[:2]
     return int(major), int(minor)
+
+
+def _driver_needed(isa: str | None, driver: str | None) -> str | None:
+    """The driver PTX of ``isa`` needs, where a CUDA ``driver`` is too old for it (None: it is not,
+    or no one can tell).  An ISA newer than any cuda-bindings knows needs a newer driver still."""
+    if driver is None:
+        return None
+    needed = _cuda_for_ptx(isa)
+    if needed is not None:
+        return f"a CUDA {needed[0]}.{needed[1]} driver" if needed > _version(driver) else None
+    newest = _newest_ptx()
+    if newest is not None and isa is not None and _isa(isa) > _isa(newest[0]) and newest[1] >= _version(driver):
+        return f"a driver newer than CUDA {newest[1][0]}.{newest[1][1]} (whose newest PTX ISA is {newest[0]})"
+    return None
+
+
+def _isa(text: str) -> tuple:
+    """A PTX ISA version as a comparable pair ("9.10" after "9.9"); () if unreadable."""
+    try:
+        return _version(text)
+    except (ValueError, AttributeError):
+        return ()
+
+
+@functools.lru_cache(maxsize=None)
+def _newest_ptx() -> tuple[str, tuple[int, int]] | None:
+    """The newest PTX ISA cuda-bindings' table knows and the CUDA release that brought it:
+    an ISA newer still needs a newer driver than that release's."""
+    known = [(isa, v) for isa in (f"{m}.{n}" for m in range(1, 20) for n in range(10))
+             if (v := _cuda_for_ptx(isa)) is not None]
+    return max(known, key=lambda k: _isa(k[0])) if known else None
 
 
 def _cuda_for_ptx(isa: str | None) -> tuple[int, int] | None:

@@ -91,8 +91,11 @@ def explicit_config(kernel, values, launch_args, gen: tuple, env: dict) -> Launc
             parts[what] = run_rule(kernel, spec, gen, g) if callable(spec) else evaluate(spec, full)
         spec = kernel.cluster
         parts["cluster"] = run_rule(kernel, spec, gen, g, grid) if callable(spec) else evaluate(spec, full)
-        key = tuple(parts.values())
-        cfg = kernel._configs.get(key)
+        key = tuple(tuple(v) if isinstance(v, list) else v for v in parts.values())  # a function's [x, y] too
+        try:
+            cfg = kernel._configs.get(key)
+        except TypeError:  # unhashable (an array): LaunchConfig takes or refuses it, uncached
+            return LaunchConfig(*key)
         if cfg is None:
             cfg = kernel._configs[key] = LaunchConfig(*key)
         return cfg

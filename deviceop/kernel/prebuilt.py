@@ -144,6 +144,6 @@ def _triton_parts(compiled) -> tuple[dict, bytes, str]:
                           "compile it first")
     if hasattr(md, "_asdict"):
         md = md._asdict()
-    elif not isinstance(md, dict):
-        md = dict(vars(md))
-    return md, asm["cubin"], f"the CompiledKernel {md.get('name')}"
+    elif not isinstance(md, dict) and hasattr(md, "__dict__"):
+        md = dict(vars(md))  # (else a list or an int: triton_kernel refuses what is not a dict, naming it)
+    return md, asm["cubin"], f"the CompiledKernel {md.get('name') if isinstance(md, dict) else type(compiled).__name__}"
