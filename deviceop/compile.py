@@ -351,7 +351,8 @@ def _write_entry(path: Path, prog: CompiledProgram) -> None:
 
 def compile_cubin(source: str, *, arch=None, name_expressions=(), options=(), include_dirs=(),
                   filename: str = "kernel.cu", cache: bool = True) -> CompiledProgram:
-    """Compile CUDA C++ ``source`` to a CUBIN for ``arch`` (default: the current device's).
+    """Compile CUDA C++ ``source`` to a CUBIN for ``arch`` (default: ``runtime.device.default_arch()``, the arch of
+    the GPU this process opened, else GPU 0's).
 
     ``name_expressions`` are template instantiations such as ``"add<128>"``;
     the result maps each one to its mangled symbol.  Raises CompileError with

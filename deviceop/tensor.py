@@ -131,7 +131,9 @@ class Tensor:
     def from_dlpack(cls, obj, *, device=None, stream=None) -> "Tensor":
         """A zero-copy tensor over ``obj``'s memory (torch, CuPy, JAX ... anything with ``__dlpack__``).
 
-        Ordered on ``stream`` (default: the device's default stream), which
+        ``device`` defaults to the GPU the memory lives on (a ``cuda:1`` tensor imports onto
+        ``Device(1)``); another device is refused.  Ordered on ``stream`` (default: the
+        device's default stream), which
         becomes the tensor's home stream: the producer makes it wait for the work
         it still has queued on the memory (torch: its current stream).  The
         memory stays the other framework's: ``try_partition`` on a handle to it
@@ -157,7 +159,8 @@ class Tensor:
 
     @classmethod
     def from_cuda_array_interface(cls, obj, *, device=None) -> "Tensor":
-        """A zero-copy tensor over an object exposing ``__cuda_array_interface__``."""
+        """A zero-copy tensor over an object exposing ``__cuda_array_interface__``, on the GPU
+        its pointer lives on (``device`` defaults to it; another device is refused)."""
         if not hasattr(obj, "__cuda_array_interface__"):  # (CuPy alone would copy a host array to the GPU)
             raise DTypeError(f"{type(obj).__name__!r} has no __cuda_array_interface__, so it is no GPU memory to view; "
                              "copy host data with dop.from_numpy(array)")
