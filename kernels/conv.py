@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util  # (tests reach importlib.util through this module)
 import math
+import numbers
 
 import numpy as np
 
@@ -47,6 +48,30 @@ from .conv_reference import ACTS, activation_reference, conv2d_reference, conv_g
 from .conv_tiles import (_CUDA_TYPE, MAX_SPLIT_K, SPLIT_FIXUPS, TILES, WGMMA_MAX_SPLIT_K, WGMMA_TILES,
                          Tile, WgmmaTile, _rows_per_chunk, apply_ctas_per_sm, choose_tile, choose_wgmma_tile,
                          ideal_cluster_capacity, tile_count, wgmma_cost_us, wgmma_fits)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _plan_ints(**sizes) -> tuple[int, ...]:
+    """The plan's sizes as Python ints; a float, bool, string or None is refused naming it
+    (it would fail later in a comparison, or pass as True == 1)."""
+    for name, v in sizes.items():
+        _need(_is_int(v), f"{name}={v!r} must be an int")
+    return tuple(int(v) for v in sizes.values())
+
+
+def _plan_eps(eps) -> float:
+    """GroupNorm's eps as a float: a real number whose float32 (the kernels' type) is finite and
+    positive -- 0, one that rounds to 0, a negative eps or NaN makes var + eps 0 or negative, so a
+    constant group (zero-padded channels) normalizes to inf/NaN."""
+    _need(isinstance(eps, numbers.Real) and not isinstance(eps, bool), f"eps={eps!r} must be a number (1e-5: "
+                                                                      "GroupNorm's usual)")
+    e32 = np.float32(eps) if math.isfinite(eps) and abs(eps) < 3.4e38 else np.float32("inf")
+    _need(math.isfinite(e32) and e32 > 0, f"eps={eps!r} must be positive and finite in float32 (the kernels' type): "
+                                          "var + eps is divided by; pass e.g. 1e-5")
+    return float(eps)
 
 
 class ConvGnAct:
@@ -72,6 +97,19 @@ class ConvGnAct:
                  inplace: bool = False, tile: str | None = None, split_k: int | None = None,
                  a_tma: bool | None = None, split_fixup: str | None = None, one_launch: bool = False,
                  stream=None):
+        n, h, w, c, k, kernel_size, groups = _plan_ints(n=n, h=h, w=w, c=c, k=k, kernel_size=kernel_size,
+                                                         groups=groups)
+        eps = _plan_eps(eps)
+        for name, v, allowed in (("inplace", inplace, (bool,)), ("one_launch", one_launch, (bool,)),
+                                 ("a_tma", a_tma, (bool, type(None))), ("tile", tile, (str, type(None))),
+                                 ("split_fixup", split_fixup, (str, type(None))), ("act", act, (str,))):
+            _need(isinstance(v, allowed), f"{name}={v!r} must be "
+                  f"{' or '.join('None' if t is type(None) else t.__name__ for t in allowed)}", dop.LaunchError)
+        _need(split_k is None or (_is_int(split_k) and split_k >= 1), f"split_k={split_k!r} must be an int >= 1, or "
+                                                                      "None for the cost model's choice",
+              dop.LaunchError)
+        _need(stream is None or isinstance(stream, dop.Stream), f"stream={stream!r} must be a deviceop Stream "
+              "(device.new_stream()) or None for Device(0)'s", dop.LaunchError)
         _need(act in ACTS, f"act={act!r} is not one of {', '.join(ACTS)}", dop.LaunchError)
         _need(kernel_size in (1, 3), f"kernel_size={kernel_size}: only 3x3 (padding 1) and 1x1 (padding 0) "
                                      "convolutions are supported")
@@ -209,31 +247,38 @@ class ConvGnAct:
         return int(tail[0]), int(tail[1])
 
     # -- checks before anything runs ------------------------------------------------
-    def _check(self, out, x, w, bias, gamma, beta) -> None:
+    def _check(self, out, x, w, bias, gamma=None, beta=None, out_name="out") -> None:
+        """Every operand's type, dtype, shape, layout and alignment; ``plan.conv`` passes its y
+        as ``out`` (of y's dtype) and no gamma/beta."""
         n, h, wd, c, k, r = self.n, self.h, self.w, self.c, self.k, self.r
-        for name, t in (("out", out), ("x", x), ("w", w), ("bias", bias), ("gamma", gamma), ("beta", beta)):
+        bare = out_name == "y"
+        named = [(out_name, out), ("x", x), ("w", w), ("bias", bias)] + ([] if bare else [("gamma", gamma),
+                                                                                          ("beta", beta)])
+        for name, t in named:
             _need(isinstance(t, dop.Tensor), f"{name} must be a deviceop Tensor, got {type(t).__name__}",
                   dop.LaunchError)
-        want = {"out": self.out_dtype, "x": "float16", "w": "float16", "bias": self.y_dtype, "gamma": "float32",
-                "beta": "float32"}
-        for name, t in (("out", out), ("x", x), ("w", w), ("bias", bias), ("gamma", gamma), ("beta", beta)):
+        want = {out_name: self.y_dtype if bare else self.out_dtype, "x": "float16", "w": "float16",
+                "bias": self.y_dtype, "gamma": "float32", "beta": "float32"}
+        for name, t in named:
             _need(t.dtype.name == want[name], f"{name} must be {want[name]}, got {t.dtype.name}", dop.DTypeError)
         if x.shape != (n, h, wd, c):
-            hint = " (it looks NCHW: pass channels-last, x.permute(0, 2, 3, 1))" if x.shape == (n, c, h, wd) else ""
+            hint = (" (it looks NCHW: pass channels-last, in torch x.permute(0, 2, 3, 1).contiguous())"
+                    if x.shape == (n, c, h, wd) else "")
             raise dop.ShapeError(f"x must be NHWC {[n, h, wd, c]}, got {list(x.shape)}{hint}")
         if w.shape != (k, r, r, c):
-            hint = " (it looks KCRS: pass w.permute(0, 2, 3, 1))" if w.shape == (k, c, r, r) else ""
+            hint = (" (it looks KCRS: pass, in torch, w.permute(0, 2, 3, 1).contiguous())"
+                    if w.shape == (k, c, r, r) else "")
             raise dop.ShapeError(f"w must be KRSC {[k, r, r, c]}, got {list(w.shape)}{hint}")
-        _need(out.shape == (n, h, wd, k), f"out must be NHWC {[n, h, wd, k]}, got {list(out.shape)}")
-        for name, t in (("bias", bias), ("gamma", gamma), ("beta", beta)):
+        _need(out.shape == (n, h, wd, k), f"{out_name} must be NHWC {[n, h, wd, k]}, got {list(out.shape)}")
+        for name, t in named[3:]:
             _need(t.shape == (k,), f"{name} must have shape [{k}], got {list(t.shape)}")
-        for name, t in (("out", out), ("x", x), ("w", w), ("bias", bias)):
+        for name, t in named[:4]:
             _need(t.is_contiguous, f"{name} must be contiguous (a dense NHWC/KRSC buffer); copy it first")
             _need(t.data_ptr % 16 == 0, f"{name} starts at an address that is not 16-byte aligned (0x{t.data_ptr:x}); "
                                         "the kernels use 16-byte accesses: pass a tensor that starts on a 16-byte "
                                         "boundary (a fresh allocation does)")
-        _need(not out.overlaps(x), "out and x overlap; the conv reads x while the output is written: use another "
-                                   "buffer", dop.AliasingError)
+        _need(not out.overlaps(x), f"{out_name} and x overlap; the conv reads x while the output is written: use "
+                                   "another buffer", dop.AliasingError)
 
     # -- the ops ----------------------------------------------------------------------------
     def _conv_launch(self, y, x, w, bias, with_stats: int):
@@ -280,8 +325,7 @@ class ConvGnAct:
 
     def conv(self, y, x, w, bias):
         """The bare convolution y = conv(x, w) + bias (launch 1 without statistics); value: ``y``."""
-        _need(y.dtype.name == self.y_dtype and y.shape == (self.n, self.h, self.w, self.k),
-              f"y must be {self.y_dtype} {[self.n, self.h, self.w, self.k]}, got {y.dtype.name} {list(y.shape)}")
+        self._check(y, x, w, bias, out_name="y")   # the Params blob was built for this plan's shape
         return self._conv_launch(y, x, w, bias, 0).map(lambda _: y)
 
 

@@ -113,7 +113,9 @@ def test_the_conv_output_is_written_so_it_may_not_be_its_input(stream, rng):
     plan = ConvGnAct(n, h, w, c, c, groups=4, tile="64x64", stream=stream)
     x, wt, b = (dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c, c)[:3])
     with pytest.raises(dop.AliasingError, match=r"conv2d_gn_stats<.*> writes y and reads x from overlapping"):
-        plan.conv(x, x, wt, b).sync_on(stream)
+        plan._conv_launch(x, x, wt, b, 0).sync_on(stream)     # the declaration's check ...
+    with pytest.raises(dop.AliasingError, match="y and x overlap"):
+        plan.conv(x, x, wt, b)                                 # ... and the plan's, before it
 
 
 def test_in_place_equals_out_of_place_in_a_graph(stream, rng):
@@ -593,3 +595,40 @@ def test_without_a_gpu_the_cost_model_assumes_ideal_cluster_packing():
     from deviceop.runtime import ReferenceDevice
     caps = conv.cluster_capacity(ReferenceDevice())
     assert caps == conv.ideal_cluster_capacity(132) and caps[4] == 33 and caps[8] == 16
+
+
+def test_plan_arguments_of_the_wrong_kind_or_range_are_refused_naming_them(stream):
+    """A size that is not an int (None, "1", 3.0, True == 1), an eps that is 0, negative, NaN,
+    inf or 0 in float32, an act/tile that is not a string, split_k=0, a stream that is not a
+    Stream, a flag that is not a bool: each a deviceop error naming the argument (they were raw
+    TypeError/AttributeError, or accepted: eps=0 normalizes a constant group to NaN,
+    kernel_size=True ran as 1x1, one_launch="no" ran one launch, split_k=0 ran as 1)."""
+    plan = lambda **kw: ConvGnAct(**{**dict(n=1, h=8, w=8, c=16, k=16, groups=4, stream=stream), **kw})  # noqa: E731
+    for name, bad in (("n", None), ("n", "1"), ("h", 8.0), ("groups", None), ("kernel_size", True),
+                      ("kernel_size", 3.0)):
+        with pytest.raises(dop.ShapeError, match=f"{name}=.* must be an int"):
+            plan(**{name: bad})
+    for eps in (0.0, -1e-5, float("nan"), float("inf"), 1e-50):
+        with pytest.raises(dop.ShapeError, match="eps=.* must be positive and finite in float32"):
+            plan(eps=eps)
+    with pytest.raises(dop.ShapeError, match="must be a number"):
+        plan(eps=None)
+    for name, bad in (("act", ["silu"]), ("tile", ["64x64"]), ("one_launch", "no"), ("inplace", 1),
+                      ("a_tma", "yes"), ("split_k", 0), ("split_k", "2"), ("stream", "s")):
+        with pytest.raises(dop.LaunchError, match=f"{name}="):
+            plan(**{name: bad})
+    assert plan(n=np.int64(1), eps=1e-6).n == 1          # NumPy ints are ints
+
+
+def test_the_bare_conv_checks_its_operands_against_the_plan(stream, rng):
+    """plan.conv(y, x, w, bias): x and w of another channel count (the plan's CUTLASS Params
+    were built for its own) are refused naming x; y of None is a LaunchError (they were
+    accepted, and an AttributeError)."""
+    n, h, w, c, k = 1, 8, 8, 16, 16
+    plan = ConvGnAct(n, h, w, c, k, groups=4, tile="64x64", stream=stream)
+    y = dop.empty([n, h, w, k], "float16", stream=stream)
+    x2, w2, b = (dop.from_numpy(a, stream=stream) for a in make_inputs(rng, n, h, w, c + 8, k)[:3])
+    with pytest.raises(dop.ShapeError, match=r"x must be NHWC \[1, 8, 8, 16\]"):
+        plan.conv(y, x2, w2, b)
+    with pytest.raises(dop.LaunchError, match="y must be a deviceop Tensor"):
+        plan.conv(None, x2, w2, b)
