@@ -359,3 +359,38 @@ def test_matvec_batched_at_model_size(stream, rng, mb, device):
     ref = xs.astype(np.float64) @ w.astype(np.float64).T
     assert np.max(np.abs(y.numpy() - ref)) / np.max(np.abs(ref)) < 1e-5
     assert matvec_batched.function(device, tuple(gen)).attributes["local_bytes"] == 0
+
+
+@pytest.mark.parametrize("kind", ["GraphCache", "SwitchGraphCache"])
+@pytest.mark.parametrize("misuse", ["call", "warmup", "clear", "close"])
+def test_a_function_that_calls_its_own_cache_is_refused_not_recursed(stream, weights, rng, kind, misuse):
+    w, wd = weights
+    inner = make_forward(wd)
+    cache = None
+
+    def forward(ws, x):   # the cache from inside its own capture: it would capture again, or drop its buffers
+        {"call": cache, "warmup": cache.warmup}[misuse](x) if misuse in ("call", "warmup") else getattr(cache, misuse)()
+        return inner(ws, x)
+    cache = getattr(dop, kind)(forward, stream=stream, sizes=[4])
+    xs, x = batch_of(rng, 3, stream)
+    with pytest.raises(dop.ReentrancyError, match="from inside its own function"):
+        cache(x)
+    assert cache.stats.graphs == 0
+    cache.fn = inner                    # the cache is still usable afterwards
+    y = cache(x)
+    stream.synchronize()
+    assert close(y.numpy(), xs, w)
+
+
+@pytest.mark.parametrize("shape", [[2.7, N], ["a"], None, [-1, N]])
+def test_a_workspace_buffer_of_a_bad_shape_is_refused_as_dop_empty_refuses_it(stream, weights, rng, shape):
+    w, wd = weights
+    inner = make_forward(wd)
+
+    def forward(ws, x):
+        ws.empty(shape)                 # 2.7 was truncated to 2, -1 made a buffer of one element
+        return inner(ws, x)
+    cache = GraphCache(forward, stream=stream, sizes=[4])
+    with pytest.raises(dop.ShapeError, match="shape"):
+        cache(batch_of(rng, 3, stream)[1])
+    assert cache.stats.graphs == 0

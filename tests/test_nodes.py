@@ -186,6 +186,17 @@ def test_recapture_across_a_changed_topology(stream, data):
         graph.node(first)                                         # its node went with the old capture
 
 
+def test_a_reinstantiate_flag_that_is_no_bool_is_refused_before_anything_is_captured(stream, data):
+    xs, x, y = data
+    ys = [y, api.full([N], float("nan")).sync_on(stream)]
+    graph = build_chain(x, ys[:1], [2.0]).graph_on(stream)
+    with pytest.raises(dop.LaunchError, match="reinstantiate= is True or False"):
+        graph.recapture(build_chain(x, ys, [7.0, 8.0]), reinstantiate="no")   # "no" is truthy
+    graph.launch().sync_on(stream)                                # still the old work, one node
+    assert close(y.numpy(), affine_ref(xs, 2.0, 0)) and graph.summary()["nodes"] == 1
+    assert graph.reinstantiations == 0 and graph.exec_updates == 0
+
+
 def test_a_stale_node_refuses_updates(stream, data):
     xs, x, y = data
     step = affine(y.partition([B]), x, 1.0, 0.0).generics([B]).dynamic("alpha")

@@ -42,14 +42,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..dtypes import dtype as as_dtype
-from ..errors import AliasingError, DTypeError, LaunchError, ShapeError, StateError
+from ..errors import AliasingError, DTypeError, LaunchError, ReentrancyError, ShapeError, StateError
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..execution import executing_now, refuse_reentry
 from ..op import DeviceOp
 from ..runtime.stream import refuse_if_captured_elsewhere
 from .cache_checks import check_new_key, check_options, check_pad, checked_key, count
-from ..tensor import Partition, SharedTensor, Tensor
+from ..tensor import Partition, SharedTensor, Tensor, _shape_tuple
 
 
 def default_sizes(max_size: int = 64) -> tuple[int, ...]:
@@ -88,7 +88,9 @@ class Workspace:
     def empty(self, shape, dtype="float32") -> Tensor:
         """A buffer for this build: fresh when eager, else scratch of the cache."""
         dt = as_dtype(dtype)
-        shape = tuple(int(d) for d in (shape if not isinstance(shape, int) else (shape,)))
+        shape = _shape_tuple(shape)  # as dop.empty takes it: 2.7 is refused, not truncated
+        if any(d < 0 for d in shape):
+            raise ShapeError(f"negative size in shape {shape} (ws.empty of the GraphCache function, size {self.size})")
         index, self._count = self._count, self._count + 1
         if self.eager:
             return empty(shape, dt, device=self.cache.stream.device, stream=self.cache.stream)
@@ -128,6 +130,7 @@ class GraphCache:
         self._pads_checked: set = set()             # input dtypes pad_value is known to fit
         self._stats = CacheStats()
         self._closed = False
+        self._building = None                       # the size whose function runs now (on the lock's thread)
 
     # -- public --------------------------------------------------------------------
     @property
@@ -196,12 +199,14 @@ class GraphCache:
     def clear(self) -> None:
         """Close every graph and release every buffer."""
         with self._lock:
+            self._refuse_while_building("cleared")
             while self._entries:
                 self._evict()
             self._arena.clear()
 
     def close(self) -> None:
         with self._lock:
+            self._refuse_while_building("closed")
             self.clear()
             self._closed = True
 
@@ -218,6 +223,26 @@ class GraphCache:
     def _check_open(self) -> None:
         if self._closed:
             raise StateError("this GraphCache was closed; make a new one")
+        self._refuse_while_building("called")
+
+    def _refuse_while_building(self, what: str) -> None:
+        """Only the lock's thread gets here: the cache's own function calls, clears or closes it."""
+        if self._building is not None:
+            raise ReentrancyError(f"the GraphCache was {what} from inside its own function (while it built size "
+                                  f"{self._building}): that would capture again without end, or drop the graphs "
+                                  "and buffers the capture uses; the function builds the op for the inputs it "
+                                  "gets, call the cache (clear, close) outside it")
+
+    def _build(self, ws: Workspace, *inputs) -> DeviceOp:
+        """``fn(ws, *inputs)``, refused unless it returns an op; the cache refuses calls meanwhile."""
+        self._building = ws.size
+        try:
+            op = self.fn(ws, *inputs)
+        finally:
+            self._building = None
+        if not isinstance(op, DeviceOp):
+            raise StateError(f"the GraphCache function must return a DeviceOp, got {type(op).__name__}")
+        return op
 
     @staticmethod
     def _batch_of(inputs) -> int:
@@ -274,9 +299,7 @@ class GraphCache:
             static.append(t)
             slots.append(slot)
         try:
-            op = self.fn(ws, *static)
-            if not isinstance(op, DeviceOp):
-                raise StateError(f"the GraphCache function must return a DeviceOp, got {type(op).__name__}")
+            op = self._build(ws, *static)
             graph = op.graph_on(self.stream)
         except BaseException as exc:
             exc.add_note(f"(while GraphCache captured size {size}, key {key[1]!r})")
@@ -344,9 +367,7 @@ class GraphCache:
 
     def _eager(self, batch, inputs):
         ws = Workspace(self, batch, self._key_of(inputs), eager=True)
-        op = self.fn(ws, *inputs)
-        if not isinstance(op, DeviceOp):
-            raise StateError(f"the GraphCache function must return a DeviceOp, got {type(op).__name__}")
+        op = self._build(ws, *inputs)
         outputs, single = _outputs_of(op.async_on(self.stream), batch)
         return outputs[0] if single else outputs
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import threading
 from threading import get_ident
 
+import numpy as np
+
 from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE, _running, executing_now, refuse_reentry
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
@@ -200,6 +202,9 @@ class CudaGraph(ProcessHandle):
         if isinstance(work, DeviceOp):
             work.discard()  # handed over: if it cannot be captured here, the error says so
         self._check_open()
+        if not isinstance(reinstantiate, (bool, np.bool_)):  # before anything is captured
+            raise LaunchError(f"recapture()'s reinstantiate= is True or False (rebuild the graph when the update "
+                              f"is refused, or raise GraphUpdateError), got {reinstantiate!r}")
         stream = self._stream
         if isinstance(work, DeviceOp):
             rec, output = CudaGraph._record(work, stream, self.parallel)

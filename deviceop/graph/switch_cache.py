@@ -25,9 +25,7 @@ import time
 
 import numpy as np
 
-from ..errors import StateError
 from ..interop import from_numpy
-from ..op import DeviceOp
 from .branches import switch
 from .cache import GraphCache, Workspace, _Entry, _outputs_of
 
@@ -58,10 +56,7 @@ class SwitchGraphCache(GraphCache):
         def branch(s):
             ws = Workspace(self, s, key[1], eager=False)
             spaces.append(ws)
-            op = self.fn(ws, *[t[:s] for t in static])
-            if not isinstance(op, DeviceOp):
-                raise StateError(f"the GraphCache function must return a DeviceOp, got {type(op).__name__}")
-            return op.inspect(lambda v: values.__setitem__(s, v))
+            return self._build(ws, *[t[:s] for t in static]).inspect(lambda v: values.__setitem__(s, v))
 
         try:
             graph = switch(cell, [lambda s=s: branch(s) for s in order]).graph_on(self.stream)
