@@ -245,6 +245,19 @@ def test_graph_model_refuses_a_wrong_input(stream, model):
     assert not stream.is_capturing()
 
 
+def test_a_graph_model_of_no_graph_or_no_input_tensor_is_refused_when_made(stream, model):
+    weights, _ = model
+    graph, x, out = capture_forward(stream, weights)
+    for not_a_graph in (None, "graph", x):
+        with pytest.raises(dop.LaunchError, match="takes a CudaGraph"):
+            GraphModel(not_a_graph, x, out)             # was an AttributeError at the first forward
+    with pytest.raises(dop.DTypeError, match="input must be the deviceop Tensor"):
+        GraphModel(graph, x.numpy(), out)
+    graph.close()
+    with pytest.raises(dop.StateError, match="closed"):
+        GraphModel(graph, x, out)
+
+
 def test_graph_model_forward_is_a_copy_and_a_replay_and_refuses_what_a_replay_refuses(stream, model, rng):
     """The hot path (bench/token_loop.py holds it to the bare driver calls) makes the two
     driver calls and nothing else; a forward inside an execution is still refused."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from threading import get_ident
 
-from ..errors import KernelFaultError
+from ..errors import DTypeError, KernelFaultError, LaunchError
 from ..execution import _running
 from ..runtime.stream import capturing, stream_key
 from ..tensor import SharedTensor, Tensor
@@ -28,6 +28,13 @@ class GraphModel(Module):
     buffer the graph reads, replay, return the buffer the graph writes."""
 
     def __init__(self, graph: CudaGraph, input, output):
+        if not isinstance(graph, CudaGraph):  # refused here, not as an AttributeError at the first forward
+            raise LaunchError(f"GraphModel(graph, input, output) takes a CudaGraph (op.graph_on(stream)), "
+                              f"got {type(graph).__name__}")
+        graph._check_open()
+        if not isinstance(input, (Tensor, SharedTensor)):
+            raise DTypeError(f"GraphModel's input must be the deviceop Tensor the graph reads (the buffer each "
+                             f"forward copies into), got {type(input).__name__}")
         self.graph = graph
         self.input = input.tensor if isinstance(input, SharedTensor) else input
         self.output = output
