@@ -23,7 +23,7 @@ def test_control_cells_of_shape_1x1_work_like_shape_1(stream, rng, captured):
     x = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
     y = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
     z = dop.empty([256], stream=stream)
-    index, count = _cell(0, stream), _cell(3, stream, (1, 1))
+    index, count = _cell(0, stream, (1, 1)), _cell(3, stream, (1, 1))
     pick, flag = _cell(1, stream, (1, 1)), _cell(0, stream, (1, 1))
     op = dop.zip_(dop.loop(count, index, lambda i: api.memcpy(y, x)),       # y = x (3 times)
                   dop.switch(pick, [lambda: _scaled(y, x, 5.0), lambda: _scaled(z, y, 2.0)]),  # z = 2x
@@ -33,7 +33,7 @@ def test_control_cells_of_shape_1x1_work_like_shape_1(stream, rng, captured):
     else:
         op.sync_on(stream)
     stream.synchronize()
-    assert index.numpy(stream=stream)[0] == 3
+    assert index.numpy(stream=stream).flat[0] == 3
     assert np.allclose(y.numpy(stream=stream), 6 * x.numpy(stream=stream), rtol=1e-5)
 
 
