@@ -39,7 +39,7 @@ from ..foreign import refuse_host_nodes
 from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
-from .loops import _int32_cell, refuse_cells_elsewhere
+from .loops import _body_builder, _int32_cell, built_op, refuse_cells_elsewhere
 
 _SELECT_SOURCE = r"""
 // Declared as cuda_device_runtime_api.h does (see loops.py).
@@ -85,6 +85,8 @@ def _branch_builders(fns, names) -> list:
             raise LaunchError(f"{what} is a function that builds the branch's op (captured, every branch is "
                               "built and recorded; eagerly, only the one the value picks): pass e.g. "
                               f"lambda: kernel(...), not {type(fn).__name__}")
+    for fn, what in zip(fns, names):
+        _body_builder(fn, 0, what, "lambda: kernel(...)")  # called with no argument: refused now if it can't be
     return list(fns)
 
 
@@ -111,14 +113,14 @@ class _Branches(DeviceOp):
         return i if 0 <= i < len(self._builders) else None
 
     def _host_select(self):
-        return self._pick(int(self.value._array[0]))
+        return self._pick(int(self.value._array.flat[0]))
 
     def _launch_select(self, stream, handle, which: int) -> None:
         _select_function(stream.device).launch(stream, _ONE_THREAD, int(handle), self.value, int(self._is_if),
                                                int(which < 0), max(which, 0))
 
     def _build(self, i: int, capture=None) -> DeviceOp:
-        op = value(self._builders[i]())
+        op = built_op(self._builders[i](), f"branch {i} of {self._label}")
         capturing = capture is not None
         bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
         if bad is not None:
@@ -131,7 +133,7 @@ class _Branches(DeviceOp):
     def _execute(self, ctx: ExecutionContext):
         refuse_cells_elsewhere(ctx, (self.value,), self._label)
         if ctx.capture is None:
-            chosen = self._pick(int(self.value.numpy(stream=ctx.stream)[0]))  # eagerly the host reads it once
+            chosen = self._pick(int(self.value.numpy(stream=ctx.stream).flat[0]))  # eagerly the host reads it once
             if chosen is not None:
                 self._build(chosen)._run(ctx)
             return None

@@ -31,6 +31,8 @@ body's recorded tape with the same control logic (``_host_control``).
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 from ..compile import compile_cubin
@@ -109,13 +111,30 @@ def _int32_cell(x, what: str, example: str) -> Tensor:
     return t
 
 
-def _body_builder(body):
+def _body_builder(body, nargs: int = 1, what: str = "a loop body", example: str = "lambda i: kernel(...)"):
     if isinstance(body, DeviceOp) or not callable(body):
         if isinstance(body, DeviceOp):
             body.discard()  # refused: the error, not a warning when it is dropped, says so
-        raise LaunchError("a loop body is a function that builds the body op (an op runs once, and the body "
-                          f"runs many times): pass e.g. lambda i: kernel(...), not {type(body).__name__}")
+        raise LaunchError(f"{what} is a function that builds the body op (an op runs once, and the body "
+                          f"runs many times): pass e.g. {example}, not {type(body).__name__}")
+    try:
+        inspect.signature(body).bind(*range(nargs))
+    except TypeError:  # refused here, before anything runs, rather than by the call mid-capture
+        raise LaunchError(f"{what} is called with {nargs} argument(s) ({'the index' if nargs else 'none'}), and "
+                          f"{getattr(body, '__name__', 'it')}{inspect.signature(body)} cannot take that: pass e.g. "
+                          f"{example}") from None
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        pass
     return body
+
+
+def built_op(x, what: str) -> DeviceOp:
+    """The op a body or branch function returned; anything else (``None``: a missing
+    ``return``) is refused, as it would silently run nothing at every iteration."""
+    if not isinstance(x, DeviceOp):
+        raise LaunchError(f"{what} returned {type(x).__name__}, not an op: the function must return the op it "
+                          "builds (a missing `return`?); for an empty body return dop.zip_()")
+    return value(x)
 
 
 def refuse_cells_elsewhere(ctx, cells, label: str) -> None:
@@ -136,7 +155,10 @@ class _Loop(DeviceOp):
 
     def __init__(self, body, label: str):
         super().__init__()
-        self._body, self._label = _body_builder(body), label
+        nargs = len(self._body_args())
+        self._body = _body_builder(body, nargs, f"the body of {label}",
+                                   "lambda i: kernel(...)" if nargs else "lambda: kernel(...)")
+        self._label = label
 
     def describe(self) -> str:
         return self._label
@@ -172,7 +194,7 @@ class _Loop(DeviceOp):
     def _build_body(self, guard, capture=None) -> DeviceOp:
         """The body op, checked by ``guard`` (BodyGuard.check_op); ``capture``: the capture
         it is recorded into (which notes the ops it runs, to hand them back if it fails)."""
-        op = value(self._body(*self._body_args()))
+        op = built_op(self._body(*self._body_args()), f"the body of {self._label}")
         try:
             guard.check_op(op, capture.fresh if capture is not None else None, "captured" if capture else "run")
         except BaseException:
@@ -233,6 +255,9 @@ class Loop(_Loop):
                 raise ShapeError(f"a loop count must be in [0, 2^31), got {count}")
             self.count, self.count_tensor = int(count), None
             label = f"loop({count})"
+        elif isinstance(count, (float, np.floating)):
+            raise DTypeError(f"a loop count is an int in [0, 2^31) or an int32 [1] device tensor, got the float "
+                             f"{count}: pass int(count) if it is whole")
         else:
             self.count_tensor = _int32_cell(count, "the loop count", "dop.from_numpy(np.array([T], np.int32))")
             self.count, label = 0, "loop(count tensor)"
@@ -254,7 +279,7 @@ class Loop(_Loop):
             return self.count
         # a negative count runs no iteration and leaves index 0, as the captured
         # loop's test (index < count, from index 0) does
-        return max(0, int(self.count_tensor.numpy(stream=ctx.stream)[0]))  # eager: the host reads it once
+        return max(0, int(self.count_tensor.numpy(stream=ctx.stream).flat[0]))  # eager: the host reads it once
 
     def _set_index(self, ctx, i: int) -> None:
         ctx.stream.memset32(self.index.data_ptr, i, 1)
@@ -267,9 +292,9 @@ class Loop(_Loop):
         self._set_index(ctx, n)
 
     def _host_control(self, start: bool) -> bool:
-        idx = self.index._array
+        idx = self.index._array.reshape(-1)  # a view: the cell may be [1, 1] as well as [1]
         idx[0] = 0 if start else idx[0] + 1
-        return bool(idx[0] < (self.count if self.count_tensor is None else self.count_tensor._array[0]))
+        return bool(idx[0] < (self.count if self.count_tensor is None else self.count_tensor._array.flat[0]))
 
     def _launch_control(self, stream, handle, start: bool) -> None:
         fn = _control_functions(stream.device)[0]
@@ -290,11 +315,11 @@ class While(_Loop):
         super().__init__(body, "while_")
 
     def _eager_iterations(self, ctx):
-        while self.cond.numpy(stream=ctx.stream)[0]:  # one host round trip per test
+        while self.cond.numpy(stream=ctx.stream).flat[0]:  # one host round trip per test
             yield
 
     def _host_control(self, start: bool) -> bool:
-        return bool(self.cond._array[0])
+        return bool(self.cond._array.flat[0])
 
     def _launch_control(self, stream, handle, start: bool) -> None:
         fn = _control_functions(stream.device)[1]
