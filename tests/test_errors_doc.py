@@ -127,8 +127,9 @@ def test_capture_on_a_stream_that_is_capturing_is_refused(device):
     np.testing.assert_array_equal(y.numpy(stream=stream), 2 * np.arange(256))
 
 
-def test_state_errors_say_how_to_get_a_usable_object(stream):
-    a, out = dop.empty(256, stream=stream), dop.empty(256, stream=stream)
+def test_state_errors_say_how_to_get_a_usable_object(stream, rng):
+    # a holds data (dop.empty's uninitialized memory may overflow in the reference's float64 sum)
+    a, out = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream), dop.empty(256, stream=stream)
     op = add(out.partition([128]), a, a).generics([128])
     op.sync_on(stream)
     with pytest.raises(dop.StateError, match="already executed.*Build it again, or make it .shared"):

@@ -401,3 +401,15 @@ def test_checks_of_a_repeated_launch_run_once(stream, rng):
         k(out.partition([128]), x, alpha, 1.0).generics([128]).sync_on(stream)
     assert calls[2:] == [(3.0, 1.0), (-0.0, 1.0), (0.0, 1.0)]
     assert [str(a) for a, _ in calls[3:]] == ["-0.0", "0.0"]
+
+
+def test_a_kernel_that_overflows_gives_inf_without_a_numpy_warning_as_on_the_gpu(stream, rng):
+    # the reference device ran kernels' NumPy references with NumPy's warnings on: an overflow (or a
+    # garbage input of dop.empty) printed a RuntimeWarning the GPU never gives
+    import warnings
+    big = np.full(256, 3e38, np.float32) * rng.choice([1, -1], 256).astype(np.float32)
+    x, out = dop.from_numpy(big, stream=stream), dop.empty(256, stream=stream)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        add(out.partition([128]), x, x).generics([128]).sync_on(stream)
+    np.testing.assert_array_equal(out.numpy(stream=stream), np.sign(big) * np.inf)
