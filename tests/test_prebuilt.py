@@ -179,7 +179,7 @@ def test_ptx_newer_than_the_driver_is_refused_naming_a_cubin(stream, rng):
     major, minor = map(int, (stream.device.driver_version or dop.nvrtc_version()).split("."))
     isa = next(f"{m}.{n}" for m in (9, 10) for n in range(10)
                if _known(cuda_for, f"{m}.{n}") and cuda_for(f"{m}.{n}") > major * 1000 + minor * 10)
-    _refused_ptx_isa(stream, rng, isa, rf"PTX of ISA {isa}, which needs a CUDA .* driver .* this one is CUDA "
+    _refused_ptx_isa(stream, rng, isa, dop.ArchError, rf"PTX of ISA {isa}, which needs a CUDA .* driver .* this one is CUDA "
                                        rf"{major}.{minor} .*nvcc -cubin -arch=sm_90")
 
 
@@ -187,16 +187,17 @@ def test_ptx_of_an_isa_newer_than_any_cuda_bindings_knows_is_refused_naming_a_cu
     """PTX ISA 99.0 is newer than the newest ISA in cuda-bindings' table, so newer than a driver no newer than
     that table's CUDA (the reference device's, the H100's 13.0) can JIT-compile: refused when loaded, as the
     driver would refuse it (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), not left to fail there."""
-    _refused_ptx_isa(stream, rng, "99.0", r"PTX of ISA 99.0, which needs a driver newer than CUDA \d+\.\d+ "
+    _refused_ptx_isa(stream, rng, "99.0", dop.ArchError, r"PTX of ISA 99.0, which needs a driver newer than CUDA \d+\.\d+ "
                                           r"\(whose newest PTX ISA is .*nvcc -cubin -arch=sm_90")
 
 
-def _refused_ptx_isa(stream, rng, isa: str, match: str) -> None:
-    """nvcc's saxpy PTX relabelled ISA ``isa`` is refused when launched (``match``), and nothing is written."""
+def _refused_ptx_isa(stream, rng, isa: str, error: type, match: str) -> None:
+    """nvcc's saxpy PTX relabelled ISA ``isa`` is refused with ``error`` when launched (``match``), and
+    nothing is written."""
     kernel = saxpy((NVCC / "saxpy.ptx").read_bytes().replace(b".version 9.0", f".version {isa}".encode()))
     y = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
     before = y.numpy(stream=stream)
-    with pytest.raises(dop.ArchError, match=match):
+    with pytest.raises(error, match=match):
         kernel(y, dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream), 2.0, 256).sync_on(stream)
     np.testing.assert_array_equal(y.numpy(stream=stream), before)
 
