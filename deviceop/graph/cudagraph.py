@@ -141,7 +141,7 @@ class CudaGraph(ProcessHandle):
         if stream is None or stream is self._stream:
             stream = self._stream
         else:  # a live stream of the graph's device
-            placed("graph.replay(stream)", self._device, stream, "the graph")
+            placed("graph.replay(stream)", self._device, stream, "the graph", movable=False)
         # _replay's body, inlined, and acquire/release instead of `with` (cheaper): the host
         # time of a replay is what a device loop's launch costs
         lock = self._lock

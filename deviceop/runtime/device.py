@@ -322,7 +322,7 @@ def as_device(device):
     return Device(device)
 
 
-def placed(what: str, device, stream, thing: str = "the tensor"):
+def placed(what: str, device, stream, thing: str = "the tensor", movable: bool = True):
     """``(device, stream)`` of a tensor operation given either or both: ``stream`` (None:
     the device's default) must be a live deviceop stream of ``device`` (a Device or its
     ordinal); an omitted ``device`` is the stream's, else Device(0)."""
@@ -337,14 +337,15 @@ def placed(what: str, device, stream, thing: str = "the tensor"):
         if device is None:
             return home, stream
         if home is not device:  # identity: thread-ranks' reference devices share a kind and an ordinal
-            raise wrong_device(what, home, device, thing)
+            raise wrong_device(what, home, device, thing, movable)
     return (device if device is not None else Device(0)), stream
 
 
-def wrong_device(what: str, stream_device, tensor_device, tensor: str = "the tensor") -> LaunchError:
+def wrong_device(what: str, stream_device, tensor_device, tensor: str = "the tensor",
+                 movable: bool = True) -> LaunchError:
     """The error of work on a stream of one device with a tensor of another: a GPU given
-    another GPU's pointer faults (the context is lost) or reads the wrong memory."""
-    movable = "graph" not in tensor  # a tensor can be copied across; a graph is its device's
+    another GPU's pointer faults (the context is lost) or reads the wrong memory.  ``movable``:
+    the thing can be copied to the stream's device (a tensor), unlike a graph."""
     return LaunchError(f"{what}: the stream is on {stream_device.label}, {tensor} on {tensor_device.label}; "
                        f"use a stream of the {'tensor' if movable else 'graph'}'s device ({tensor_device.label}: "
                        "device.new_stream(), or "
