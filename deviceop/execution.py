@@ -3,6 +3,7 @@ thread's non-reentrant execution lock, the recursion limit, the process-wide
 counters, and the once-cell behind shared ops."""
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import warnings
@@ -190,6 +191,16 @@ def check_stream(what: str, stream) -> None:
 # lower, for chains of thousands of launches to execute.  Once, not around
 # each execution: setrecursionlimit visits every thread, and raising and
 # restoring it would add ~0.1 us to every eager execution.
+# Ops are numbered as they are built (DeviceOp.__init__): a loop tells the ops its
+# body function built from ones built before the call (graph/loops.py's refuse_prebuilt).
+BIRTHS = itertools.count()
+
+
+def births_mark() -> int:
+    """A number below the birth of every op built from now on."""
+    return next(BIRTHS)
+
+
 RECURSION_LIMIT = 20_000 if sys.version_info >= (3, 11) else sys.getrecursionlimit()
 if sys.getrecursionlimit() < RECURSION_LIMIT:
     sys.setrecursionlimit(RECURSION_LIMIT)

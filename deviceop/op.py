@@ -22,7 +22,7 @@ from .runtime.device import Device
 from .tensor import Tensor
 from .values import (_first, _last, _reshape, _selector, _unpartition, checked_fn, launched_kernels, reshape_dims,
                      unzip_count)
-from .execution import (RECURSION_LIMIT, ExecutionContext, _SharedCore, capture_graph, check_stream,  # noqa: F401
+from .execution import (BIRTHS, RECURSION_LIMIT, ExecutionContext, _SharedCore, capture_graph, check_stream,  # noqa: F401
                         describe_chain, executing, not_a_stream, stats, tensors_device, too_deep, walk,
                         warn_if_unexecuted)
 
@@ -30,7 +30,7 @@ class DeviceOp:
     """A lazy value.  Subclasses implement ``_execute(ctx)``."""
 
     # _armed: set by ops doing device work, cleared by value() and discard(); see warn_if_unexecuted
-    __slots__ = ("_consumed", "_armed")
+    __slots__ = ("_consumed", "_armed", "_born")
     graph_safe = False    # may CudaGraph.scope record it? (kernel launches, memcpy, values)
     # why an op that is not graph-safe cannot be recorded: the GraphSafetyError says it
     unsafe_reason = ("it is not graph-safe (its class sets graph_safe = False); only kernel launches, "
@@ -39,6 +39,7 @@ class DeviceOp:
 
     def __init__(self):
         self._consumed = False
+        self._born = next(BIRTHS)
 
     # -- execution -------------------------------------------------------------
     def _execute(self, ctx: ExecutionContext):  # pragma: no cover - abstract

@@ -66,3 +66,33 @@ def test_a_body_of_the_wrong_arity_is_refused_when_the_loop_is_built(stream):
 def test_a_float_count_is_refused_naming_int(stream):
     with pytest.raises(dop.DTypeError, match="float 2.5"):
         dop.loop(2.5, _cell(0, stream), lambda i: dop.zip_())
+
+
+@pytest.mark.parametrize("loop", ["loop", "while_"])
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("prebuilt", ["op", "shared source"])
+def test_a_body_holding_an_op_built_before_it_is_refused(stream, rng, loop, captured, prebuilt):
+    # Captured, such an op would run at every iteration; eagerly it runs once (an op
+    # describes one execution), so the two modes would part: both refuse it up front.
+    x = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
+    y = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
+    before = y.numpy(stream=stream)
+    early = _scaled(y, x, 2.0) if prebuilt == "op" else _scaled(y, x, 2.0).shared()
+    body = (lambda *i: early) if prebuilt == "op" else (lambda *i: dop.zip_(early.clone(), _scaled(y, x, 3.0)))
+    op = dop.loop(3, _cell(0, stream), body) if loop == "loop" else dop.while_(_cell(1, stream), body)
+    with pytest.raises(dop.LaunchError, match="built before the body function was called"):
+        op.graph_on(stream) if captured else op.sync_on(stream)
+    assert not stream.is_capturing()
+    np.testing.assert_array_equal(y.numpy(stream=stream), before)  # no iteration ran
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_shared_op_that_already_ran_is_a_value_a_body_may_hold(stream, rng, captured):
+    x = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
+    y, z = dop.empty([256], stream=stream), dop.empty([256], stream=stream)
+    done = _scaled(y, x, 2.0).shared()
+    done.clone().sync_on(stream)  # y = 2x, once
+    op = dop.loop(3, _cell(0, stream), lambda i: dop.zip_(done.clone(), api.memcpy(z, y)))
+    op.graph_on(stream).replay() if captured else op.sync_on(stream)
+    stream.synchronize()
+    np.testing.assert_allclose(z.numpy(stream=stream), 2 * x.numpy(stream=stream), rtol=1e-6)
