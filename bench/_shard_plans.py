@@ -1,6 +1,6 @@
 """The shapes and plan variants bench/llama_kernels_shard.py times (no GPU needed here).
 
-A tensor-parallel rank's share of Llama-3.2-1B and Llama-3.1-8B, run alone (TP=1 at the shard's
+A tensor-parallel rank's share of Llama-3.2-1B and Llama-3.1-8B (and SmolLM2-135M whole), run alone (TP=1 at the shard's
 shapes: hidden unchanged; heads, KV heads, intermediate and vocabulary divided by N), and for
 each decode kernel the plans the sweep tries: every variant is its plan function's keyword
 arguments (so a winner is an entry of kernels/llama_tuned.py's TUNED as it stands), legal by the
@@ -17,9 +17,10 @@ from deviceop.kernels import llama_proj as lp
 from deviceop.kernels.llama_tp import MAX_RESIDENT
 
 MODELS = {"1b": dict(d=2048, inter=8192, hq=32, hkv=8, hd=64, vocab=128256, layers=16),
-          "8b": dict(d=4096, inter=14336, hq=32, hkv=8, hd=128, vocab=128256, layers=32)}
-SHAPES = ("1b", "1b/2", "1b/4", "8b", "8b/2", "8b/4")
-CAP, GROUP = 4096, 4           # the examples' KV capacity; query heads a KV head (both models)
+          "8b": dict(d=4096, inter=14336, hq=32, hkv=8, hd=128, vocab=128256, layers=32),
+          "smollm2": dict(d=576, inter=1536, hq=9, hkv=3, hd=64, vocab=49152, layers=30)}
+SHAPES = ("1b", "1b/2", "1b/4", "8b", "8b/2", "8b/4", "smollm2")
+CAP = 4096                     # the examples' KV capacity
 POSITIONS = (56, 1023)         # attention's: the middle of a 32-token prompt + 48 new tokens; a long context
 TARGET = 160 << 20             # bytes a timed graph streams at least (3x the L2)
 KINDS = ("qkv", "attn", "o", "gate_up", "down", "lm_head")
@@ -34,7 +35,7 @@ def shape(name: str) -> dict:
     m, n = MODELS[model], int(n or 1)
     s = dict(name=name, tp=n, d=m["d"], hd=m["hd"], hq=m["hq"] // n, hkv=m["hkv"] // n, inter=m["inter"] // n,
              vocab=m["vocab"] // n, layers=m["layers"])
-    s["q"] = s["hq"] * s["hd"]
+    s["q"], s["group"] = s["hq"] * s["hd"], m["hq"] // m["hkv"]   # group: query heads a KV head
     return s
 
 
@@ -59,7 +60,7 @@ def table_key(kind: str, s: dict) -> tuple:
     """The llama_tuned.TUNED key of ``kind``'s plan at shape ``s``."""
     return {"qkv": ("qkv", (s["d"], s["hq"], s["hkv"], s["hd"])), "o": ("matvec", (s["d"], s["q"])),
             "down": ("matvec", (s["d"], s["inter"])), "gate_up": ("gate_up", (s["d"], s["inter"])),
-            "lm_head": ("lm_head", (s["d"], s["vocab"])), "attn": ("attn", (s["hd"], GROUP, s["hkv"]))}[kind]
+            "lm_head": ("lm_head", (s["d"], s["vocab"])), "attn": ("attn", (s["hd"], s["group"], s["hkv"]))}[kind]
 
 
 def plan(kind: str, s: dict, kw: dict | None = None):
@@ -75,7 +76,7 @@ def plan(kind: str, s: dict, kw: dict | None = None):
         return lp.gate_up_plan(d, s["inter"], **args)
     if kind == "lm_head":
         return lp.lm_head_plan(d, s["vocab"], **args)
-    return la.attn_plan(CAP, s["hd"], GROUP, prefetch=True, kv_heads=s["hkv"], **args)
+    return la.attn_plan(CAP, s["hd"], s["group"], prefetch=True, kv_heads=s["hkv"], **args)
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ def legal(v: Variant, s: dict) -> bool:
     if k == "qkv":
         return grid * v.tile == s["q"] and lp.qkv_pairs(s["hq"], s["hkv"], s["hd"]) % grid == 0
     if k == "attn":
-        return g[2] * g[4] >= CAP and v.tile * g[2] == GROUP * s["hd"]
+        return g[2] * g[4] >= CAP and v.tile * g[2] == s["group"] * s["hd"]
     if k == "lm_head":
         return v.plan[1] >= s["vocab"] and v.plan[1] % v.tile == 0
     return grid * v.tile == {"o": s["d"], "down": s["d"], "gate_up": s["inter"]}[k]

@@ -4,9 +4,10 @@ kernels' fixed costs at a shard's smaller matrices).
 
 Shapes (bench/_shard_plans.py): Llama-3.2-1B and Llama-3.1-8B whole and as one rank of TP=2 and
 TP=4 (1b, 1b/2, 1b/4, 8b, 8b/2, 8b/4: hidden size unchanged; heads, KV heads, intermediate size and
-vocabulary divided).  Kernels: rms_qkv_rope, attn_decode (KV capacity 4096, at positions 56 -- the
-middle of a 32-token prompt and 48 new tokens -- and 1023), matvec_residual as the O and as the down
-projection, rms_gate_up_silu, rms_lm_head_argmax.  "current" is the plan examples/llama launches
+vocabulary divided), and SmolLM2-135M whole (smollm2, issue 37's small model).  Kernels:
+rms_qkv_rope, attn_decode (KV capacity 4096, at positions 56 -- the middle of a 32-token prompt and
+48 new tokens -- and 1023), matvec_residual as the O and as the down projection, rms_gate_up_silu,
+rms_lm_head_argmax.  "current" is the plan examples/llama launches
 (checked against its launch_plans), so a rerun after TUNED entries are added times those.
 
 Timing, as bench/llama_kernels_proj.py: a CUDA graph of n launches of one kernel and plan, each with
@@ -157,7 +158,7 @@ class Bench:
 
     def ws(self, splits: int):
         s = self.s
-        return la.attn_buffers(s["hkv"], s["hd"], sp.GROUP, splits, stream=self.stream)
+        return la.attn_buffers(s["hkv"], s["hd"], s["group"], splits, stream=self.stream)
 
     def graph_us(self, graph) -> float:
         graph.replay()
@@ -505,12 +506,12 @@ def main() -> int:
 
 def check_current_plans(names) -> None:
     """The plans called current here are the ones examples/llama launches at each shard."""
-    from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B
+    from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B, SMOLLM2_135M
     from llama.plans import launch_plans
     from llama.tp import Shard
     for name in names:
         s = sp.shape(name)
-        cfg = LLAMA_3_2_1B if name.startswith("1b") else LLAMA_3_1_8B
+        cfg = {"1b": LLAMA_3_2_1B, "8b": LLAMA_3_1_8B, "smollm2": SMOLLM2_135M}[name.partition("/")[0]]
         plans = launch_plans(cfg, sp.CAP, Shard(cfg, 0, s["tp"]))
         for kind in sp.KINDS:
             model = plans["head" if kind == "lm_head" else kind]
