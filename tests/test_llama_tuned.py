@@ -14,7 +14,7 @@ from deviceop.kernels import llama_attn as la  # noqa: E402
 from deviceop.kernels import llama_proj as lp  # noqa: E402
 from deviceop.kernels import llama_tp as ltp  # noqa: E402
 from deviceop.kernels.llama_tuned import TUNED  # noqa: E402
-from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B  # noqa: E402
+from llama.config import LLAMA_3_1_8B, LLAMA_3_2_1B, SMOLLM2_135M  # noqa: E402
 from llama.plans import decode_kernels, launch_plans  # noqa: E402
 from llama.tp import Shard  # noqa: E402
 
@@ -106,8 +106,8 @@ def check_plan(cfg, shard: Shard, name: str, plan) -> None:
         assert name == "embed"
 
 
-@pytest.mark.parametrize("cfg", [LLAMA_3_2_1B, LLAMA_3_1_8B], ids=["1b", "8b"])
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("cfg, tp", [(cfg, tp) for cfg in (LLAMA_3_2_1B, LLAMA_3_1_8B) for tp in (1, 2, 4)]
+                         + [(SMOLLM2_135M, 1)], ids=["1b-1", "1b-2", "1b-4", "8b-1", "8b-2", "8b-4", "smollm2-1"])
 def test_every_plan_a_llama_rank_launches_is_legal_and_covers_its_rows(cfg, tp):
     shard = Shard(cfg, 0, tp)
     plans = launch_plans(cfg, CAP, shard)
