@@ -256,6 +256,19 @@ def test_check_same_fails_on_every_rank_when_one_cannot_hash_its_object():
     assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange, not from a timeout
 
 
+def test_check_same_of_a_list_that_contains_itself_fails_on_every_rank_not_with_a_recursion_error():
+    def rank(group):  # pickle sends such a list, but hashing its value never ended: a raw RecursionError
+        config = {"layers": [2, 3]}
+        if group.rank == 1:
+            config["layers"].append(config["layers"])
+        with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] cannot hash.*contains itself"):
+            group.check_same("config", config)
+        return True
+    start = time.monotonic()
+    assert dist.run_reference(2, rank, timeout=5) == [True, True]
+    assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange
+
+
 @pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "10", True])
 def test_timeouts_are_finite_positive_seconds(timeout):
     with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):

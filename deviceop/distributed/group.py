@@ -254,7 +254,12 @@ def fingerprint(obj) -> str:
     values: arrays and tensors (also inside dicts, lists and tuples) by dtype, shape and
     bytes; dicts and sets whatever their order; other objects by their pickle."""
     h = hashlib.blake2b(digest_size=16)
-    _feed(h, obj)
+    try:
+        _feed(h, obj)
+    except RecursionError:  # a list that holds itself (pickle sends it; a value walk never ends)
+        raise DistributedError(f"check_same cannot hash this {type(obj).__name__}: it contains itself or nests "
+                               "deeper than Python's recursion limit; pass plain data (a dict of the config, a "
+                               "file digest), arrays or tensors") from None
     return h.hexdigest()
 
 
