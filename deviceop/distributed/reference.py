@@ -237,6 +237,10 @@ def run_reference(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) 
             first.add_note("the other ranks then failed: " + "; ".join(
                 f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(others.items())))
         raise first
+    lost = hub.unreceived()
+    if lost:  # a message no rank took: silently dropped before, though the program's pairs do not match
+        raise DistributedError(f"run_reference: {', '.join(lost)} was never received: the ranks' sends and receives "
+                               "do not pair up. Every send needs the peer's matching recv, in the same order")
     return results
 
 
