@@ -256,6 +256,15 @@ def test_check_same_fails_on_every_rank_when_one_cannot_hash_its_object():
     assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange, not from a timeout
 
 
+def test_an_exchange_a_rank_skipped_is_named_by_its_kind():
+    def rank(group):  # every kind was named "group.exchange() #n", a barrier or check_same too
+        if group.rank == 0:
+            with pytest.raises(dop.DistributedError, match=r"group.check_same\(\) #0 on rank 0: rank\(s\) \[1\] closed"):
+                group.check_same("config", {"layers": 2})
+        return True
+    assert dist.run_reference(2, rank, timeout=5) == [True, True]
+
+
 def test_check_same_of_a_list_that_contains_itself_fails_on_every_rank_not_with_a_recursion_error():
     def rank(group):  # pickle sends such a list, but hashing its value never ended: a raw RecursionError
         config = {"layers": [2, 3]}

@@ -95,7 +95,7 @@ class Group:
         with self.using("group.exchange()"):
             seq, self._exchanges = self._exchanges, self._exchanges + 1
             try:
-                found = self._exchanger.exchange(self.rank, seq, payload, f"group.exchange() #{seq}", self.timeout)
+                found = self._exchanger.exchange(self.rank, seq, payload, f"{kind} #{seq}", self.timeout)  # (named by kind)
             except DistributedError as exc:
                 self.abort(str(exc))
                 raise
