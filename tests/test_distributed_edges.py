@@ -256,6 +256,26 @@ def test_check_same_fails_on_every_rank_when_one_cannot_hash_its_object():
     assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange, not from a timeout
 
 
+def test_group_synchronize_inside_a_capture_says_so_and_leaves_the_group_usable(rng):
+    data = rng.standard_normal((2, 4)).astype(np.float32)
+
+    def rank(group):  # the error named an event query on an event the user never recorded
+        s = group.stream
+        x = _up(group, data[group.rank])
+
+        def body(scope):
+            scope.record(dist.all_reduce(group, x))
+            group.synchronize()
+        with pytest.raises(dop.CaptureError, match=r"group.synchronize\(\) was called while the stream is "
+                                                        "capturing a graph"):
+            dop.CudaGraph.scope(s, body)
+        assert not s.is_capturing()
+        return dist.all_reduce(group, x).sync_on(s).numpy(stream=s)  # the captured one never ran
+
+    for got in dist.run_reference(2, rank, timeout=5):
+        np.testing.assert_allclose(got, data.astype(np.float64).sum(0), rtol=1e-6)
+
+
 def test_an_exchange_a_rank_skipped_is_named_by_its_kind():
     def rank(group):  # every kind was named "group.exchange() #n", a barrier or check_same too
         if group.rank == 0:

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import DistributedError, StateError
 from ..graph.capture import ReplayCheck
 from ..memory import Partition
+from ..runtime.stream import sync_in_capture
 from ..tensor import SharedTensor, Tensor
 
 
@@ -193,6 +194,8 @@ class Group:
             raise DistributedError(f"group.synchronize(stream={stream!r}) on rank {self.rank}: pass a stream of the "
                                    f"group's device ({self.device.label}), such as group.stream, or none for it")
         timeout = self.timeout if timeout is None else check_timeout(timeout, "group.synchronize()")
+        if stream.is_capturing():  # (it failed in the event query, naming an event the user never made)
+            raise sync_in_capture("group.synchronize()", "cuStreamSynchronize")
         event, deadline, pause = stream.record_event(timing=False), time.monotonic() + timeout, 0.00005
         while not event.query():
             if self._state != "open":
