@@ -117,6 +117,18 @@ def test_a_read_only_import_is_never_written(rng):
     for r in dist.run_reference(2, rank):
         np.testing.assert_allclose(r, data.astype(np.float64).sum(0), rtol=1e-6)
 
+    def root(group):  # a read-only root broadcasts (it only reads): the reference wrote it, a raw ValueError
+        frozen = data[group.rank].copy()
+        frozen.flags.writeable = False
+        x = dop.from_dlpack(Foreign(frozen), stream=group.stream)
+        if group.rank == 1:  # a receiver's buffer is written: refused read-only
+            with pytest.raises(dop.OwnershipError, match="read-only"):
+                dist.broadcast(group, x, root=0)
+            x = _up(group, data[1])
+        return dist.broadcast(group, x, root=0).sync_on(group.stream).numpy(stream=group.stream)
+
+    assert all(np.array_equal(r, data[0]) for r in dist.run_reference(2, root))
+
 
 def test_a_root_only_reads_its_broadcast_buffer(rng):
     data = rng.standard_normal((2, 4)).astype(np.float32)

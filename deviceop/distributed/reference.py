@@ -129,8 +129,9 @@ def _compute(entries: dict, which: str) -> None:
     recvs = [entries[r][2] for r in ranks]
     if kind == "broadcast":
         value = sends[root].copy()
-        for out in recvs:
-            out[...] = value
+        for r, out in zip(ranks, recvs):
+            if r != root:  # the root only reads its buffer (NCCL's in-place broadcast): it may be read-only
+                out[...] = value
         return
     if kind == "all_gather":
         value = np.concatenate(sends)
