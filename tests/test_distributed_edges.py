@@ -310,7 +310,7 @@ def test_check_same_of_a_list_that_contains_itself_fails_on_every_rank_not_with_
     assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "10", True])
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "10", True, 1e10])  # 1e10: a raw OverflowError
 def test_timeouts_are_finite_positive_seconds(timeout):
     with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):
         dist.run_reference(2, lambda g: None, timeout=timeout)

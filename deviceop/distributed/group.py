@@ -36,12 +36,15 @@ class GroupClosedError(DistributedError, StateError):
     disagreed): a StateError (the group is done for good) and a DistributedError."""
 
 
-def check_timeout(timeout, what: str = "a group's timeout") -> float:
-    """``timeout`` as seconds: a finite positive number (every wait for another rank is bounded)."""
+def check_timeout(timeout, what: str = "a group's timeout", longest: float = threading.TIMEOUT_MAX) -> float:
+    """``timeout`` as seconds: a finite positive number (every wait for another rank is bounded),
+    at most ``longest`` (the longest wait Python's locks make: a longer one failed at the first
+    wait for a peer with a raw OverflowError)."""
     ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) \
-        and timeout > 0
+        and 0 < timeout <= longest
     if not ok:
-        raise DistributedError(f"{what}: timeout is a finite positive number of seconds, got {timeout!r}")
+        raise DistributedError(f"{what}: timeout is a finite positive number of seconds, at most {longest:.3g} (the "
+                               f"longest wait Python makes), got {timeout!r}")
     return float(timeout)
 
 
