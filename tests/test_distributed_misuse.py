@@ -341,6 +341,27 @@ def test_ranks_that_pick_different_allreduce_options_are_refused_before_any_buff
     assert dist.run_reference(2, rank) == [True, True]
 
 
+def test_ranks_whose_configs_are_equal_but_spelled_otherwise_agree(weights):
+    """A rope_scaling dict built with its keys in another order, or a size that is a NumPy integer, made
+    tensor-parallel ranks refuse each other ('the ranks disagree on the model'): configs were compared by repr."""
+    from dataclasses import replace
+    other = replace(CFG, hidden_size=np.int64(CFG.hidden_size),
+                    rope_scaling=dict(reversed(list(CFG.rope_scaling.items()))))
+    assert other.to_dict() == CFG.to_dict() and type(other.hidden_size) is int
+
+    def rank(group):
+        with Llama((CFG, other)[group.rank], weights, capacity=16, group=group, allreduce="nccl") as llama:
+            return llama.decoder.shard.size
+    assert dist.run_reference(2, rank) == [2, 2]
+
+    def differ(group):  # a scaling that really differs is still refused
+        scaling = dict(CFG.rope_scaling, factor=CFG.rope_scaling["factor"] * (1 + group.rank))
+        with pytest.raises(dop.StateError, match="the ranks disagree on the model"):
+            Llama(replace(CFG, rope_scaling=scaling), weights, capacity=16, group=group, allreduce="nccl")
+        return True
+    assert dist.run_reference(2, differ) == [True, True]
+
+
 def test_ranks_that_load_different_checkpoints_are_refused_at_init(weights):
     """Rank 1 loading another checkpoint (same config) built and generated without a word."""
     other = random_weights(CFG, seed=int.from_bytes(os.urandom(4), "little"), std=0.1)
