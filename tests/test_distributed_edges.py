@@ -291,7 +291,7 @@ def test_group_synchronize_inside_a_capture_says_so_and_leaves_the_group_usable(
 def test_an_exchange_a_rank_skipped_is_named_by_its_kind():
     def rank(group):  # every kind was named "group.exchange() #n", a barrier or check_same too
         if group.rank == 0:
-            with pytest.raises(dop.DistributedError, match=r"group.check_same\(\) #0 on rank 0: rank\(s\) \[1\] closed"):
+            with pytest.raises(dop.DistributedError, match=r"group.check_same\(\) #0 on rank 0: rank\(s\) \[1\] "):
                 group.check_same("config", {"layers": 2})
         return True
     assert dist.run_reference(2, rank, timeout=5) == [True, True]

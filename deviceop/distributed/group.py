@@ -99,7 +99,7 @@ class Group:
         with self.using("group.exchange()"):
             seq, self._exchanges = self._exchanges, self._exchanges + 1
             try:
-                found = self._exchanger.exchange(self.rank, seq, payload, f"{kind} #{seq}", self.timeout)  # (named by kind)
+                found = self._exchanger.exchange(self.rank, seq, payload, f"{kind} #{seq}", self.timeout)
             except DistributedError as exc:
                 self.abort(str(exc))
                 raise

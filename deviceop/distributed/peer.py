@@ -97,7 +97,8 @@ class PeerBuffers:
         if epochs is None or epochs < max_bytes // BLOCK_BYTES:
             raise ShapeError(f"PeerBuffers(epochs={given!r}): give an int of at least {max_bytes // BLOCK_BYTES} "
                              "(one a 512-byte block of max_bytes)")
-        timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers", longest=math.inf)  # (its kernels wait, not Python)
+        # (its kernels wait for peers, not Python's locks: their limit is checked below)
+        timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers", longest=math.inf)
         if timeout * 1e9 >= 2 ** 64:  # the kernels count it in nanoseconds, in 64 bits
             raise DistributedError(f"PeerBuffers: a timeout of {timeout:g} s (the group's, unless timeout= is given) "
                                    f"is past the {2 ** 64 / 1e9:.3g} s the kernels can count; give a shorter one")
