@@ -119,6 +119,37 @@ def test_a_recv_still_waits_bounded_naming_its_peer_and_checks_dtype_and_count(r
         dist.run_reference(2, disagree, timeout=30)
 
 
+def test_a_send_that_no_recv_takes_is_an_error_not_a_lost_message(rng):
+    data = rng.standard_normal(4).astype(np.float32)
+
+    def extra(group):  # rank 0 sends twice, rank 1 receives once: run_reference returned as if all was well
+        s = group.stream
+        if group.rank == 0:
+            for _ in range(2):
+                dist.send(group, _upload(group, data), peer=1).sync_on(s)
+            group.barrier()
+            return None
+        got = dist.recv(group, dop.empty(4, stream=s), peer=0).sync_on(s).numpy(stream=s)
+        group.barrier()
+        return got
+
+    with pytest.raises(dop.DistributedError, match=r"rank 0's send #1 to rank 1 \(4 x float32\) was never received: "
+                                                   "the ranks' sends and receives do not pair up"):
+        dist.run_reference(2, extra, timeout=30)
+
+    def late(group):  # rank 1 is gone before rank 0 sends: the send fails at once, naming it
+        if group.rank == 0:
+            deadline = time.monotonic() + 5
+            while 1 not in group._exchanger.hub.closed and time.monotonic() < deadline:  # (the hub's record)
+                time.sleep(0.001)
+            dist.send(group, _upload(group, data), peer=1).sync_on(group.stream)
+
+    start = time.monotonic()
+    with pytest.raises(dop.DistributedError, match="rank 1 already closed its group, so nothing will receive this send"):
+        dist.run_reference(2, late, timeout=30)
+    assert time.monotonic() - start < 2
+
+
 def test_exchange_and_barrier_meet_every_rank_in_rank_order(rng):
     tokens = rng.integers(0, 1 << 30, 4).tolist()
     results = dist.run_reference(4, lambda g: (g.barrier(), g.exchange({"rank": g.rank, "t": tokens[g.rank]}))[1])

@@ -117,6 +117,18 @@ def test_a_read_only_import_is_never_written(rng):
     for r in dist.run_reference(2, rank):
         np.testing.assert_allclose(r, data.astype(np.float64).sum(0), rtol=1e-6)
 
+    def root(group):  # a read-only root broadcasts (it only reads): the reference wrote it, a raw ValueError
+        frozen = data[group.rank].copy()
+        frozen.flags.writeable = False
+        x = dop.from_dlpack(Foreign(frozen), stream=group.stream)
+        if group.rank == 1:  # a receiver's buffer is written: refused read-only
+            with pytest.raises(dop.OwnershipError, match="read-only"):
+                dist.broadcast(group, x, root=0)
+            x = _up(group, data[1])
+        return dist.broadcast(group, x, root=0).sync_on(group.stream).numpy(stream=group.stream)
+
+    assert all(np.array_equal(r, data[0]) for r in dist.run_reference(2, root))
+
 
 def test_a_root_only_reads_its_broadcast_buffer(rng):
     data = rng.standard_normal((2, 4)).astype(np.float32)
@@ -256,7 +268,49 @@ def test_check_same_fails_on_every_rank_when_one_cannot_hash_its_object():
     assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange, not from a timeout
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "10", True])
+def test_group_synchronize_inside_a_capture_says_so_and_leaves_the_group_usable(rng):
+    data = rng.standard_normal((2, 4)).astype(np.float32)
+
+    def rank(group):  # the error named an event query on an event the user never recorded
+        s = group.stream
+        x = _up(group, data[group.rank])
+
+        def body(scope):
+            scope.record(dist.all_reduce(group, x))
+            group.synchronize()
+        with pytest.raises(dop.CaptureError, match=r"group.synchronize\(\) was called while the stream is "
+                                                        "capturing a graph"):
+            dop.CudaGraph.scope(s, body)
+        assert not s.is_capturing()
+        return dist.all_reduce(group, x).sync_on(s).numpy(stream=s)  # the captured one never ran
+
+    for got in dist.run_reference(2, rank, timeout=5):
+        np.testing.assert_allclose(got, data.astype(np.float64).sum(0), rtol=1e-6)
+
+
+def test_an_exchange_a_rank_skipped_is_named_by_its_kind():
+    def rank(group):  # every kind was named "group.exchange() #n", a barrier or check_same too
+        if group.rank == 0:
+            with pytest.raises(dop.DistributedError, match=r"group.check_same\(\) #0 on rank 0: rank\(s\) \[1\] "):
+                group.check_same("config", {"layers": 2})
+        return True
+    assert dist.run_reference(2, rank, timeout=5) == [True, True]
+
+
+def test_check_same_of_a_list_that_contains_itself_fails_on_every_rank_not_with_a_recursion_error():
+    def rank(group):  # pickle sends such a list, but hashing its value never ended: a raw RecursionError
+        config = {"layers": [2, 3]}
+        if group.rank == 1:
+            config["layers"].append(config["layers"])
+        with pytest.raises(dop.DistributedError, match=r"rank\(s\) \[1\] cannot hash.*contains itself"):
+            group.check_same("config", config)
+        return True
+    start = time.monotonic()
+    assert dist.run_reference(2, rank, timeout=5) == [True, True]
+    assert time.monotonic() - start < 2  # rank 0 learnt it at the exchange
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "10", True, 1e10])  # 1e10: a raw OverflowError
 def test_timeouts_are_finite_positive_seconds(timeout):
     with pytest.raises(dop.DistributedError, match="timeout is a finite positive number of seconds"):
         dist.run_reference(2, lambda g: None, timeout=timeout)

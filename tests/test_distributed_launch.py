@@ -178,3 +178,18 @@ def test_joining_a_run_in_a_file_store_is_bounded_and_names_who_is_missing(tmp_p
 def test_a_tcp_store_that_cannot_be_reached_says_where_it_looked():
     with pytest.raises(dop.DistributedError, match=r"could not reach the store at 127.0.0.1:\d+ within 0.2 s"):
         TcpStore("127.0.0.1", _free_port(), serve=False, timeout=0.2)
+
+
+def test_a_file_store_path_that_is_no_directory_is_refused_naming_it(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")  # (raised a raw FileExistsError / NotADirectoryError)
+    for path in (taken, taken / "below"):
+        with pytest.raises(dop.DistributedError, match="cannot be a directory every rank writes.*pass store="):
+            open_store(str(path), "explicit", 0, 2, 0.2)
+
+
+def test_rank_0_that_cannot_serve_the_tcp_store_says_the_port_is_taken():
+    with socket.create_server(("", 0)) as held:  # another process holds the port
+        port = held.getsockname()[1]
+        with pytest.raises(dop.DistributedError, match=f"rank 0 cannot serve the store on port {port}.*free port"):
+            open_store(f"tcp://127.0.0.1:{port}", "explicit", 0, 2, 0.2)  # (a raw OSError before)

@@ -86,6 +86,28 @@ def test_peer_buffers_refuse_a_timeout_their_kernels_cannot_count():
     assert dist.run_reference(2, rank) == [True, True]
 
 
+def test_peer_buffers_take_numpy_integers_for_their_sizes_and_refuse_bools(rng):
+    """max_bytes=np.int64(1024) (a size computed with NumPy) was refused as 'not a positive multiple of 512'."""
+    data = rng.standard_normal((2, 256)).astype(np.float32)
+
+    def rank(group):
+        for bad in (True, 1024.0, "1024"):
+            with pytest.raises(dop.ShapeError, match=f"max_bytes={bad!r}\\): give a positive multiple of 512"):
+                dist.PeerBuffers(group, max_bytes=bad)
+        with pytest.raises(dop.ShapeError, match=r"epochs=True\): give an int of at least 2"):
+            dist.PeerBuffers(group, max_bytes=1024, epochs=True)
+        bufs = dist.PeerBuffers(group, max_bytes=np.int64(1024), epochs=np.int32(4))
+        assert (bufs.max_bytes, type(bufs.max_bytes), bufs.slot_lines) == (1024, int, 128)
+        x = dop.from_numpy(data[group.rank], stream=group.stream)
+        bufs.all_reduce(x).sync_on(group.stream)  # in place
+        got = x.numpy(stream=group.stream)
+        bufs.close()
+        return got
+
+    for got in dist.run_reference(2, rank):
+        np.testing.assert_allclose(got, data.sum(0), rtol=1e-6, atol=1e-6)
+
+
 def test_peer_buffers_take_a_group():
     with pytest.raises(dop.DistributedError, match="PeerBuffers takes the group"):
         dist.PeerBuffers(None)
@@ -317,6 +339,27 @@ def test_ranks_that_pick_different_allreduce_options_are_refused_before_any_buff
             Llama(CFG, weights, capacity=16, group=group, allreduce=("auto", "nccl")[group.rank])
         return True
     assert dist.run_reference(2, rank) == [True, True]
+
+
+def test_ranks_whose_configs_are_equal_but_spelled_otherwise_agree(weights):
+    """A rope_scaling dict built with its keys in another order, or a size that is a NumPy integer, made
+    tensor-parallel ranks refuse each other ('the ranks disagree on the model'): configs were compared by repr."""
+    from dataclasses import replace
+    other = replace(CFG, hidden_size=np.int64(CFG.hidden_size),
+                    rope_scaling=dict(reversed(list(CFG.rope_scaling.items()))))
+    assert other.to_dict() == CFG.to_dict() and type(other.hidden_size) is int
+
+    def rank(group):
+        with Llama((CFG, other)[group.rank], weights, capacity=16, group=group, allreduce="nccl") as llama:
+            return llama.decoder.shard.size
+    assert dist.run_reference(2, rank) == [2, 2]
+
+    def differ(group):  # a scaling that really differs is still refused
+        scaling = dict(CFG.rope_scaling, factor=CFG.rope_scaling["factor"] * (1 + group.rank))
+        with pytest.raises(dop.StateError, match="the ranks disagree on the model"):
+            Llama(replace(CFG, rope_scaling=scaling), weights, capacity=16, group=group, allreduce="nccl")
+        return True
+    assert dist.run_reference(2, differ) == [True, True]
 
 
 def test_ranks_that_load_different_checkpoints_are_refused_at_init(weights):

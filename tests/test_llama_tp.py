@@ -152,6 +152,15 @@ def test_a_split_the_kernels_cannot_serve_is_refused_before_any_process_group(mo
         Llama(replace(CFG, **changes), model["weights"], capacity=CAP, tp=tp)
 
 
+def test_a_shard_s_rank_is_an_int_of_the_group_and_numpy_integers_are_ints():
+    for bad in (1.0, None, True, "1", 2, -1):  # 1.0 cut float rows (a raw TypeError at slicing), None raised one
+        with pytest.raises(dop.ShapeError, match=f"rank {bad!r} is outside a tensor-parallel group of 2: pass an int"):
+            Shard(CFG, bad, 2)
+    shard = Shard(CFG, np.int64(1), np.int32(2))
+    assert (shard.rank, shard.size, shard.rows(8)) == (1, 2, (4, 8))
+    assert all(type(v) is int for v in (shard.rank, shard.size, *shard.rows(8)))
+
+
 def test_ranks_that_ask_for_different_generations_all_refuse_before_launching(model):
     def rank(group):
         llama = Llama(CFG, model["weights"], capacity=CAP, group=group)

@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import DistributedError, StateError
 from ..graph.capture import ReplayCheck
 from ..memory import Partition
+from ..runtime.stream import sync_in_capture
 from ..tensor import SharedTensor, Tensor
 
 
@@ -35,12 +36,15 @@ class GroupClosedError(DistributedError, StateError):
     disagreed): a StateError (the group is done for good) and a DistributedError."""
 
 
-def check_timeout(timeout, what: str = "a group's timeout") -> float:
-    """``timeout`` as seconds: a finite positive number (every wait for another rank is bounded)."""
+def check_timeout(timeout, what: str = "a group's timeout", longest: float = threading.TIMEOUT_MAX) -> float:
+    """``timeout`` as seconds: a finite positive number (every wait for another rank is bounded),
+    at most ``longest`` (the longest wait Python's locks make: a longer one failed at the first
+    wait for a peer with a raw OverflowError)."""
     ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout) \
-        and timeout > 0
+        and 0 < timeout <= longest
     if not ok:
-        raise DistributedError(f"{what}: timeout is a finite positive number of seconds, got {timeout!r}")
+        raise DistributedError(f"{what}: timeout is a finite positive number of seconds, at most {longest:.3g} (the "
+                               f"longest wait Python makes), got {timeout!r}")
     return float(timeout)
 
 
@@ -95,7 +99,7 @@ class Group:
         with self.using("group.exchange()"):
             seq, self._exchanges = self._exchanges, self._exchanges + 1
             try:
-                found = self._exchanger.exchange(self.rank, seq, payload, f"group.exchange() #{seq}", self.timeout)
+                found = self._exchanger.exchange(self.rank, seq, payload, f"{kind} #{seq}", self.timeout)
             except DistributedError as exc:
                 self.abort(str(exc))
                 raise
@@ -193,6 +197,8 @@ class Group:
             raise DistributedError(f"group.synchronize(stream={stream!r}) on rank {self.rank}: pass a stream of the "
                                    f"group's device ({self.device.label}), such as group.stream, or none for it")
         timeout = self.timeout if timeout is None else check_timeout(timeout, "group.synchronize()")
+        if stream.is_capturing():  # (it failed in the event query, naming an event the user never made)
+            raise sync_in_capture("group.synchronize()", "cuStreamSynchronize")
         event, deadline, pause = stream.record_event(timing=False), time.monotonic() + timeout, 0.00005
         while not event.query():
             if self._state != "open":
@@ -254,7 +260,12 @@ def fingerprint(obj) -> str:
     values: arrays and tensors (also inside dicts, lists and tuples) by dtype, shape and
     bytes; dicts and sets whatever their order; other objects by their pickle."""
     h = hashlib.blake2b(digest_size=16)
-    _feed(h, obj)
+    try:
+        _feed(h, obj)
+    except RecursionError:  # a list that holds itself (pickle sends it; a value walk never ends)
+        raise DistributedError(f"check_same cannot hash this {type(obj).__name__}: it contains itself or nests "
+                               "deeper than Python's recursion limit; pass plain data (a dict of the config, a "
+                               "file digest), arrays or tensors") from None
     return h.hexdigest()
 
 

@@ -119,8 +119,20 @@ class Hub:
         """Leave a send's ``message`` under ``key`` for its recv; returns without waiting for it."""
         with self._cond:
             self._check(what)
+            if key[1] in self.closed:  # nothing will ever receive it
+                error = DistributedError(f"{what} on rank {key[0]}: rank {key[1]} already closed its group, so nothing "
+                                         "will receive this send. Every send needs the peer's matching recv, in the "
+                                         "same order; the group is aborted: make a new one")
+                self._failed(key[0], error, str(error))
+                raise error
             self._mail[key] = message
             self._cond.notify_all()
+
+    def unreceived(self) -> list:
+        """``"rank s's send #n to rank d (count x dtype)"`` for each posted send no recv took."""
+        with self._cond:
+            return [f"rank {src}'s send #{n} to rank {dst} ({m[1]} x {m[0]})"
+                    for (src, dst, n), m in sorted(self._mail.items())]
 
     def take(self, rank: int, key, peer: int, what: str, accept, timeout: float | None = None) -> None:
         """Wait for the message posted under ``key`` by rank ``peer`` and hand it to ``accept``

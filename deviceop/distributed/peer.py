@@ -25,6 +25,8 @@ a graph that captured one of its all-reduces must not be replayed after that.
 """
 from __future__ import annotations
 
+import math
+import operator
 import socket
 import weakref
 
@@ -86,14 +88,17 @@ class PeerBuffers:
         if ws > MAX_WORLD:
             raise DistributedError(f"one-shot all_reduce over {ws} ranks: it serves at most {MAX_WORLD} (one "
                                    "machine's NVLink domain); use algorithm='nccl'")
-        if not (isinstance(max_bytes, int) and max_bytes > 0 and max_bytes % BLOCK_BYTES == 0):
-            raise ShapeError(f"PeerBuffers(max_bytes={max_bytes!r}): give a positive multiple of {BLOCK_BYTES}")
-        if epochs is None:
-            epochs = max_bytes // BLOCK_BYTES
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < max_bytes // BLOCK_BYTES:
-            raise ShapeError(f"PeerBuffers(epochs={epochs!r}): give an int of at least {max_bytes // BLOCK_BYTES} "
+        given = max_bytes
+        max_bytes = _integer(max_bytes)  # NumPy's integers too (a size computed with NumPy), never a bool
+        if not (max_bytes is not None and max_bytes > 0 and max_bytes % BLOCK_BYTES == 0):
+            raise ShapeError(f"PeerBuffers(max_bytes={given!r}): give a positive multiple of {BLOCK_BYTES}")
+        given = max_bytes // BLOCK_BYTES if epochs is None else epochs
+        epochs = _integer(given)
+        if epochs is None or epochs < max_bytes // BLOCK_BYTES:
+            raise ShapeError(f"PeerBuffers(epochs={given!r}): give an int of at least {max_bytes // BLOCK_BYTES} "
                              "(one a 512-byte block of max_bytes)")
-        timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers")
+        # (its kernels wait for peers, not Python's locks: their limit is checked below)
+        timeout = group.timeout if timeout is None else check_timeout(timeout, "PeerBuffers", longest=math.inf)
         if timeout * 1e9 >= 2 ** 64:  # the kernels count it in nanoseconds, in 64 bits
             raise DistributedError(f"PeerBuffers: a timeout of {timeout:g} s (the group's, unless timeout= is given) "
                                    f"is past the {2 ** 64 / 1e9:.3g} s the kernels can count; give a shorter one")
@@ -255,6 +260,16 @@ class PeerBuffers:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
+
+
+def _integer(v) -> int | None:
+    """``v`` as a Python int (NumPy's integers too), or None for a bool or a non-integer."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
 
 
 def _same_memory(a, b) -> bool:

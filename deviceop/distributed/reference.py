@@ -129,8 +129,9 @@ def _compute(entries: dict, which: str) -> None:
     recvs = [entries[r][2] for r in ranks]
     if kind == "broadcast":
         value = sends[root].copy()
-        for out in recvs:
-            out[...] = value
+        for r, out in zip(ranks, recvs):
+            if r != root:  # the root only reads its buffer (NCCL's in-place broadcast): it may be read-only
+                out[...] = value
         return
     if kind == "all_gather":
         value = np.concatenate(sends)
@@ -237,6 +238,10 @@ def run_reference(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT) 
             first.add_note("the other ranks then failed: " + "; ".join(
                 f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(others.items())))
         raise first
+    lost = hub.unreceived()
+    if lost:  # a message no rank took: silently dropped before, though the program's pairs do not match
+        raise DistributedError(f"run_reference: {', '.join(lost)} was never received: the ranks' sends and receives "
+                               "do not pair up. Every send needs the peer's matching recv, in the same order")
     return results
 
 

@@ -62,7 +62,13 @@ class FileStore:
 
     def __init__(self, path, rank: int | None = None, world_size: int = 1, timeout: float = 120.0):
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.path, os.W_OK | os.X_OK):
+                raise PermissionError(f"{self.path} is not writable")
+        except OSError as exc:  # a file there, a read-only place: say so, not a raw OSError on one rank
+            raise DistributedError(f"the file store {self.path} cannot be a directory every rank writes ({exc}): pass "
+                                   "store= a directory path that every rank can create or write") from None
         self._prefix = ""  # the rendezvous files are outside any run's names
         if rank is not None:
             token = self._lead(world_size, timeout) if rank == 0 else self._join(rank, timeout)
@@ -154,7 +160,13 @@ class TcpStore:
         self._lock, self._server = threading.Lock(), None
         self.serves = serve  # its closing waits for the other ranks to be done with it (StoreExchanger.close)
         if serve:
-            self._data, listener = {}, socket.create_server(("", port), reuse_port=False)
+            try:
+                listener = socket.create_server(("", port), reuse_port=False)
+            except OSError as exc:  # (raw, the others waited out the timeout for a store never served)
+                raise DistributedError(f"rank 0 cannot serve the store on port {port} ({exc}): another process holds "
+                                       "it; pick a free port (MASTER_PORT, store='tcp://host:port') for every "
+                                       "rank") from None
+            self._data = {}
             self._server = listener
             threading.Thread(target=self._serve, args=(listener,), daemon=True, name="deviceop-store").start()
         deadline = time.monotonic() + timeout

@@ -71,17 +71,20 @@ def _rope_scaling(v) -> dict | None:
     kind = v.get("rope_type", v.get("type", "default"))
     if kind not in ROPE_TYPES:
         _bad(f"rope_scaling type {kind!r} is not supported (default or llama3)")
+    # keys in one order and plain numbers: equal scalings compare equal (tensor-parallel ranks compare configs)
+    out = dict(sorted(v.items(), key=lambda item: str(item[0])))
     if kind == "llama3":
         missing = [k for k in LLAMA3_KEYS if k not in v]
         if missing:
             _bad(f"rope_scaling of type llama3 lacks {', '.join(missing)}")
         for k in LLAMA3_KEYS[:3]:
-            _positive_real(f"rope_scaling.{k}", v[k])
-        _integer("rope_scaling.original_max_position_embeddings", v["original_max_position_embeddings"])
-        if not v["high_freq_factor"] > v["low_freq_factor"]:
+            out[k] = _positive_real(f"rope_scaling.{k}", v[k])
+        out["original_max_position_embeddings"] = _integer("rope_scaling.original_max_position_embeddings",
+                                                           v["original_max_position_embeddings"])
+        if not out["high_freq_factor"] > out["low_freq_factor"]:
             _bad(f"rope_scaling.high_freq_factor={v['high_freq_factor']} must exceed low_freq_factor="
                  f"{v['low_freq_factor']} (llama3 RoPE interpolates between them)")
-    return dict(v)
+    return out
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ class LlamaConfig:
         """Type and range of every field, naming it: cheap, whatever the sizes (no weight is named here)."""
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "vocab_size", "head_dim"):
-            _integer(name, getattr(self, name))
+            # as ints: a NumPy integer's repr differs, and tensor-parallel ranks compare configs by value
+            object.__setattr__(self, name, _integer(name, getattr(self, name)))
         if self.num_attention_heads % self.num_key_value_heads:
             _bad(f"{self.num_attention_heads} query heads are not a multiple of {self.num_key_value_heads} KV "
                  "heads (num_attention_heads, num_key_value_heads)")

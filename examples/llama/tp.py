@@ -30,8 +30,12 @@ class Shard:
 
     def __post_init__(self):
         check_tp(self.cfg, self.size)
-        if not 0 <= self.rank < self.size:
-            raise dop.ShapeError(f"rank {self.rank} is outside a tensor-parallel group of {self.size}")
+        object.__setattr__(self, "size", operator.index(self.size))  # NumPy's integers as ints: rows() are ints
+        rank = _index(self.rank)  # (a float rank cut float rows, which failed later as a raw TypeError)
+        if rank is None or not 0 <= rank < self.size:
+            raise dop.ShapeError(f"rank {self.rank!r} is outside a tensor-parallel group of {self.size}: pass an int "
+                                 f"in 0..{self.size - 1} (group.rank)")
+        object.__setattr__(self, "rank", rank)
 
     @property
     def heads(self) -> int:
@@ -67,12 +71,17 @@ class Shard:
         return self.rank * b, (self.rank + 1) * b
 
 
+def _index(v) -> int | None:
+    """``v`` as an int (NumPy's integers too), or None for a bool or anything else."""
+    try:
+        return None if isinstance(v, bool) else operator.index(v)
+    except TypeError:
+        return None
+
+
 def check_tp(cfg: LlamaConfig, size: int) -> None:
     """Refuse a split the decode kernels cannot serve at the shard's shapes, naming the limit."""
-    try:
-        n = None if isinstance(size, bool) else operator.index(size)  # NumPy's integers too, never a bool
-    except TypeError:
-        n = None
+    n = _index(size)  # NumPy's integers too, never a bool
     if n is None or n < 1:
         raise dop.ShapeError(f"tp={size!r}: the tensor-parallel size is a positive int (the number of GPUs)")
     size = n
