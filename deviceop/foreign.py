@@ -16,6 +16,7 @@ is done: eagerly once, captured at every replay (a HOST node).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 
 from .errors import AliasingError, GraphSafetyError, LaunchError
@@ -40,6 +41,36 @@ def _declared(role: str, given) -> list:
         return list(enumerate(given))
     raise LaunchError(f"{role}= is a list of tensors (the body's positional arguments) or a dict of them (its "
                       f"keyword arguments), got a {type(given).__name__}; e.g. {role}=[x]")
+
+
+def _refuse_uncallable(label: str, what: str, fn, positional: list, keywords: list, fix: str) -> None:
+    """Refuse ``fn`` now, before anything runs, if it cannot be called with ``positional``
+    and ``keywords`` (their names): a body the GPU would call with the wrong arguments
+    fails there with a raw TypeError, and the reference device, which never calls the
+    body, would accept it.  A callable without a signature (a builtin) is called as is."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as exc:
+        call = ", ".join([*positional, *(f"{k}=..." for k in keywords)])
+        raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)}{signature} cannot be "
+                          f"called as {what}({call}) ({exc}); {fix}") from None
+
+
+def _on_its_own(label: str, fn):
+    """``fn`` holding the thread's execution lock while it runs: the reference device runs a
+    captured op's reference at every replay, outside any execution, where deviceop work inside
+    it (``op.sync_on``, ``graph.replay()``) would run unrecorded; refused there as eagerly (a
+    ReentrancyError), as a GPU replay never calls Python at all."""
+    def call(*args, **kwargs):
+        if executing_now() is not None:  # eagerly, or the warm-up at capture: the op's execution holds it
+            return fn(*args, **kwargs)
+        with executing(label):
+            return fn(*args, **kwargs)
+    return call
 
 
 def _name(role: str, key) -> str:
@@ -100,7 +131,28 @@ class ForeignOp(DeviceOp):
         if twice:
             raise LaunchError(f"{self.describe()} declares {twice[0]!r} in both reads= and writes=; a buffer the "
                               "body reads and writes (in place) is declared once, in writes=")
-        values = [v for _, v in self.declared_reads + self.declared_writes]
+        declared = self.declared_reads + self.declared_writes
+        positional = [_name("reads" if i < len(self.declared_reads) else "writes", k)
+                      for i, (k, _) in enumerate(declared) if isinstance(k, int)]
+        keywords = [k for k, _ in declared if isinstance(k, str)]
+        order = ("it takes the reads, then the writes, as declared (a list's as positional arguments, "
+                 "a dict's as keyword arguments)")
+        try:
+            _refuse_uncallable(self.describe(), "body", body, ["stream", *positional], keywords,
+                               f"a body is body(stream, *reads, *writes): {order}")
+            if callable(warmup):
+                _refuse_uncallable(self.describe(), "warmup", warmup, ["stream", *positional], keywords,
+                                   f"a warm-up is called as the body is, warmup(stream, *reads, *writes): {order}")
+            if reference is not None:
+                _refuse_uncallable(self.describe(), "reference", reference, positional, keywords,
+                                   f"a reference is reference(*reads, *writes), without the stream: {order}, as "
+                                   "NumPy arrays")
+        except LaunchError:
+            for _, v in declared:  # the ops it was given will never run: no warning that they did not
+                if isinstance(v, DeviceOp):
+                    v.discard()
+            raise
+        values = [v for _, v in declared]
         if not any(isinstance(v, DeviceOp) for v in values):
             self._tensors(values[:len(self.declared_reads)], values[len(self.declared_reads):])  # refused now, before anything runs
         for v in values:
@@ -138,7 +190,8 @@ class ForeignOp(DeviceOp):
 
     def _execute(self, ctx):
         device = ctx.device
-        runner = device.foreign(self.describe(), self.body, self.reference, self.warmup)
+        reference = None if self.reference is None else _on_its_own(self.describe(), self.reference)
+        runner = device.foreign(self.describe(), self.body, reference, self.warmup)
         reads = [resolve(v, ctx) for _, v in self.declared_reads]
         writes = [resolve(v, ctx) for _, v in self.declared_writes]
         tensors = self._tensors(reads, writes)  # checked again: clones may have been made since
@@ -238,6 +291,9 @@ class HostCallback(DeviceOp):
                 fn.discard()
             raise LaunchError(f"dop.host_callback(fn) takes a function of no arguments, got a {type(fn).__name__}")
         self.fn = fn
+        _refuse_uncallable(f"dop.host_callback({getattr(fn, '__name__', type(fn).__name__)})", "fn", fn, [], [],
+                           "a host callback is called with no arguments at every run: bind what it needs "
+                           "first (functools.partial(fn, x), or a closure)")
         self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
         self._armed = True
 

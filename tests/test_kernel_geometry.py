@@ -140,6 +140,31 @@ def test_launch_shapes_of_the_wrong_kind_are_refused_naming_the_kernel(stream, r
         by_zero(put(rng, 8, stream), 2.0, 8).sync_on(stream)
 
 
+SCALE_3D = r"""
+extern "C" __global__ void scale_3d(float* x, float a, int n) {   // a thread an element, of any block shape
+    int t = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    int i = blockIdx.x * blockDim.x * blockDim.y * blockDim.z + t;
+    if (i < n) x[i] *= a;
+}
+"""
+
+
+def test_a_block_of_more_than_64_threads_along_z_is_refused_on_both_devices(stream, rng):
+    # 128 threads in all is fine, but CUDA's z axis holds 64 at most: the driver refused it and the
+    # reference device ran it
+    x = put(rng, 256, stream)
+
+    def scale_3d(block):
+        return Kernel("scale_3d", SCALE_3D, scale_inplace.params, grid=(1,), block=block, reference=_scale_ref)
+
+    with pytest.raises(dop.LaunchError, match=r"block \(1, 1, 128\) has 128 threads along z; CUDA allows at most "
+                                              r"64 there \(1024 along x and y\)"):
+        scale_3d((1, 1, 128))(x, 2.0, 256).sync_on(stream)
+    host = x.numpy(stream=stream)
+    scale_3d((2, 2, 64))(x, 2.0, 256).sync_on(stream)  # 64 along z is the limit, and allowed
+    np.testing.assert_allclose(x.numpy(stream=stream), 2.0 * host, rtol=1e-6)
+
+
 def test_dynamic_shared_memory_past_the_gpus_limit_is_refused_on_both_devices(stream, rng):
     # an H100 (and the sm_90 the reference device stands for) opts a block in to 227 KB at most
     big = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], grid=("R",), block=32, shared_mem=300000,
@@ -176,6 +201,8 @@ def test_geometry_declarations_are_checked():
         Kernel("k", SCALE_INPLACE, scale_inplace.params)
     with pytest.raises(dop.LaunchError, match=r"kernel k's grid: 1 to 3 dimensions or a function, got \(1, 1, 1, 1\)"):
         Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=(1, 1, 1, 1))
+    with pytest.raises(dop.LaunchError, match=r"parameter y: its tile \[4, 0\] has a 0, and a tile cannot be empty"):
+        Out("y", "float32", shape=("N", "M"), tile=(4, 0))  # no partition has it: no launch could ever match
     with pytest.raises(dop.LaunchError, match=r"kernel k's block: cannot read '32\*'"):
         Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=(1,), block="32*")
 

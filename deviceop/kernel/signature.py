@@ -90,6 +90,9 @@ def _tensor_param(name: str, role: str, dtype, rank, layout, shape=None, tile=No
         raise LaunchError(f"parameter {name}: layout must be one of {', '.join(map(repr, LAYOUTS))}, "
                           f"got {layout!r}")
     shape, tile = _dims(name, "shape", shape), _dims(name, "tile", tile)
+    if tile is not None and 0 in tile:  # a size may be 0; a tile never is (tensor.partition refuses it)
+        raise LaunchError(f"parameter {name}: its tile {_dims_text(tile)} has a 0, and a tile cannot be empty: "
+                          "give each tile axis a positive size, a name or an expression (-1: any)")
     for dims in (shape, tile):
         if dims is not None:
             if rank is not None and rank != len(dims):
