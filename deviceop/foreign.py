@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import numpy as np
+
 from .errors import AliasingError, GraphSafetyError, LaunchError
 from .execution import executing, executing_now, walk
 from .memory import read_only_error
@@ -61,15 +63,59 @@ def _refuse_uncallable(label: str, what: str, fn, positional: list, keywords: li
 
 
 def _on_its_own(label: str, fn):
-    """``fn`` holding the thread's execution lock while it runs: the reference device runs a
+    """The reference ``fn`` holding the thread's execution lock while it runs, and returning
+    None where it returned its write arrays (``_written``): the reference device runs a
     captured op's reference at every replay, outside any execution, where deviceop work inside
     it (``op.sync_on``, ``graph.replay()``) would run unrecorded; refused there as eagerly (a
     ReentrancyError), as a GPU replay never calls Python at all."""
     def call(*args, **kwargs):
         if executing_now() is not None:  # eagerly, or the warm-up at capture: the op's execution holds it
-            return fn(*args, **kwargs)
-        with executing(label):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+        else:
+            with executing(label):
+                out = fn(*args, **kwargs)
+        return None if _written(out, (*args, *kwargs.values())) else out
+    return call
+
+
+def _written(out, arrays) -> bool:
+    """Is ``out`` one of the write arrays (or a tuple of them), as NumPy's ``out=`` returns it
+    (``np.matmul(x, w, out=y)``)?  The writes are the writable ``arrays``: the reads are
+    read-only, and overlap none of them (the op refused that)."""
+    if isinstance(out, tuple) and out:
+        return all(_written(o, arrays) for o in out)
+    return isinstance(out, np.ndarray) and any(a.flags.writeable and np.may_share_memory(out, a) for a in arrays)
+
+
+def _stray(out, writes) -> str | None:
+    """What of ``out``, a body's return value, is an array outside its ``writes`` (its type
+    name), or None.  A library's out= returns the output it wrote (torch, CuPy), and a Triton
+    launch returns its compiled kernel: those are fine; a new array (``torch.matmul(a, b)``
+    without out=) holds the result, which then reaches no write."""
+    if isinstance(out, (tuple, list)):
+        return next((s for s in (_stray(o, writes) for o in out) if s), None)
+    if isinstance(out, Tensor):
+        return None if any(out.overlaps(w) for w in writes) else "Tensor"
+    try:
+        pointer = int(out.__cuda_array_interface__["data"][0])
+    except Exception:  # noqa: BLE001 - no array (or none that says where it lives): not a result
+        return None
+    inside = any(lo <= pointer < hi for lo, hi in (w.memory_range() for w in writes))
+    return None if pointer == 0 or inside else type(out).__name__
+
+
+def _writing(label: str, body, writes: list):
+    """``body`` refusing to return its result instead of writing it (``writes``: the tensors of
+    the writes, filled in once the op's inputs ran): eagerly that result was lost, silently, as
+    the reference device refuses a reference that returns it."""
+    def call(stream, *args, **kwargs):
+        out = body(stream, *args, **kwargs)
+        stray = _stray(out, writes)
+        if stray is not None:
+            raise LaunchError(f"{label}'s body returned a {stray} that is none of its writes=: the work's result went "
+                              "into a new array, which nothing reads (e.g. torch.matmul(a, b) without out=). Write "
+                              "it into a declared write: out=torch.from_dlpack(y), out=y.to_cupy(), or copy it in")
+        return out
     return call
 
 
@@ -191,10 +237,13 @@ class ForeignOp(DeviceOp):
     def _execute(self, ctx):
         device = ctx.device
         reference = None if self.reference is None else _on_its_own(self.describe(), self.reference)
-        runner = device.foreign(self.describe(), self.body, reference, self.warmup)
+        written: list = []  # the writes' tensors, for the body's return value (known below)
+        runner = device.foreign(self.describe(), _writing(self.describe(), self.body, written), reference,
+                                self.warmup)
         reads = [resolve(v, ctx) for _, v in self.declared_reads]
         writes = [resolve(v, ctx) for _, v in self.declared_writes]
         tensors = self._tensors(reads, writes)  # checked again: clones may have been made since
+        written.extend(tensors[len(reads):])
         for t in tensors:  # the body's libraries would run on the stream's GPU with another GPU's pointers
             if t.device is not device:
                 raise wrong_device(f"executing {self.describe()}", device, t.device, "a tensor of its reads/writes")
@@ -245,7 +294,9 @@ def foreign(body, *, reads=(), writes=(), reference=None, warmup=None, name=None
       a write overlapping another write or a read is an AliasingError.  A buffer
       updated in place is declared once, in ``writes``.  The body gets them as
       deviceop Tensors: ``torch.from_dlpack(t)`` and ``t.to_cupy()`` view them
-      without a copy.
+      without a copy.  The body writes its results into the writes and returns
+      nothing (or the writes, as ``out=`` returns them): a new array returned is
+      a LaunchError, its result reaching no write.
     * ``stream``, the body's first argument, is a deviceop CUDA stream: it has
       ``__cuda_stream__`` (cuda.core, CuPy, nccl4py take it), ``.ptr`` (its handle
       as an int), ``.torch`` (a ``torch.cuda.ExternalStream``: ``with

@@ -397,19 +397,10 @@ class ReferenceForeign:
             raise LaunchError(f"the reference of {self.label} wrote into an array of its reads= ({exc}): the reads are "
                               "read-only, as the body may only read them; declare a buffer the work writes (in place "
                               "too) in writes=") from exc
-        if out is not None and not _written(out, (*args, *kwargs.values())):
+        if out is not None:
             raise LaunchError(f"the reference of {self.label} returned a {type(out).__name__}; a reference writes "
-                              "its results into the write arrays it is given (e.g. out[...] = x @ w) and "
-                              "returns nothing (or those arrays, as np.matmul(x, w, out=out) returns out)")
-
-
-def _written(out, arrays) -> bool:
-    """Is ``out`` one of the write arrays (or a tuple of them), as NumPy's ``out=`` returns
-    it (``np.matmul(x, w, out=y)``)?  The writes are the writable ``arrays``; the reads,
-    read-only, overlap none of them (the op refused that)."""
-    if isinstance(out, tuple) and out:
-        return all(_written(o, arrays) for o in out)
-    return isinstance(out, np.ndarray) and any(a.flags.writeable and np.may_share_memory(out, a) for a in arrays)
+                              "its results into the write arrays it is given (e.g. out[...] = x @ w) and returns "
+                              "nothing, or those arrays (as np.matmul(x, w, out=out) returns out)")
 
 
 # -- kernels: the NumPy reference behind a Function's interface --------------------------
