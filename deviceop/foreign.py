@@ -45,7 +45,7 @@ def _declared(role: str, given) -> list:
                       f"keyword arguments), got a {type(given).__name__}; e.g. {role}=[x]")
 
 
-def _refuse_uncallable(label: str, what: str, fn, positional: list, keywords: list, fix: str) -> None:
+def refuse_uncallable(label: str, what: str, fn, positional: list, keywords: list, fix: str) -> None:
     """Refuse ``fn`` now, before anything runs, if it cannot be called with ``positional``
     and ``keywords`` (their names): a body the GPU would call with the wrong arguments
     fails there with a raw TypeError, and the reference device, which never calls the
@@ -184,13 +184,13 @@ class ForeignOp(DeviceOp):
         order = ("it takes the reads, then the writes, as declared (a list's as positional arguments, "
                  "a dict's as keyword arguments)")
         try:
-            _refuse_uncallable(self.describe(), "body", body, ["stream", *positional], keywords,
+            refuse_uncallable(self.describe(), "body", body, ["stream", *positional], keywords,
                                f"a body is body(stream, *reads, *writes): {order}")
             if callable(warmup):
-                _refuse_uncallable(self.describe(), "warmup", warmup, ["stream", *positional], keywords,
+                refuse_uncallable(self.describe(), "warmup", warmup, ["stream", *positional], keywords,
                                    f"a warm-up is called as the body is, warmup(stream, *reads, *writes): {order}")
             if reference is not None:
-                _refuse_uncallable(self.describe(), "reference", reference, positional, keywords,
+                refuse_uncallable(self.describe(), "reference", reference, positional, keywords,
                                    f"a reference is reference(*reads, *writes), without the stream: {order}, as "
                                    "NumPy arrays")
         except LaunchError:
@@ -342,7 +342,7 @@ class HostCallback(DeviceOp):
                 fn.discard()
             raise LaunchError(f"dop.host_callback(fn) takes a function of no arguments, got a {type(fn).__name__}")
         self.fn = fn
-        _refuse_uncallable(f"dop.host_callback({getattr(fn, '__name__', type(fn).__name__)})", "fn", fn, [], [],
+        refuse_uncallable(f"dop.host_callback({getattr(fn, '__name__', type(fn).__name__)})", "fn", fn, [], [],
                            "a host callback is called with no arguments at every run: bind what it needs "
                            "first (functools.partial(fn, x), or a closure)")
         self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)

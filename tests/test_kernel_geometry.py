@@ -3,6 +3,8 @@ geometry (grid, block, dynamic shared memory, cluster) as shape expressions or a
 Python function, checked against CUDA's limits; and C++ kernels are declared by
 their plain name (the NVRTC name expression is generated).  Runs on Device(0):
 the references here, the CUDA (and so the geometry) on the H100."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,24 @@ def test_a_block_of_more_than_64_threads_along_z_is_refused_on_both_devices(stre
     host = x.numpy(stream=stream)
     scale_3d((2, 2, 64))(x, 2.0, 256).sync_on(stream)  # 64 along z is the limit, and allowed
     np.testing.assert_allclose(x.numpy(stream=stream), 2.0 * host, rtol=1e-6)
+
+
+def test_a_reference_that_cannot_take_the_kernels_arguments_is_refused_eagerly_and_captured_alike(stream, rng):
+    # it raised a raw TypeError at an eager launch, and only at the first replay when captured: refused
+    # when the kernel is first loaded (before a capture begins), on both devices, after the code's own checks
+    x = put(rng, 256, stream)
+    no_g = Kernel("scale_inplace", SCALE_INPLACE, scale_inplace.params, grid=(1,), reference=lambda x, a, n: None)
+    for run in (lambda op: op.sync_on(stream), lambda op: op.graph_on(stream)):
+        with pytest.raises(dop.LaunchError, match=r"kernel scale_inplace's reference <lambda>\(x, a, n\) cannot be "
+                                                  r"called as reference\(g, x, a, n\).*the generics, then an array"):
+            run(no_g(x, 2.0, 256))
+        assert not stream.is_capturing()
+    saxpy = Kernel.from_binary("saxpy", Path(__file__).parent / "data" / "nvcc" / "saxpy.sm_90.cubin",
+                               [InOut("y", "float32", shape=("n",)), In("x", "float32", shape=("n",)),
+                                Scalar("a", "float32"), Scalar("n", "int32")], grid=(1,), block=256,
+                               reference=lambda g, y, x, a, n, b: None)
+    with pytest.raises(dop.LaunchError, match=r"reference\(g, y, x, a, n\) \(missing a required argument: 'b'\)"):
+        saxpy(put(rng, 256, stream), x, 2.0, 256).sync_on(stream)
 
 
 def test_dynamic_shared_memory_past_the_gpus_limit_is_refused_on_both_devices(stream, rng):
