@@ -22,7 +22,7 @@ import warnings
 import numpy as np
 
 from .errors import AliasingError, GraphSafetyError, LaunchError
-from .execution import executing, executing_now, walk
+from .execution import as_an_execution, executing, executing_now, walk
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .runtime.device import wrong_device
@@ -63,17 +63,12 @@ def refuse_uncallable(label: str, what: str, fn, positional: list, keywords: lis
 
 
 def _on_its_own(label: str, fn):
-    """The reference ``fn`` holding the thread's execution lock while it runs, and returning
-    None where it returned its write arrays (``_written``): the reference device runs a
-    captured op's reference at every replay, outside any execution, where deviceop work inside
-    it (``op.sync_on``, ``graph.replay()``) would run unrecorded; refused there as eagerly (a
-    ReentrancyError), as a GPU replay never calls Python at all."""
+    """The reference ``fn`` as its own execution (``as_an_execution``: deviceop work inside it is
+    refused at a replay as eagerly), returning None where it returned its write arrays (``_written``)."""
+    inner = as_an_execution(label, fn)
+
     def call(*args, **kwargs):
-        if executing_now() is not None:  # eagerly, or the warm-up at capture: the op's execution holds it
-            out = fn(*args, **kwargs)
-        else:
-            with executing(label):
-                out = fn(*args, **kwargs)
+        out = inner(*args, **kwargs)
         return None if _written(out, (*args, *kwargs.values())) else out
     return call
 

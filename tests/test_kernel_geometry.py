@@ -185,6 +185,26 @@ def test_a_reference_that_cannot_take_the_kernels_arguments_is_refused_eagerly_a
         saxpy(put(rng, 256, stream), x, 2.0, 256).sync_on(stream)
 
 
+def test_deviceop_work_inside_a_kernels_reference_is_refused_at_replay_as_eagerly(rng):
+    # eagerly the launch's execution refused it; a replay ran the reference outside any execution,
+    # and the copy inside it ran, unrecorded (a GPU replay never calls the reference)
+    ref = dop.ReferenceDevice(0).new_stream()
+    x, seen = put(rng, 256, ref), dop.empty(256, stream=ref)
+
+    def scale_and_copy(g, xs, a, n):
+        xs *= np.float32(a)
+        dop.api.memcpy(seen, x).sync_on(ref)
+
+    k = Kernel("scale_inplace", SCALE_INPLACE, scale_inplace.params, grid=(1,), block=256, reference=scale_and_copy)
+    with pytest.raises(dop.ReentrancyError, match=r"sync_on\(api.memcpy\) was called while sync_on\(scale_inplace\)"):
+        k(x, 2.0, 256).sync_on(ref)
+    graph = k(x, 2.0, 256).graph_on(ref)
+    with pytest.raises(dop.ReentrancyError, match=r"sync_on\(api.memcpy\) was called while scale_inplace is "
+                                                  r"executing"):
+        graph.replay()
+    dop.api.memcpy(seen, x).sync_on(ref)  # the stream goes on
+
+
 def test_dynamic_shared_memory_past_the_gpus_limit_is_refused_on_both_devices(stream, rng):
     # an H100 (and the sm_90 the reference device stands for) opts a block in to 227 KB at most
     big = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], grid=("R",), block=32, shared_mem=300000,

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from ..compile import compile_cubin, normalize_arch
 from ..errors import CompileError, CudaError, LaunchError
+from ..execution import as_an_execution
 from ..foreign import refuse_uncallable
 from ..op import DeviceOp
 from ..runtime.device import default_arch, device_key
@@ -301,7 +302,8 @@ class Kernel:
                     prog, expr = self._program(device, values)
                     self._check_program(prog, expr, layout=False)  # the layout is the loader's to check
                     try:
-                        fn = device.load_function(prog, expr, self.signature, self.reference,
+                        reference = None if self.reference is None else as_an_execution(self.name, self.reference)
+                        fn = device.load_function(prog, expr, self.signature, reference,
                                                   dict(zip(self.generic_names, values)))
                     except CudaError as exc:
                         if self.binary is None:
