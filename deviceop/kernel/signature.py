@@ -78,6 +78,8 @@ def _dims(name: str, what: str, dims) -> tuple | None:
     for d in tuple(dims):
         if isinstance(d, str):
             d = parse(d, f"parameter {name}'s {what}")
+        elif isinstance(d, np.integer):  # a size NumPy computed (np.prod, an array's len): an int, as in a geometry
+            d = int(d)
         if not isinstance(d, (str, Expr)) and not (type(d) is int and d >= -1):
             raise LaunchError(f"parameter {name}: each dimension of its {what} is an int, -1 (any), the name "
                               f"of a generic or size, or arithmetic on them ({GRAMMAR}), got {d!r} in {tuple(dims)}")
