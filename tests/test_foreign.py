@@ -202,6 +202,20 @@ def test_deviceop_work_inside_a_reference_is_refused_at_replay_as_eagerly(ref, r
     np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref))
 
 
+def test_names_with_quotes_and_newlines_stay_inside_their_dot_labels(ref, rng):
+    # the reference device's DOT wrote a foreign op's name unescaped: a quote ended the label early
+    # and Graphviz could not read the graph (a GPU's DOT is the driver's, without these names)
+    import re
+    x, y = tensor(rng, 8, ref), dop.empty(8, stream=ref)
+    graph = zip_(dop.foreign(gpu_body, reads=[x], writes=[y], reference=no_op, name='say "hi"\nto C:\\'),
+                 dop.host_callback(lambda: None, name='tick "1"')).graph_on(ref)
+    lines = [line for line in graph.to_dot().splitlines() if "label=" in line]
+    labels = [re.fullmatch(r'  n\d+ \[label="((?:[^"\\]|\\.)*)"\];', line) for line in lines]
+    assert all(labels), lines   # each label one DOT string, escapes and all
+    unescaped = [re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), m.group(1)) for m in labels]
+    assert unescaped == ['GRAPH dop.foreign(say "hi"\nto C:\\)', 'HOST dop.host_callback(tick "1")']
+
+
 # -- declarations: ownership, aliasing, arguments (Device(0)) ---------------------------------------
 
 def test_a_shared_write_needs_the_only_handle_like_try_partition(stream):
