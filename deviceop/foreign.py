@@ -50,6 +50,10 @@ def refuse_uncallable(label: str, what: str, fn, positional: list, keywords: lis
     and ``keywords`` (their names): a body the GPU would call with the wrong arguments
     fails there with a raw TypeError, and the reference device, which never calls the
     body, would accept it.  A callable without a signature (a builtin) is called as is."""
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)} is an async function: "
+                          "calling it runs none of its code (it makes a coroutine that nothing awaits); make it a "
+                          "plain def, and do its work on the stream it is handed")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -311,6 +311,13 @@ def test_a_body_reference_or_warmup_that_cannot_take_the_declared_arguments_is_r
     with pytest.raises(dop.LaunchError, match=r"dop.host_callback\(<lambda>\)'s fn <lambda>\(n\) cannot be called "
                                               r"as fn\(\).*functools.partial"):
         dop.host_callback(lambda n: None)
+    async def later(s, x, y):  # pragma: no cover - refused, never called (it would run nothing if it were)
+        pass
+
+    with pytest.raises(dop.LaunchError, match=r"body later is an async function: calling it runs none of its code"):
+        dop.foreign(later, reads=[x], writes=[y], reference=reference)
+    with pytest.raises(dop.LaunchError, match=r"fn later is an async function"):
+        dop.host_callback(later)
     dop.foreign(body, reads=[x], writes=[y], reference=reference, warmup=body).sync_on(stream)  # these fit
     np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
 
