@@ -216,6 +216,16 @@ def test_names_with_quotes_and_newlines_stay_inside_their_dot_labels(ref, rng):
     assert unescaped == ['GRAPH dop.foreign(say "hi"\nto C:\\)', 'HOST dop.host_callback(tick "1")']
 
 
+def test_graph_node_of_foreign_work_or_a_host_callback_says_it_has_none_not_that_it_was_not_captured(ref, rng):
+    x, y = tensor(rng, 8, ref), dop.empty(8, stream=ref)
+    foreign, tick = dop.foreign(gpu_body, reads=[x], writes=[y], reference=no_op), dop.host_callback(lambda: None)
+    graph = zip_(foreign, tick).graph_on(ref)
+    for op in (foreign, tick):  # both were captured: "was not captured into this graph" sent users looking
+        with pytest.raises(dop.StateError, match=r"has no node graph.node\(\) can give: its work has no parameters "
+                                                 r"deviceop can set.*graph.recapture"):
+            graph.node(op)
+
+
 # -- declarations: ownership, aliasing, arguments (Device(0)) ---------------------------------------
 
 def test_a_shared_write_needs_the_only_handle_like_try_partition(stream):
@@ -318,8 +328,10 @@ def test_a_body_reference_or_warmup_that_cannot_take_the_declared_arguments_is_r
         dop.foreign(later, reads=[x], writes=[y], reference=reference)
     with pytest.raises(dop.LaunchError, match=r"fn later is an async function"):
         dop.host_callback(later)
-    dop.foreign(body, reads=[x], writes=[y], reference=reference, warmup=body).sync_on(stream)  # these fit
-    np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
+    ref = dop.ReferenceDevice(0).new_stream()  # these fit (the reference runs here; the body would on a GPU)
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    dop.foreign(body, reads=[x], writes=[y], reference=reference, warmup=body).sync_on(ref)
+    np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref))
 
 
 def test_a_foreign_op_never_executed_warns(stream):
