@@ -317,3 +317,16 @@ def host_array_from_dlpack(obj) -> np.ndarray:
             from_dlpack_dtype(*shim.dtype)  # raises for a type deviceop lacks, naming it
         raise
     return array.view(bfloat16.np) if shim.dtype == (_K_DL_BFLOAT, 16, 1) else array
+
+
+def host_dlpack(array: np.ndarray, kwargs: dict):
+    """``array.__dlpack__(**kwargs)``, bfloat16 included: NumPy exports no bfloat16, so a
+    bfloat16 array is exported as its uint16 bits and the capsule's DLTensor (this export's
+    own) relabelled ``kDLBfloat`` 16, as a GPU array of bfloat16 is exported."""
+    if array.dtype != bfloat16.np:
+        return array.__dlpack__(**kwargs)
+    capsule = array.view(np.uint16).__dlpack__(**kwargs)
+    name = _capsule_name(capsule)
+    base = _capsule_pointer(capsule, name) + (_VERSIONED_OFFSET if name == b"dltensor_versioned" else 0)
+    _DLType.from_address(base + _DTYPE_OFFSET).code = _K_DL_BFLOAT
+    return capsule

@@ -325,6 +325,19 @@ class executing:
             _running.pop(self.ident, None)
 
 
+def as_an_execution(label: str, fn):
+    """``fn`` holding the thread's execution lock while it runs, unless an execution holds it
+    already: the reference device runs a captured kernel's or foreign op's NumPy reference at
+    every replay, outside any execution, where deviceop work inside it (``op.sync_on``,
+    ``graph.replay()``) would run unrecorded; refused there as it is eagerly (ReentrancyError)."""
+    def call(*args, **kwargs):
+        if _running.get(get_ident()) is not None:
+            return fn(*args, **kwargs)
+        with executing(label):
+            return fn(*args, **kwargs)
+    return call
+
+
 class _SharedCore:
     """The once-cell behind a shared op and all its clones (run by ``SharedOp._run``).
 

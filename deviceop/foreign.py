@@ -16,10 +16,13 @@ is done: eagerly once, captured at every replay (a HOST node).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 
+import numpy as np
+
 from .errors import AliasingError, GraphSafetyError, LaunchError
-from .execution import executing, executing_now, walk
+from .execution import as_an_execution, executing, executing_now, walk
 from .memory import read_only_error
 from .op import DeviceOp, resolve, warn_if_unexecuted
 from .runtime.device import wrong_device
@@ -40,6 +43,79 @@ def _declared(role: str, given) -> list:
         return list(enumerate(given))
     raise LaunchError(f"{role}= is a list of tensors (the body's positional arguments) or a dict of them (its "
                       f"keyword arguments), got a {type(given).__name__}; e.g. {role}=[x]")
+
+
+def refuse_uncallable(label: str, what: str, fn, positional: list, keywords: list, fix: str) -> None:
+    """Refuse ``fn`` now, before anything runs, if it cannot be called with ``positional``
+    and ``keywords`` (their names): a body the GPU would call with the wrong arguments
+    fails there with a raw TypeError, and the reference device, which never calls the
+    body, would accept it.  A callable without a signature (a builtin) is called as is."""
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)} is an async function: "
+                          "calling it runs none of its code (it makes a coroutine that nothing awaits); make it a "
+                          "plain def, and do its work on the stream it is handed")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*positional, **dict.fromkeys(keywords))
+    except TypeError as exc:
+        call = ", ".join([*positional, *(f"{k}=..." for k in keywords)])
+        raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)}{signature} cannot be "
+                          f"called as {what}({call}) ({exc}); {fix}") from None
+
+
+def _on_its_own(label: str, fn):
+    """The reference ``fn`` as its own execution (``as_an_execution``: deviceop work inside it is
+    refused at a replay as eagerly), returning None where it returned its write arrays (``_written``)."""
+    inner = as_an_execution(label, fn)
+
+    def call(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        return None if _written(out, (*args, *kwargs.values())) else out
+    return call
+
+
+def _written(out, arrays) -> bool:
+    """Is ``out`` one of the write arrays (or a tuple of them), as NumPy's ``out=`` returns it
+    (``np.matmul(x, w, out=y)``)?  The writes are the writable ``arrays``: the reads are
+    read-only, and overlap none of them (the op refused that)."""
+    if isinstance(out, tuple) and out:
+        return all(_written(o, arrays) for o in out)
+    return isinstance(out, np.ndarray) and any(a.flags.writeable and np.may_share_memory(out, a) for a in arrays)
+
+
+def _stray(out, writes) -> str | None:
+    """What of ``out``, a body's return value, is an array outside its ``writes`` (its type
+    name), or None.  A library's out= returns the output it wrote (torch, CuPy), and a Triton
+    launch returns its compiled kernel: those are fine; a new array (``torch.matmul(a, b)``
+    without out=) holds the result, which then reaches no write."""
+    if isinstance(out, (tuple, list)):
+        return next((s for s in (_stray(o, writes) for o in out) if s), None)
+    if isinstance(out, Tensor):
+        return None if any(out.overlaps(w) for w in writes) else "Tensor"
+    try:
+        pointer = int(out.__cuda_array_interface__["data"][0])
+    except Exception:  # noqa: BLE001 - no array (or none that says where it lives): not a result
+        return None
+    inside = any(lo <= pointer < hi for lo, hi in (w.memory_range() for w in writes))
+    return None if pointer == 0 or inside else type(out).__name__
+
+
+def _writing(label: str, body, writes: list):
+    """``body`` refusing to return its result instead of writing it (``writes``: the tensors of
+    the writes, filled in once the op's inputs ran): eagerly that result was lost, silently, as
+    the reference device refuses a reference that returns it."""
+    def call(stream, *args, **kwargs):
+        out = body(stream, *args, **kwargs)
+        stray = _stray(out, writes)
+        if stray is not None:
+            raise LaunchError(f"{label}'s body returned a {stray} that is none of its writes=: the work's result went "
+                              "into a new array, which nothing reads (e.g. torch.matmul(a, b) without out=). Write "
+                              "it into a declared write: out=torch.from_dlpack(y), out=y.to_cupy(), or copy it in")
+        return out
+    return call
 
 
 def _name(role: str, key) -> str:
@@ -100,7 +176,28 @@ class ForeignOp(DeviceOp):
         if twice:
             raise LaunchError(f"{self.describe()} declares {twice[0]!r} in both reads= and writes=; a buffer the "
                               "body reads and writes (in place) is declared once, in writes=")
-        values = [v for _, v in self.declared_reads + self.declared_writes]
+        declared = self.declared_reads + self.declared_writes
+        positional = [_name("reads" if i < len(self.declared_reads) else "writes", k)
+                      for i, (k, _) in enumerate(declared) if isinstance(k, int)]
+        keywords = [k for k, _ in declared if isinstance(k, str)]
+        order = ("it takes the reads, then the writes, as declared (a list's as positional arguments, "
+                 "a dict's as keyword arguments)")
+        try:
+            refuse_uncallable(self.describe(), "body", body, ["stream", *positional], keywords,
+                               f"a body is body(stream, *reads, *writes): {order}")
+            if callable(warmup):
+                refuse_uncallable(self.describe(), "warmup", warmup, ["stream", *positional], keywords,
+                                   f"a warm-up is called as the body is, warmup(stream, *reads, *writes): {order}")
+            if reference is not None:
+                refuse_uncallable(self.describe(), "reference", reference, positional, keywords,
+                                   f"a reference is reference(*reads, *writes), without the stream: {order}, as "
+                                   "NumPy arrays")
+        except LaunchError:
+            for _, v in declared:  # the ops it was given will never run: no warning that they did not
+                if isinstance(v, DeviceOp):
+                    v.discard()
+            raise
+        values = [v for _, v in declared]
         if not any(isinstance(v, DeviceOp) for v in values):
             self._tensors(values[:len(self.declared_reads)], values[len(self.declared_reads):])  # refused now, before anything runs
         for v in values:
@@ -138,10 +235,14 @@ class ForeignOp(DeviceOp):
 
     def _execute(self, ctx):
         device = ctx.device
-        runner = device.foreign(self.describe(), self.body, self.reference, self.warmup)
+        reference = None if self.reference is None else _on_its_own(self.describe(), self.reference)
+        written: list = []  # the writes' tensors, for the body's return value (known below)
+        runner = device.foreign(self.describe(), _writing(self.describe(), self.body, written), reference,
+                                self.warmup)
         reads = [resolve(v, ctx) for _, v in self.declared_reads]
         writes = [resolve(v, ctx) for _, v in self.declared_writes]
         tensors = self._tensors(reads, writes)  # checked again: clones may have been made since
+        written.extend(tensors[len(reads):])
         for t in tensors:  # the body's libraries would run on the stream's GPU with another GPU's pointers
             if t.device is not device:
                 raise wrong_device(f"executing {self.describe()}", device, t.device, "a tensor of its reads/writes")
@@ -192,7 +293,9 @@ def foreign(body, *, reads=(), writes=(), reference=None, warmup=None, name=None
       a write overlapping another write or a read is an AliasingError.  A buffer
       updated in place is declared once, in ``writes``.  The body gets them as
       deviceop Tensors: ``torch.from_dlpack(t)`` and ``t.to_cupy()`` view them
-      without a copy.
+      without a copy.  The body writes its results into the writes and returns
+      nothing (or the writes, as ``out=`` returns them): a new array returned is
+      a LaunchError, its result reaching no write.
     * ``stream``, the body's first argument, is a deviceop CUDA stream: it has
       ``__cuda_stream__`` (cuda.core, CuPy, nccl4py take it), ``.ptr`` (its handle
       as an int), ``.torch`` (a ``torch.cuda.ExternalStream``: ``with
@@ -238,6 +341,9 @@ class HostCallback(DeviceOp):
                 fn.discard()
             raise LaunchError(f"dop.host_callback(fn) takes a function of no arguments, got a {type(fn).__name__}")
         self.fn = fn
+        refuse_uncallable(f"dop.host_callback({getattr(fn, '__name__', type(fn).__name__)})", "fn", fn, [], [],
+                           "a host callback is called with no arguments at every run: bind what it needs "
+                           "first (functools.partial(fn, x), or a closure)")
         self.name = name if name is not None else getattr(fn, "__name__", type(fn).__name__)
         self._armed = True
 

@@ -23,7 +23,7 @@ def ref():
     return device.new_stream()
 
 
-def gpu_body(*_):  # pragma: no cover - the reference device never calls a body
+def gpu_body(*_, **__):  # pragma: no cover - the reference device never calls a body
     raise AssertionError("the reference device runs reference=, never the body")
 
 
@@ -169,6 +169,63 @@ def test_foreign_work_composes_with_kernels_in_a_scope_and_a_recapture(ref, rng)
     np.testing.assert_array_equal(y2.numpy(stream=ref), expected)
 
 
+def test_a_reference_may_return_the_write_arrays_as_numpys_out_does(ref, rng):
+    # np.matmul(x, w, out=y) returns y: a reference that wrote its writes was refused for saying so
+    x, y, z = tensor(rng, 16, ref), dop.empty(16, stream=ref), dop.empty(16, stream=ref)
+    dop.foreign(gpu_body, reads=[x], writes=[y], reference=lambda x, y: np.multiply(x, 2, out=y)).sync_on(ref)
+    np.testing.assert_array_equal(y.numpy(stream=ref), 2 * x.numpy(stream=ref))
+    graph = dop.foreign(gpu_body, reads=[x], writes=[y, z],
+                        reference=lambda x, y, z: (np.add(x, 1, out=y), np.negative(x, out=z))).graph_on(ref)
+    graph.replay()
+    np.testing.assert_array_equal(z.numpy(stream=ref), -x.numpy(stream=ref))
+    with pytest.raises(dop.LaunchError, match="returned a ndarray"):  # a read is no write
+        dop.foreign(gpu_body, reads=[x], writes=[y], reference=lambda x, y: x).sync_on(ref)
+
+
+def test_deviceop_work_inside_a_reference_is_refused_at_replay_as_eagerly(ref, rng):
+    # eagerly the op's execution refused it; at a replay the reference ran outside any execution
+    # and its deviceop work ran, unrecorded (a GPU replay never calls Python)
+    x, y, other = tensor(rng, 16, ref), dop.empty(16, stream=ref), dop.empty(16, stream=ref)
+
+    def copies_too(xs, ys):
+        ys[...] = xs
+        api.memcpy(other, x).sync_on(ref)
+
+    with pytest.raises(dop.ReentrancyError, match=r"sync_on\(api.memcpy\) was called while "
+                                                  r"sync_on\(dop.foreign\(copies_too\)\) is executing"):
+        dop.foreign(gpu_body, reads=[x], writes=[y], reference=copies_too, name="copies_too").sync_on(ref)
+    graph = dop.foreign(gpu_body, reads=[x], writes=[y], reference=copies_too, name="copies_too").graph_on(ref)
+    for _ in range(2):  # the graph and the stream stay usable
+        with pytest.raises(dop.ReentrancyError, match=r"sync_on\(api.memcpy\) was called while "
+                                                      r"dop.foreign\(copies_too\) is executing"):
+            graph.replay()
+    np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref))
+
+
+def test_names_with_quotes_and_newlines_stay_inside_their_dot_labels(ref, rng):
+    # the reference device's DOT wrote a foreign op's name unescaped: a quote ended the label early
+    # and Graphviz could not read the graph (a GPU's DOT is the driver's, without these names)
+    import re
+    x, y = tensor(rng, 8, ref), dop.empty(8, stream=ref)
+    graph = zip_(dop.foreign(gpu_body, reads=[x], writes=[y], reference=no_op, name='say "hi"\nto C:\\'),
+                 dop.host_callback(lambda: None, name='tick "1"')).graph_on(ref)
+    lines = [line for line in graph.to_dot().splitlines() if "label=" in line]
+    labels = [re.fullmatch(r'  n\d+ \[label="((?:[^"\\]|\\.)*)"\];', line) for line in lines]
+    assert all(labels), lines   # each label one DOT string, escapes and all
+    unescaped = [re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), m.group(1)) for m in labels]
+    assert unescaped == ['GRAPH dop.foreign(say "hi"\nto C:\\)', 'HOST dop.host_callback(tick "1")']
+
+
+def test_graph_node_of_foreign_work_or_a_host_callback_says_it_has_none_not_that_it_was_not_captured(ref, rng):
+    x, y = tensor(rng, 8, ref), dop.empty(8, stream=ref)
+    foreign, tick = dop.foreign(gpu_body, reads=[x], writes=[y], reference=no_op), dop.host_callback(lambda: None)
+    graph = zip_(foreign, tick).graph_on(ref)
+    for op in (foreign, tick):  # both were captured: "was not captured into this graph" sent users looking
+        with pytest.raises(dop.StateError, match=r"has no node graph.node\(\) can give: its work has no parameters "
+                                                 r"deviceop can set.*graph.recapture"):
+            graph.node(op)
+
+
 # -- declarations: ownership, aliasing, arguments (Device(0)) ---------------------------------------
 
 def test_a_shared_write_needs_the_only_handle_like_try_partition(stream):
@@ -231,6 +288,50 @@ def test_what_is_not_a_tensor_or_a_function_is_refused_naming_the_fix(stream):
         dop.foreign(gpu_body, reads={"x": t}, writes={"x": dop.empty(16, stream=stream)})
     with pytest.raises(dop.LaunchError, match="reference= is a function"):
         dop.foreign(gpu_body, writes=[t], reference=np.zeros(3))
+
+
+def test_a_body_reference_or_warmup_that_cannot_take_the_declared_arguments_is_refused_when_built(stream, rng):
+    # a GPU called such a body with the wrong arguments (a raw TypeError) and the reference device,
+    # which never calls it, ran the op: refused when built now, on both devices, naming the call
+    x, y = tensor(rng, 16, stream), dop.empty(16, stream=stream)
+
+    def body(s, x, y):  # pragma: no cover - refused or run on the reference device only
+        pass
+
+    def reference(x, y):
+        y[...] = x
+
+    for given, says in (
+            (dict(body=lambda x, y: None), r"body <lambda>\(x, y\) cannot be called as "
+                                             r"body\(stream, reads\[0\], writes\[0\]\) \(too many positional"),
+            (dict(reference=lambda s, x, y: None), r"reference <lambda>\(s, x, y\) cannot be called as "
+                                                   r"reference\(reads\[0\], writes\[0\]\).*without the stream"),
+            (dict(warmup=lambda s, x: None), r"warmup <lambda>\(s, x\) cannot be called as warmup\(stream, "
+                                             r"reads\[0\], writes\[0\]\)")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the op it was given is dropped, without a never-executed warning
+            copy = api.memcpy(dop.empty(16, stream=stream), x)
+            with pytest.raises(dop.LaunchError, match=says):
+                dop.foreign(**{"body": body, "reference": reference, **given}, reads=[copy], writes=[y])
+            del copy
+            import gc
+            gc.collect()
+    with pytest.raises(dop.LaunchError, match=r"body\(stream, src=\.\.\., dst=\.\.\.\) \(missing a required argument: 'x'\)"):
+        dop.foreign(body, reads={"src": x}, writes={"dst": y}, reference=lambda *, src, dst: None)
+    with pytest.raises(dop.LaunchError, match=r"dop.host_callback\(<lambda>\)'s fn <lambda>\(n\) cannot be called "
+                                              r"as fn\(\).*functools.partial"):
+        dop.host_callback(lambda n: None)
+    async def later(s, x, y):  # pragma: no cover - refused, never called (it would run nothing if it were)
+        pass
+
+    with pytest.raises(dop.LaunchError, match=r"body later is an async function: calling it runs none of its code"):
+        dop.foreign(later, reads=[x], writes=[y], reference=reference)
+    with pytest.raises(dop.LaunchError, match=r"fn later is an async function"):
+        dop.host_callback(later)
+    ref = dop.ReferenceDevice(0).new_stream()  # these fit (the reference runs here; the body would on a GPU)
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    dop.foreign(body, reads=[x], writes=[y], reference=reference, warmup=body).sync_on(ref)
+    np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref))
 
 
 def test_a_foreign_op_never_executed_warns(stream):

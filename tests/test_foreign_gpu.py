@@ -120,6 +120,33 @@ def test_foreign_work_between_kernels_in_one_graph(stream, rng):
                                    atol=1e-3)
 
 
+@pytest.mark.gpu
+def test_a_body_that_returns_its_result_instead_of_writing_it_is_refused(stream, rng):
+    """Eagerly the new array's result was dropped and y kept what it held (the reference device
+    refuses a reference that returns its result); returning the write, as out= does, is fine."""
+    torch = pytest.importorskip("torch")
+    x, w = (dop.from_numpy(rng.standard_normal(s).astype(np.float32), stream=stream) for s in [(M, K), (K, N)])
+    y = dop.empty((M, N), stream=stream)
+
+    def returns_a_new_array(s, x, w, y):
+        with torch.cuda.stream(s.torch):
+            return torch.matmul(torch.from_dlpack(x), torch.from_dlpack(w))
+
+    def returns_its_write(s, x, w, y):
+        with torch.cuda.stream(s.torch):
+            return torch.matmul(torch.from_dlpack(x), torch.from_dlpack(w), out=torch.from_dlpack(y))
+
+    with pytest.raises(dop.LaunchError, match=r"dop.foreign\(returns_a_new_array\)'s body returned a Tensor that is "
+                                              r"none of its writes=.*out=torch.from_dlpack\(y\)"):
+        dop.foreign(returns_a_new_array, reads=[x, w], writes=[y]).sync_on(stream)
+    expected = gemm64(x.numpy(stream=stream), w.numpy(stream=stream))
+    dop.foreign(returns_its_write, reads=[x, w], writes=[y]).sync_on(stream)
+    np.testing.assert_allclose(y.numpy(stream=stream), expected, rtol=1e-3, atol=1e-3)
+    api.memcpy(y, dop.from_numpy(np.full((M, N), np.nan, np.float32), stream=stream)).sync_on(stream)
+    dop.foreign(returns_its_write, reads=[x, w], writes=[y], warmup=True).graph_on(stream).launch().sync_on(stream)
+    np.testing.assert_allclose(y.numpy(stream=stream), expected, rtol=1e-3, atol=1e-3)
+
+
 # -- what a capture cannot record ------------------------------------------------------------------------
 
 def syncs(s, x, y):

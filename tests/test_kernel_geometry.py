@@ -3,6 +3,8 @@ geometry (grid, block, dynamic shared memory, cluster) as shape expressions or a
 Python function, checked against CUDA's limits; and C++ kernels are declared by
 their plain name (the NVRTC name expression is generated).  Runs on Device(0):
 the references here, the CUDA (and so the geometry) on the H100."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -140,6 +142,69 @@ def test_launch_shapes_of_the_wrong_kind_are_refused_naming_the_kernel(stream, r
         by_zero(put(rng, 8, stream), 2.0, 8).sync_on(stream)
 
 
+SCALE_3D = r"""
+extern "C" __global__ void scale_3d(float* x, float a, int n) {   // a thread an element, of any block shape
+    int t = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    int i = blockIdx.x * blockDim.x * blockDim.y * blockDim.z + t;
+    if (i < n) x[i] *= a;
+}
+"""
+
+
+def test_a_block_of_more_than_64_threads_along_z_is_refused_on_both_devices(stream, rng):
+    # 128 threads in all is fine, but CUDA's z axis holds 64 at most: the driver refused it and the
+    # reference device ran it
+    x = put(rng, 256, stream)
+
+    def scale_3d(block):
+        return Kernel("scale_3d", SCALE_3D, scale_inplace.params, grid=(1,), block=block, reference=_scale_ref)
+
+    with pytest.raises(dop.LaunchError, match=r"block \(1, 1, 128\) has 128 threads along z; CUDA allows at most "
+                                              r"64 there \(1024 along x and y\)"):
+        scale_3d((1, 1, 128))(x, 2.0, 256).sync_on(stream)
+    host = x.numpy(stream=stream)
+    scale_3d((2, 2, 64))(x, 2.0, 256).sync_on(stream)  # 64 along z is the limit, and allowed
+    np.testing.assert_allclose(x.numpy(stream=stream), 2.0 * host, rtol=1e-6)
+
+
+def test_a_reference_that_cannot_take_the_kernels_arguments_is_refused_eagerly_and_captured_alike(stream, rng):
+    # it raised a raw TypeError at an eager launch, and only at the first replay when captured: refused
+    # when the kernel is first loaded (before a capture begins), on both devices, after the code's own checks
+    x = put(rng, 256, stream)
+    no_g = Kernel("scale_inplace", SCALE_INPLACE, scale_inplace.params, grid=(1,), reference=lambda x, a, n: None)
+    for run in (lambda op: op.sync_on(stream), lambda op: op.graph_on(stream)):
+        with pytest.raises(dop.LaunchError, match=r"kernel scale_inplace's reference <lambda>\(x, a, n\) cannot be "
+                                                  r"called as reference\(g, x, a, n\).*the generics, then an array"):
+            run(no_g(x, 2.0, 256))
+        assert not stream.is_capturing()
+    saxpy = Kernel.from_binary("saxpy", Path(__file__).parent / "data" / "nvcc" / "saxpy.sm_90.cubin",
+                               [InOut("y", "float32", shape=("n",)), In("x", "float32", shape=("n",)),
+                                Scalar("a", "float32"), Scalar("n", "int32")], grid=(1,), block=256,
+                               reference=lambda g, y, x, a, n, b: None)
+    with pytest.raises(dop.LaunchError, match=r"reference\(g, y, x, a, n\) \(missing a required argument: 'b'\)"):
+        saxpy(put(rng, 256, stream), x, 2.0, 256).sync_on(stream)
+
+
+def test_deviceop_work_inside_a_kernels_reference_is_refused_at_replay_as_eagerly(rng):
+    # eagerly the launch's execution refused it; a replay ran the reference outside any execution,
+    # and the copy inside it ran, unrecorded (a GPU replay never calls the reference)
+    ref = dop.ReferenceDevice(0).new_stream()
+    x, seen = put(rng, 256, ref), dop.empty(256, stream=ref)
+
+    def scale_and_copy(g, xs, a, n):
+        xs *= np.float32(a)
+        dop.api.memcpy(seen, x).sync_on(ref)
+
+    k = Kernel("scale_inplace", SCALE_INPLACE, scale_inplace.params, grid=(1,), block=256, reference=scale_and_copy)
+    with pytest.raises(dop.ReentrancyError, match=r"sync_on\(api.memcpy\) was called while sync_on\(scale_inplace\)"):
+        k(x, 2.0, 256).sync_on(ref)
+    graph = k(x, 2.0, 256).graph_on(ref)
+    with pytest.raises(dop.ReentrancyError, match=r"sync_on\(api.memcpy\) was called while scale_inplace is "
+                                                  r"executing"):
+        graph.replay()
+    dop.api.memcpy(seen, x).sync_on(ref)  # the stream goes on
+
+
 def test_dynamic_shared_memory_past_the_gpus_limit_is_refused_on_both_devices(stream, rng):
     # an H100 (and the sm_90 the reference device stands for) opts a block in to 227 KB at most
     big = Kernel("row_sums", ROW_SUMS, row_sums.params, generics=["W"], grid=("R",), block=32, shared_mem=300000,
@@ -176,6 +241,8 @@ def test_geometry_declarations_are_checked():
         Kernel("k", SCALE_INPLACE, scale_inplace.params)
     with pytest.raises(dop.LaunchError, match=r"kernel k's grid: 1 to 3 dimensions or a function, got \(1, 1, 1, 1\)"):
         Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=(1, 1, 1, 1))
+    with pytest.raises(dop.LaunchError, match=r"parameter y: its tile \[4, 0\] has a 0, and a tile cannot be empty"):
+        Out("y", "float32", shape=("N", "M"), tile=(4, 0))  # no partition has it: no launch could ever match
     with pytest.raises(dop.LaunchError, match=r"kernel k's block: cannot read '32\*'"):
         Kernel("k", SCALE_INPLACE, scale_inplace.params, grid=(1,), block="32*")
 

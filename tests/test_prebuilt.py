@@ -303,7 +303,8 @@ def test_what_tritons_own_launcher_would_set_up_is_refused_naming_foreign(tmp_pa
                                             (None, "is a NoneType, not the dict"),
                                             ({"num_warps": "4"}, "num_warps='4', where Triton writes an int"),
                                             ({"global_scratch_size": None}, "global_scratch_size=None"),
-                                            ({"shared": -1}, "shared=-1"), ({"num_ctas": True}, "num_ctas=True")])
+                                            ({"shared": -1}, "shared=-1"), ({"num_ctas": True}, "num_ctas=True"),
+                                            ({"name": 3}, r"name=3, where Triton writes the kernel's name")])
 def test_metadata_that_triton_did_not_write_is_refused_naming_the_field(tmp_path, metadata, says):
     md = json.loads(TRITON_ENTRY.read_text())
     if isinstance(metadata, dict):

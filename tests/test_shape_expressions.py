@@ -164,6 +164,21 @@ def test_declarations_with_expressions_are_checked():
             Kernel("k", src, params, generics=generics, block=32)
 
 
+def test_numpy_ints_are_dimensions_as_in_a_geometry(stream, rng):
+    # grid=/block= took np.int64 and shape=/tile= refused it ("each dimension ... is an int, got np.int64(8)")
+    n, tile = np.prod([4, 4]), np.int64(8)
+    src = 'extern "C" __global__ void copy16(float* y, const float* x) { int i = blockIdx.x * 8 + threadIdx.x; y[i] = x[i]; }'
+    k = Kernel("copy16", src,
+               [Out("y", "float32", shape=(n,), tile=(tile,)), In("x", "float32", shape=(n,))], block=tile,
+               reference=lambda g, y, x: y.__setitem__(..., x))
+    assert k.params[0].shape == (16,) and type(k.params[0].shape[0]) is int
+    x, y = dop.from_numpy(rng.standard_normal(16).astype(np.float32), stream=stream), dop.empty(16, stream=stream)
+    k(y.partition([8]), x).sync_on(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))
+    with pytest.raises(dop.LaunchError, match=r"got True in \(True,\)"):  # a bool is still no size
+        Out("y", "float32", shape=(True,))
+
+
 def test_a_type_generic_in_an_expression_and_a_division_by_zero_are_refused(stream):
     src = "template <typename T, int D> __global__ void typed(float* y) {}"
     typed = Kernel("typed", src, [Out("y", "float32", shape=("T*2",), tile=("16//D",))], generics=["T", "D"],

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import CaptureError, CudaError, GraphUpdateError, LaunchError, StateError
 from ..execution import SCOPE, _running, executing_now, refuse_reentry
+from ..foreign import ForeignOp, HostCallback
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
 from ..runtime.device import placed
 from ..runtime.stream import ProcessHandle, capturing, refuse_if_captured_elsewhere
@@ -182,6 +183,10 @@ class CudaGraph(ProcessHandle):
             if isinstance(launch, DeviceOp):
                 launch.discard()  # the error says it was never captured; no warning on top
             what = launch.describe() if isinstance(launch, DeviceOp) else type(launch).__name__
+            if isinstance(launch, (ForeignOp, HostCallback)):  # (captured or not: "not captured" misled)
+                raise StateError(f"{what} has no node graph.node() can give: its work has no parameters deviceop "
+                                 "can set (it sees only a child graph or a host function); capture it again "
+                                 "(graph.recapture) to change what it does")
             raise StateError(f"{what} was not captured into this graph: pass the op itself (a kernel launch, "
                              "api.memcpy or api.fill: the one that was executed), e.g. keep it in a variable "
                              "before composing")

@@ -43,6 +43,8 @@ from pathlib import Path
 
 from ..compile import compile_cubin, normalize_arch
 from ..errors import CompileError, CudaError, LaunchError
+from ..execution import as_an_execution
+from ..foreign import refuse_uncallable
 from ..op import DeviceOp
 from ..runtime.device import default_arch, device_key
 from ..runtime.launch import LaunchConfig, check_param_layout, ptr
@@ -300,12 +302,19 @@ class Kernel:
                     prog, expr = self._program(device, values)
                     self._check_program(prog, expr, layout=False)  # the layout is the loader's to check
                     try:
-                        fn = device.load_function(prog, expr, self.signature, self.reference,
+                        reference = None if self.reference is None else as_an_execution(self.name, self.reference)
+                        fn = device.load_function(prog, expr, self.signature, reference,
                                                   dict(zip(self.generic_names, values)))
                     except CudaError as exc:
                         if self.binary is None:
                             raise
                         raise prebuilt.load_error(self, exc) from None
+                    if self.reference is not None:  # after the layout: a declaration the code disagrees with
+                        # says so first; else a raw TypeError at a launch, or at the first replay when captured
+                        refuse_uncallable(f"kernel {self.name}", "reference", self.reference,
+                                          ["g", *(p.name for p in self.params)], [],
+                                          "a kernel's reference is reference(g, *args): the generics, then an array "
+                                          "or value for each parameter, in the kernel's order")
                     written = getattr(fn, "declare_written", None)  # the reference device's functions ask
                     if written is not None:
                         written(tuple(i for i, p in enumerate(self.params) if p.writes))

@@ -94,9 +94,13 @@ def triton_kernel(cls, compiled, params, *, name=None, grid=None, **kw):
     label = f"Triton kernel {name or md.get('name')}"
     target = md.get("target") or {}
     backend = target.get("backend") if isinstance(target, dict) else getattr(target, "backend", None)
-    if md.get("backend_name", backend) not in (None, "cuda") or not isinstance(md.get("name"), str):
+    if md.get("backend_name", backend) not in (None, "cuda"):
         raise LaunchError(f"{label}: {origin} is not a Triton kernel compiled for CUDA (backend "
                           f"{md.get('backend_name', backend)!r}); compile it for an NVIDIA GPU")
+    if not isinstance(md.get("name"), str) or not md["name"]:  # (it said "backend 'cuda'": not what was wrong)
+        raise LaunchError(f"{label}: {origin}'s metadata has name={md.get('name')!r}, where Triton writes the "
+                          "kernel's name (a str): the metadata is not what Triton wrote; pass the CompiledKernel, or "
+                          "its cache entry's .json unchanged")
     for field, default in _TRITON_INTS.items():  # what the checks and the geometry below read, as Triton writes it
         v = md.get(field, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:

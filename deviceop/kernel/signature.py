@@ -78,6 +78,8 @@ def _dims(name: str, what: str, dims) -> tuple | None:
     for d in tuple(dims):
         if isinstance(d, str):
             d = parse(d, f"parameter {name}'s {what}")
+        elif isinstance(d, np.integer):  # a size NumPy computed (np.prod, an array's len): an int, as in a geometry
+            d = int(d)
         if not isinstance(d, (str, Expr)) and not (type(d) is int and d >= -1):
             raise LaunchError(f"parameter {name}: each dimension of its {what} is an int, -1 (any), the name "
                               f"of a generic or size, or arithmetic on them ({GRAMMAR}), got {d!r} in {tuple(dims)}")
@@ -90,6 +92,9 @@ def _tensor_param(name: str, role: str, dtype, rank, layout, shape=None, tile=No
         raise LaunchError(f"parameter {name}: layout must be one of {', '.join(map(repr, LAYOUTS))}, "
                           f"got {layout!r}")
     shape, tile = _dims(name, "shape", shape), _dims(name, "tile", tile)
+    if tile is not None and 0 in tile:  # a size may be 0; a tile never is (tensor.partition refuses it)
+        raise LaunchError(f"parameter {name}: its tile {_dims_text(tile)} has a 0, and a tile cannot be empty: "
+                          "give each tile axis a positive size, a name or an expression (-1: any)")
     for dims in (shape, tile):
         if dims is not None:
             if rank is not None and rank != len(dims):

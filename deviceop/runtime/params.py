@@ -104,6 +104,9 @@ class LaunchConfig:
         threads = self.block[0] * self.block[1] * self.block[2]
         if threads > 1024:
             raise LaunchError(f"block {block} has {threads} threads; CUDA allows at most 1024 per block")
+        if self.block[2] > 64:  # the driver refuses it (CUDA_ERROR_INVALID_VALUE): refused here on every device
+            raise LaunchError(f"block {block} has {self.block[2]} threads along z; CUDA allows at most 64 there "
+                              "(1024 along x and y): make x or y the long axis")
         if self.grid[1] > 65535 or self.grid[2] > 65535 or self.grid[0] > 2**31 - 1:
             raise LaunchError(f"grid {grid} exceeds CUDA's limits (x < 2^31, y and z <= 65535)")
         try:

@@ -19,7 +19,7 @@ import weakref
 
 import numpy as np
 
-from ..dtypes import host_array_from_dlpack
+from ..dtypes import host_array_from_dlpack, host_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, refcache
 from .device import CTX_SYNC, Device
@@ -190,7 +190,7 @@ class ReferenceDevice(Device):
             raise StateError(f"the reference device's memory is host memory: DLPack's stream={consumer!r} "
                              "names a CUDA stream; leave stream=None")
         refcache.disown(array)  # the consumer may write it unseen
-        return array.__dlpack__(**kwargs)
+        return host_dlpack(array, kwargs)  # (NumPy alone refuses bfloat16)
 
     @staticmethod
     def import_cuda_array(obj):
@@ -399,8 +399,8 @@ class ReferenceForeign:
                               "too) in writes=") from exc
         if out is not None:
             raise LaunchError(f"the reference of {self.label} returned a {type(out).__name__}; a reference writes "
-                              "its results into the write arrays it is given (e.g. out[...] = x @ w) and "
-                              "returns nothing")
+                              "its results into the write arrays it is given (e.g. out[...] = x @ w) and returns "
+                              "nothing, or those arrays (as np.matmul(x, w, out=out) returns out)")
 
 
 # -- kernels: the NumPy reference behind a Function's interface --------------------------

@@ -391,5 +391,10 @@ class TapeGraphs:
     def dot(graph, verbose: bool) -> str:
         nodes = TapeGraphs.nodes(graph)
         return "digraph deviceop_reference {\n" + "".join(
-            f'  n{i} [label="{n["type"]} {n.get("name", "")}"];\n' for i, n in enumerate(nodes)) + "".join(
+            f'  n{i} [label="{_quoted(n["type"] + " " + n.get("name", ""))}"];\n' for i, n in enumerate(nodes)) + "".join(
             f"  n{i} -> n{j};\n" for i, j, _ in TapeGraphs.edges(graph)) + "}\n"
+
+
+def _quoted(label: str) -> str:
+    """``label`` inside a DOT string: a foreign op's or host callback's name may hold quotes and newlines."""
+    return label.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
