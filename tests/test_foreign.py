@@ -459,3 +459,17 @@ def test_deviceop_work_inside_a_host_callback_is_refused_at_every_replay(stream,
         ticking.replay()
         ticking.launch().sync_on(stream)
     assert ticks == [0, 1]
+
+
+@pytest.mark.parametrize("name", ["ptr", "handle", "torch", "cupy", "__cuda_stream__"])
+def test_a_reference_streams_cuda_handles_are_refused_naming_the_device(name):
+    # What only a CUDA stream has (what a foreign body hands its libraries) is a NoDeviceError on the
+    # reference device, not a raw AttributeError; hasattr() still reads it as missing, so code that
+    # probes a stream (cuda.core's __cuda_stream__ protocol, getattr(s, "ptr", None)) goes on working.
+    stream = dop.ReferenceDevice().default_stream()  # also where a GPU is there
+    with pytest.raises(dop.NoDeviceError, match="reference device, which has no CUDA stream"):
+        getattr(stream, name)
+    assert not hasattr(stream, name) and getattr(stream, name, None) is None
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'") as info:
+        stream.no_such_thing
+    assert not isinstance(info.value, dop.NoDeviceError)

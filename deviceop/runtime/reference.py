@@ -25,7 +25,7 @@ from . import driver, refcache
 from .device import CTX_SYNC, Device
 from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, Tape, TapeGraphs
 from .params import ParamLayout, check_param_layout
-from .stream import _CAPTURED_EVENT, _CLOSED, ProcessHandle, Stream, closed_stream, sync_in_capture
+from .stream import _CAPTURED_EVENT, _CLOSED, ProcessHandle, Stream, closed_stream, no_cuda_stream, sync_in_capture
 
 _announced = False
 
@@ -255,6 +255,7 @@ class ReferenceStream(Stream):
 
     It refuses what a CUDA stream refuses: a host sync (``synchronize``,
     ``query``) while it captures, and any work once closed."""
+    __getattr__ = no_cuda_stream  # .ptr, .torch, .cupy, __cuda_stream__: a NoDeviceError naming why
 
     def __init__(self, device):
         self.device = device

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 from cuda.bindings import driver as cu
 
-from ..errors import CaptureError, CaptureSyncError, LaunchError, StateError
+from ..errors import CaptureError, CaptureSyncError, LaunchError, NoDeviceError, StateError
 from .driver import check, error_name, raise_error
 
 _NON_BLOCKING = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
@@ -123,11 +123,30 @@ class ProcessHandle:
                          "op.graph_on(stream))")
 
 
+class _NoCudaStream(NoDeviceError, AttributeError):
+    """A NoDeviceError that hasattr() and getattr(..., default) still read as a missing attribute."""
+
+
+# What only a CUDA stream has: the reference device's streams refuse them, naming why
+_CUDA_ONLY = frozenset({"ptr", "handle", "torch", "cupy", "__cuda_stream__"})
+
+
+def no_cuda_stream(stream, name: str):
+    """A host-only stream's ``__getattr__`` (reached only where the attribute is missing): what
+    only a CUDA stream has is refused naming why, and hasattr() still reads it as missing."""
+    if name in _CUDA_ONLY:
+        raise _NoCudaStream(f"stream.{name}: this is a stream of the reference device, which has no CUDA "
+                            "stream (its work runs on the host); another library's GPU work needs a GPU: run "
+                            "it there (scripts/gpu-check), and give dop.foreign a reference= for this device")
+    raise AttributeError(f"{type(stream).__name__!r} object has no attribute {name!r}")
+
+
 class Stream(ProcessHandle):
     """Base of :class:`CudaStream` and the reference device's ``ReferenceStream``."""
 
     device = None
     is_legacy = False
+
 
     def synchronize(self) -> None:
         raise NotImplementedError
