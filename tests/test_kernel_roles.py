@@ -248,3 +248,28 @@ def test_the_scalars_a_kernel_takes_are_the_sizes_its_shapes_name(stream, rng):
     with pytest.raises(dop.ShapeError, match=r"reference_gemm<K=8>: argument A has shape \[32, 16\], but its axis 1 "
                                              r"is K: 8 from the scalar argument K, 16 here; pass K=16"):
         reference_gemm(32, 32, 8, 1.0, a, 16, b, 32, 0.0, cm.partition([16, 16]), 32).generics([16]).sync_on(stream)
+
+
+def test_parameters_can_be_passed_by_their_declared_names(stream, rng):
+    # llm.c's argument order is easy to get wrong by position: by name it reads as the C signature
+    n, c = 32, 48
+    inp, weight, bias = put(rng, (n, c), stream), put(rng, c, stream), put(rng, c, stream)
+    outs = [(dop.empty((n, c), stream=stream), dop.empty(n, stream=stream), dop.empty(n, stream=stream))
+            for _ in range(2)]
+    (o1, m1, r1), (o2, m2, r2) = outs
+    layernorm(o1.partition([32, c]), m1.partition([32]), r1.partition([32]), inp, weight, bias, n, c).sync_on(stream)
+    layernorm(o2.partition([32, c]), m2.partition([32]), r2.partition([32]),  # the rest by name, in any order
+              C=c, N=n, bias=bias, weight=weight, inp=inp).sync_on(stream)
+    for a, b in ((o1, o2), (m1, m2), (r1, r2)):
+        np.testing.assert_array_equal(a.numpy(stream=stream), b.numpy(stream=stream))
+    before = m2.numpy(stream=stream)
+
+    def outputs():
+        return o2.partition([32, c]), m2.partition([32]), r2.partition([32])
+    with pytest.raises(dop.LaunchError, match="no parameter 'bogus'"):
+        layernorm(*outputs(), inp, weight, bias, n, c, bogus=1)
+    with pytest.raises(dop.LaunchError, match="'N' given twice"):
+        layernorm(*outputs(), inp, weight, bias, n, c, N=n)
+    with pytest.raises(dop.LaunchError, match="'bias' missing"):
+        layernorm(*outputs(), inp=inp, weight=weight, N=n, C=c)
+    np.testing.assert_array_equal(m2.numpy(stream=stream), before)  # nothing ran

@@ -235,7 +235,9 @@ class Kernel:
         return prebuilt.triton_kernel(cls, compiled, params, name=name, grid=grid, reference=reference,
                                       validate=validate, limits=limits)
 
-    def __call__(self, *args) -> "KernelLaunch":
+    def __call__(self, *args, **by_name) -> "KernelLaunch":
+        if by_name:  # add(x=a, y=b, out=p): the parameters by their declared names
+            args = self._bind_names(args, by_name)
         if len(args) != len(self.params):
             return KernelLaunch(self, args, ())  # raises, naming the parameters
         dynamic = tuple([i for i, a in enumerate(args) if isinstance(a, DeviceOp)])
@@ -243,6 +245,18 @@ class Kernel:
         if cls is None:
             cls = self._launch_types.setdefault(dynamic, _fast_launch_type(self, dynamic))
         return cls(self, args, dynamic)
+
+    def _bind_names(self, args: tuple, by_name: dict) -> tuple:
+        """``args`` then ``by_name``'s values, in the declared order; a name unknown, given twice
+        or left out is a LaunchError that shows the signature."""
+        names = [p.name for p in self.params]
+        wrong = ([f"no parameter {n!r}" for n in by_name if n not in names]
+                 + [f"{n!r} given twice (by position and by name)" for n in names[:len(args)] if n in by_name]
+                 + [f"{n!r} missing" for n in names[len(args):] if n not in by_name])
+        if wrong:
+            raise LaunchError(f"{self.name}({', '.join(names)}) called with {', '.join(wrong)}: pass each "
+                              f"parameter once, by position or by name ({self!r})")
+        return args + tuple(by_name[n] for n in names[len(args):])
 
     def __repr__(self) -> str:
         gen = f"<{', '.join(self.generic_names)}>" if self.generic_names else ""
