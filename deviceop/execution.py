@@ -50,10 +50,11 @@ class BodyGuard:
     loop's (``outer``).  Ops a ``then`` returns in the body are checked by ``check_op``,
     and each write as it happens by ``check`` (kernel launches, copies, nested loops)."""
 
-    __slots__ = ("label", "entries")
+    __slots__ = ("label", "entries", "mark")
 
     def __init__(self, label: str, borrowed=(), outer: "BodyGuard | None" = None):
         self.label = label
+        self.mark = None  # births_mark() when the body function was last called (graph/loops.py sets it)
         mine = tuple((t, label, whose) for t, whose in borrowed if t is not None)
         self.entries = mine + (outer.entries if outer is not None else ())
 
@@ -338,10 +339,11 @@ class _SharedCore:
     A context belongs to one thread (executions are non-reentrant, and a
     capture scope records only from the thread that opened it)."""
 
-    __slots__ = ("op", "done", "failed", "result", "claims", "error")
+    __slots__ = ("op", "done", "failed", "result", "claims", "error", "born")
 
     def __init__(self, op):
         self.op, self.done, self.failed, self.result, self.claims = op, False, False, None, []
+        self.born = next(BIRTHS)  # when .shared() made it: a branch tells a cell made before its function ran
         self.error = None  # what the op raised when it failed: every other consumer's error is chained to it
 
     def wake(self) -> None:

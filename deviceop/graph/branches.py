@@ -36,10 +36,11 @@ from __future__ import annotations
 from ..compile import compile_cubin
 from ..errors import CapabilityError, GraphSafetyError, LaunchError
 from ..foreign import refuse_host_nodes
-from ..op import DeviceOp, ExecutionContext, value
+from ..execution import births_mark, walk
+from ..op import DeviceOp, ExecutionContext, SharedOp, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
-from .loops import _body_builder, _int32_cell, built_op, refuse_cells_elsewhere
+from .loops import _body_builder, _int32_cell, built_op, refuse_cells_elsewhere, refuse_prebuilt
 
 _SELECT_SOURCE = r"""
 // Declared as cuda_device_runtime_api.h does (see loops.py).
@@ -90,6 +91,35 @@ def _branch_builders(fns, names) -> list:
     return list(fns)
 
 
+def refuse_shared_made_before(op: DeviceOp, mark: int, what: str) -> None:
+    """Refuse a branch holding a shared op made before its function was called and not run
+    yet: captured, it would run only at the replays that take this branch, while its other
+    clones (after the branch, in another branch) take its result as computed; eagerly they
+    compute it whenever the branch is not taken, so the two modes would part."""
+    for o in walk(op):
+        if type(o) is SharedOp and not o.core.done and o.core.born < mark:
+            raise LaunchError(f"{what} holds {o.describe()}, a shared op made before the branch function was called "
+                              "and not run yet: captured, it would run only at the replays that take this branch, "
+                              "while its clones elsewhere take its result as computed. Run it before the branch (its "
+                              "clones are then values), or build the op inside the branch function")
+
+
+def refuse_op_in_two_branches(ops, label: str) -> None:
+    """Refuse one op held by two branches (``[lambda: op] * 2``): captured, every branch is
+    recorded, and an op is recorded once (eagerly only the branch taken runs it, so only a
+    capture finds this)."""
+    held = {}
+    for i, op in enumerate(ops):
+        for o in walk(op):
+            if type(o) is SharedOp and o.core.done:  # a value: any branch may hand it on
+                continue
+            j = held.setdefault(id(o), i)
+            if j != i:
+                raise LaunchError(f"branches {j} and {i} of {label} both hold {o.describe()}: captured, every branch "
+                                  "is recorded and an op runs (is recorded) once. Build it in each branch function "
+                                  "(e.g. [lambda: kernel(...), lambda: kernel(...)], not [lambda: op] * 2)")
+
+
 class _Branches(DeviceOp):
     """The machinery of ``if_`` and ``switch``: a host branch eagerly, a conditional
     node when captured, a tape branch on the reference device."""
@@ -119,15 +149,24 @@ class _Branches(DeviceOp):
         _select_function(stream.device).launch(stream, _ONE_THREAD, int(handle), self.value, int(self._is_if),
                                                int(which < 0), max(which, 0))
 
-    def _build(self, i: int, capture=None) -> DeviceOp:
-        op = built_op(self._builders[i](), f"branch {i} of {self._label}")
+    def _build(self, i: int, guard, capture=None) -> DeviceOp:
+        what = f"branch {i} of {self._label}"
+        mark = births_mark()
+        op = built_op(self._builders[i](), what)
         capturing = capture is not None
-        bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
-        if bad is not None:
-            where = "captured" if capturing else "run"
-            raise GraphSafetyError(f"branch {i} of {self._label} contains {bad.describe()}, which allocates or "
-                                   f"synchronizes; a branch may only launch kernels, copy and fill (it is {where} "
-                                   "as the body of a conditional graph node): allocate before and pass buffers in")
+        try:
+            if guard is not None and guard.mark is not None:  # in a loop's body: built at every iteration
+                refuse_prebuilt(op, guard.mark, f"{guard.label} ({what})")
+            refuse_shared_made_before(op, mark, what)
+            bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
+            if bad is not None:
+                where = "captured" if capturing else "run"
+                raise GraphSafetyError(f"{what} contains {bad.describe()}, which allocates or synchronizes; a branch "
+                                       f"may only launch kernels, copy and fill (it is {where} as the body of a "
+                                       "conditional graph node): allocate before and pass buffers in")
+        except BaseException:
+            op.discard()  # refused, so it never runs: the error says so, not a warning on top
+            raise
         return op
 
     def _execute(self, ctx: ExecutionContext):
@@ -135,7 +174,7 @@ class _Branches(DeviceOp):
         if ctx.capture is None:
             chosen = self._pick(int(self.value.numpy(stream=ctx.stream).flat[0]))  # eagerly the host reads it once
             if chosen is not None:
-                self._build(chosen)._run(ctx)
+                self._build(chosen, ctx.guard)._run(ctx)
             return None
         supported, why = ctx.device.conditional_nodes()
         if not supported:
@@ -147,8 +186,9 @@ class _Branches(DeviceOp):
         ops = []  # every branch built and checked before the GPU adds the conditional node(s)
         try:
             for i in range(len(self._builders)):
-                ops.append(self._build(i, capture))
+                ops.append(self._build(i, ctx.guard, capture))
                 refuse_host_nodes(ops[-1], self._label)
+            refuse_op_in_two_branches(ops, self._label)
             ctx.device.graphs.capture_branches(
                 ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
                 self._launch_select, self._host_select,

@@ -206,7 +206,7 @@ class _Loop(DeviceOp):
     def _build_body(self, guard, capture=None) -> DeviceOp:
         """The body op, checked by ``guard`` (BodyGuard.check_op); ``capture``: the capture
         it is recorded into (which notes the ops it runs, to hand them back if it fails)."""
-        mark = births_mark()
+        mark = guard.mark = births_mark()  # (a branch in the body refuses what was built before it too)
         op = built_op(self._body(*self._body_args()), f"the body of {self._label}")
         try:
             refuse_prebuilt(op, mark, self._label)

@@ -314,10 +314,15 @@ class TapeGraphs:
 
     @staticmethod
     def clone(graph, exec_, handles) -> tuple:
-        """runtime/graphs.py's ``clone``: a copy of the tape ``exec_`` (what it runs now)."""
+        """runtime/graphs.py's ``clone``: a copy of the tape ``graph`` (the definition of the work
+        ``exec_`` does: ``exec_`` itself, or the recapture it was updated to) and the copies of
+        ``handles``, steps of ``graph``.  As on a GPU, node updates made since on ``exec_`` alone
+        are not in the copy (graph/child.py writes them), and as cuGraphNodeFindInClone, only
+        the graph's own steps are found: one in a loop's or branch's body is None."""
         copies = {}
-        copy = copy_tape(exec_, copies)
-        return copy, [None if h is None else copies[id(h)] for h in handles]
+        copy = copy_tape(graph, copies)
+        mine = {id(s) for s in graph}
+        return copy, [copies[id(h)] if h is not None and id(h) in mine else None for h in handles]
 
     @staticmethod
     def add_child(stream, source, label: str):
