@@ -164,3 +164,26 @@ def test_the_outer_copy_of_a_node_in_a_branch_body_of_a_child_is_refused_on_both
         outer.node(built[0]).set(alpha=4.0)
     outer.replay()
     np.testing.assert_allclose(read(y, stream), 2 * read(x, stream), rtol=1e-6)
+
+
+# -- reentrancy from branch functions ---------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["branch", "then"])
+def test_a_graph_closed_by_its_own_recapture_is_refused_and_its_ops_handed_back(stream, rng, where):
+    # A branch function (or a then callback) closing the graph whose recapture runs it: the
+    # update then met no executable graph (a raw TypeError on the reference device).
+    x, y = upload(rng, stream), dop.empty([D], stream=stream)
+    graph = scaled(y, x, 2.0).graph_on(stream)
+    built = []
+
+    def build():
+        graph.close()
+        built.append(scaled(y, x, 3.0))
+        return built[-1]
+
+    op = dop.if_(cell(1, stream), build) if where == "branch" else dop.value(0).then(lambda _: build())
+    with pytest.raises(dop.StateError, match="closed while recapture"):
+        graph.recapture(op)
+    assert not stream.is_capturing()
+    built[0].sync_on(stream)  # handed back: it never ran
+    np.testing.assert_allclose(read(y, stream), 3 * read(x, stream), rtol=1e-6)
