@@ -187,3 +187,52 @@ def test_a_graph_closed_by_its_own_recapture_is_refused_and_its_ops_handed_back(
     assert not stream.is_capturing()
     built[0].sync_on(stream)  # handed back: it never ran
     np.testing.assert_allclose(read(y, stream), 3 * read(x, stream), rtol=1e-6)
+
+
+# -- what a then callback returns in a body or branch -----------------------------------------
+
+@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("shape", ["loop", "while_", "branch in loop"])
+def test_a_then_in_a_loop_body_returning_an_op_built_before_the_body_is_refused(stream, captured, shape):
+    # The op a then returns is not in the body's tree, so the body check did not see it: eagerly
+    # the second iteration failed half-way ("already executed"), captured it ran every iteration.
+    count, i, on = cell(0, stream), cell(0, stream), cell(1, stream)
+    early = tick(count)
+    late = lambda: dop.value(0).then(lambda _: early)  # noqa: E731
+    if shape == "loop":
+        op = dop.loop(3, i, lambda i: late())
+    elif shape == "while_":  # (the body ends the loop after one iteration, whatever it holds)
+        op = dop.while_(on, lambda: dop.zip_(api.fill(on, 0), late()))
+    else:
+        op = dop.loop(3, i, lambda i: dop.if_(on, late))
+    with pytest.raises(dop.LaunchError, match=r"the body of (loop\(3\)|while_).* holds tick, built before"):
+        run(op, stream, captured)
+    assert not stream.is_capturing()
+    assert read(count, stream)[0] == 0
+    dop.loop(3, i, lambda i: dop.value(0).then(lambda _: tick(count))).sync_on(stream)  # built in the then: fine
+    assert read(count, stream)[0] == 3
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_then_in_a_branch_returning_a_shared_op_made_before_it_is_refused(stream, rng, captured):
+    x, y, z = upload(rng, stream), dop.empty([D], stream=stream), dop.empty([D], stream=stream)
+    early = scaled(y, x, 2.0).shared()
+    op = dop.zip_(dop.if_(cell(1, stream), lambda: dop.value(0).then(lambda _: early.clone())),
+                  early.clone().then(lambda _: scaled(z, y, 3.0)))
+    with pytest.raises(dop.LaunchError, match="branch 0 of if_ holds shared.*made before the branch function"):
+        run(op, stream, captured)
+    assert not stream.is_capturing()
+
+
+def test_a_then_in_an_eager_branch_returning_an_allocation_is_refused_as_captured(stream, rng):
+    # A branch may not allocate, eagerly and captured (docs/loops.md); what a then returned in an
+    # eager branch escaped that check (captured, the capture refused it).
+    x = upload(rng, stream)
+    for captured in (False, True):
+        op = dop.if_(cell(1, stream), lambda: dop.value(0).then(lambda _: api.zeros([D])))
+        with pytest.raises(dop.GraphSafetyError):
+            run(op, stream, captured)
+        assert not stream.is_capturing()
+    y = dop.empty([D], stream=stream)
+    dop.if_(cell(1, stream), lambda: dop.value(0).then(lambda _: scaled(y, x, 2.0))).sync_on(stream)
+    np.testing.assert_allclose(read(y, stream), 2 * read(x, stream), rtol=1e-6)

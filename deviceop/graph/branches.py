@@ -36,11 +36,12 @@ from __future__ import annotations
 from ..compile import compile_cubin
 from ..errors import CapabilityError, GraphSafetyError, LaunchError
 from ..foreign import refuse_host_nodes
+from ..bodies import BodyGuard
 from ..execution import births_mark, walk
 from ..op import DeviceOp, ExecutionContext, SharedOp, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
-from .loops import _body_builder, _int32_cell, built_op, refuse_cells_elsewhere, refuse_prebuilt
+from .loops import _body_builder, _int32_cell, built_op, refuse_cells_elsewhere
 
 _SELECT_SOURCE = r"""
 // Declared as cuda_device_runtime_api.h does (see loops.py).
@@ -91,19 +92,6 @@ def _branch_builders(fns, names) -> list:
     return list(fns)
 
 
-def refuse_shared_made_before(op: DeviceOp, mark: int, what: str) -> None:
-    """Refuse a branch holding a shared op made before its function was called and not run
-    yet: captured, it would run only at the replays that take this branch, while its other
-    clones (after the branch, in another branch) take its result as computed; eagerly they
-    compute it whenever the branch is not taken, so the two modes would part."""
-    for o in walk(op):
-        if type(o) is SharedOp and not o.core.done and o.core.born < mark:
-            raise LaunchError(f"{what} holds {o.describe()}, a shared op made before the branch function was called "
-                              "and not run yet: captured, it would run only at the replays that take this branch, "
-                              "while its clones elsewhere take its result as computed. Run it before the branch (its "
-                              "clones are then values), or build the op inside the branch function")
-
-
 def refuse_op_in_two_branches(ops, label: str) -> None:
     """Refuse one op held by two branches (``[lambda: op] * 2``): captured, every branch is
     recorded, and an op is recorded once (eagerly only the branch taken runs it, so only a
@@ -149,15 +137,18 @@ class _Branches(DeviceOp):
         _select_function(stream.device).launch(stream, _ONE_THREAD, int(handle), self.value, int(self._is_if),
                                                int(which < 0), max(which, 0))
 
-    def _build(self, i: int, guard, capture=None) -> DeviceOp:
+    def _build(self, i: int, outer, capture=None) -> tuple:
+        """Branch i's op, checked, and the BodyGuard it runs under (``outer``: the enclosing
+        loop's or branch's, or None): what a ``then`` in it returns is checked as the op is."""
         what = f"branch {i} of {self._label}"
-        mark = births_mark()
+        guard = BodyGuard(what, (), outer)
+        guard.branch_mark, guard.branch_label = births_mark(), what
+        if guard.mark is not None:  # in a loop's body: built at every iteration
+            guard.mark_label = f"{guard.mark_label} ({what})"
         op = built_op(self._builders[i](), what)
         capturing = capture is not None
         try:
-            if guard is not None and guard.mark is not None:  # in a loop's body: built at every iteration
-                refuse_prebuilt(op, guard.mark, f"{guard.label} ({what})")
-            refuse_shared_made_before(op, mark, what)
+            guard.check_built_before(op)
             bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
             if bad is not None:
                 where = "captured" if capturing else "run"
@@ -167,14 +158,15 @@ class _Branches(DeviceOp):
         except BaseException:
             op.discard()  # refused, so it never runs: the error says so, not a warning on top
             raise
-        return op
+        return op, guard
 
     def _execute(self, ctx: ExecutionContext):
         refuse_cells_elsewhere(ctx, (self.value,), self._label)
         if ctx.capture is None:
             chosen = self._pick(int(self.value.numpy(stream=ctx.stream).flat[0]))  # eagerly the host reads it once
             if chosen is not None:
-                self._build(chosen, ctx.guard)._run(ctx)
+                op, guard = self._build(chosen, ctx.guard)
+                op._run(ExecutionContext(ctx.stream, None, guard))
             return None
         supported, why = ctx.device.conditional_nodes()
         if not supported:
@@ -183,16 +175,18 @@ class _Branches(DeviceOp):
                                   "12.4 or newer")
         several = ctx.device.conditional_branches()[0]
         capture = ctx.capture
-        ops = []  # every branch built and checked before the GPU adds the conditional node(s)
+        ops, guards = [], []  # every branch built and checked before the GPU adds the conditional node(s)
         try:
             for i in range(len(self._builders)):
-                ops.append(self._build(i, ctx.guard, capture))
-                refuse_host_nodes(ops[-1], self._label)
+                op, guard = self._build(i, ctx.guard, capture)
+                ops.append(op)
+                guards.append(guard)
+                refuse_host_nodes(op, self._label)
             refuse_op_in_two_branches(ops, self._label)
             ctx.device.graphs.capture_branches(
                 ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
                 self._launch_select, self._host_select,
-                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, ctx.guard, self._label)))
+                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, guards[i], self._label)))
         except BaseException:
             for op in ops:
                 op.discard()  # refused (or failed) with an error that says so
