@@ -236,3 +236,25 @@ def test_a_then_in_an_eager_branch_returning_an_allocation_is_refused_as_capture
     y = dop.empty([D], stream=stream)
     dop.if_(cell(1, stream), lambda: dop.value(0).then(lambda _: scaled(y, x, 2.0))).sync_on(stream)
     np.testing.assert_allclose(read(y, stream), 2 * read(x, stream), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["switch", "while_"])
+def test_a_scope_going_on_after_a_branch_or_loop_body_failed_mid_capture_fails_on_both_devices(stream, rng, shape):
+    # A GPU adds the conditional node before capturing into its bodies, so a body that fails has
+    # changed the capture: the scope cannot end well (CaptureError).  The reference device
+    # recorded the step after its bodies, and the scope went on to a graph without it.
+    x, y = upload(rng, stream), dop.empty([D], stream=stream)
+
+    def boom(_):
+        raise RuntimeError("fails as the body runs")
+
+    late = lambda: dop.value(0).then(boom)  # noqa: E731
+    op = dop.switch(cell(1, stream), [lambda: dop.zip_(), late]) if shape == "switch" else \
+        dop.while_(cell(1, stream), late)
+    with pytest.raises(dop.CaptureError, match="after recording part of its work"):
+        with dop.CudaGraph.scope(stream) as s:
+            s.record(scaled(y, x, 2.0))
+            with pytest.raises(RuntimeError):
+                s.record(op)
+            s.record(scaled(y, x, 3.0))
+    assert not stream.is_capturing()

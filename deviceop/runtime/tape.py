@@ -372,14 +372,20 @@ class TapeGraphs:
             body, _ = body_stream._end_capture()
         return body
 
+    # The step is recorded before its bodies are, as a GPU adds the conditional node before capturing
+    # into its bodies: a body that fails leaves the capture changed (a scope that goes on is broken).
     def capture_while(self, stream, label: str, launch_control, host_control, run_body) -> None:
-        stream._run(While(label, host_control, self._capture_body(stream, run_body)))
+        step = While(label, host_control, Tape())
+        stream._run(step)
+        step.body = self._capture_body(stream, run_body)
 
     def capture_branches(self, stream, label: str, kind: str, count: int, several: bool, launch_select,
                          host_select, run_branch) -> None:
         """runtime/graphs.py's ``capture_branches``: one step whose ``host_select()`` picks the body."""
-        bodies = [self._capture_body(stream, lambda s, i=i: run_branch(i, s)) for i in range(count)]
-        stream._run(Branch(label, host_select, bodies))
+        step = Branch(label, host_select, [])
+        stream._run(step)
+        for i in range(count):
+            step.bodies.append(self._capture_body(stream, lambda s, i=i: run_branch(i, s)))
 
     @staticmethod
     def nodes(graph) -> list[dict]:
