@@ -9,7 +9,7 @@ import threading
 import warnings
 from threading import get_ident
 
-from .errors import GraphSafetyError, LaunchError, OwnershipError, ReentrancyError, StateError, UnexecutedOpWarning
+from .errors import LaunchError, ReentrancyError, StateError, UnexecutedOpWarning
 from .runtime.stream import captured_elsewhere, capturing, not_a_stream, stream_key
 from .tensor import Partition, SharedTensor, Tensor
 
@@ -39,54 +39,6 @@ class ExecutionContext:
 
     def __repr__(self) -> str:
         return f"ExecutionContext({self.stream!r}{', capturing' if self.capture else ''})"
-
-
-class BodyGuard:
-    """What the body of a loop may not do, checked as it runs, eagerly as captured:
-    hold an op that is not graph-safe (the body is one conditional graph node), or
-    write a buffer a loop borrows read-only: its index and count (the loop sets the
-    index at each iteration, and a body that wrote either would run another number of
-    iterations eagerly than captured).  Nested loops chain theirs to the enclosing
-    loop's (``outer``).  Ops a ``then`` returns in the body are checked by ``check_op``,
-    and each write as it happens by ``check`` (kernel launches, copies, nested loops)."""
-
-    __slots__ = ("label", "entries")
-
-    def __init__(self, label: str, borrowed=(), outer: "BodyGuard | None" = None):
-        self.label = label
-        mine = tuple((t, label, whose) for t, whose in borrowed if t is not None)
-        self.entries = mine + (outer.entries if outer is not None else ())
-
-    def check(self, tensor, what) -> None:
-        """Refuse (OwnershipError) a write into ``tensor`` by ``what`` (a string, or a callable making one)."""
-        for borrowed, label, whose in self.entries:
-            if tensor.overlaps(borrowed):
-                what = what if isinstance(what, str) else what()
-                raise OwnershipError(
-                    f"{label}'s body writes {whose} ({what} writes into it): a loop borrows its count and index "
-                    "read-only while it runs (the loop sets the index at each iteration, and a body that wrote "
-                    "either would run another number of iterations eagerly than captured). Have the body read "
-                    "them, and write into buffers of its own")
-
-    def check_op(self, op, fresh=None, where: str = "run") -> None:
-        """Refuse ``op`` in the body before it runs: an op in its tree that is not graph-safe
-        (GraphSafetyError), or a write its ops know of into what a loop borrows (``writes()``:
-        kernel launches, copies, loops).  ``fresh``: as for ``unsafe_for_graphs``."""
-        bad = op.unsafe_for_graphs(fresh)
-        if bad is not None:
-            reason = bad.unsafe_reason
-            if reason.startswith("it allocates"):
-                reason = "it allocates; allocate before the loop and pass the buffers in"
-            raise GraphSafetyError(f"the body of {self.label} contains {bad.describe()}, which a loop body cannot "
-                                   f"hold (it is {where} as one conditional graph node, so it may only launch "
-                                   f"kernels and copy): {reason}")
-        if not self.entries:
-            return
-        for o in walk(op):
-            writes = getattr(o, "writes", None)
-            if writes is not None:
-                for t in writes():
-                    self.check(t, o.describe)
 
 
 def walk(op):
@@ -351,10 +303,11 @@ class _SharedCore:
     A context belongs to one thread (executions are non-reentrant, and a
     capture scope records only from the thread that opened it)."""
 
-    __slots__ = ("op", "done", "failed", "result", "claims", "error")
+    __slots__ = ("op", "done", "failed", "result", "claims", "error", "born")
 
     def __init__(self, op):
         self.op, self.done, self.failed, self.result, self.claims = op, False, False, None, []
+        self.born = next(BIRTHS)  # when .shared() made it: a branch tells a cell made before its function ran
         self.error = None  # what the op raised when it failed: every other consumer's error is chained to it
 
     def wake(self) -> None:

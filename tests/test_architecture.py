@@ -17,7 +17,7 @@ LAYERS = [
     ("foundation", ("deviceop.errors", "deviceop.dtypes")),
     ("runtime", ("deviceop.runtime",)),
     ("memory and compiler", ("deviceop.memory", "deviceop.tensor", "deviceop.interop", "deviceop.compile")),
-    ("op algebra", ("deviceop.execution", "deviceop.values", "deviceop.op", "deviceop.api", "deviceop.foreign")),
+    ("op algebra", ("deviceop.execution", "deviceop.bodies", "deviceop.values", "deviceop.op", "deviceop.api", "deviceop.foreign")),
     ("kernels", ("deviceop.kernel",)),
     ("graphs", ("deviceop.graph",)),
     ("distributed", ("deviceop.distributed",)),

@@ -36,7 +36,9 @@ from __future__ import annotations
 from ..compile import compile_cubin
 from ..errors import CapabilityError, GraphSafetyError, LaunchError
 from ..foreign import refuse_host_nodes
-from ..op import DeviceOp, ExecutionContext, value
+from ..bodies import BodyGuard
+from ..execution import births_mark, walk
+from ..op import DeviceOp, ExecutionContext, SharedOp, value
 from ..runtime.device import device_key, load_module
 from ..runtime.launch import LaunchConfig, ptr
 from .loops import _body_builder, _int32_cell, built_op, refuse_cells_elsewhere
@@ -90,6 +92,22 @@ def _branch_builders(fns, names) -> list:
     return list(fns)
 
 
+def refuse_op_in_two_branches(ops, label: str) -> None:
+    """Refuse one op held by two branches (``[lambda: op] * 2``): captured, every branch is
+    recorded, and an op is recorded once (eagerly only the branch taken runs it, so only a
+    capture finds this)."""
+    held = {}
+    for i, op in enumerate(ops):
+        for o in walk(op):
+            if type(o) is SharedOp and o.core.done:  # a value: any branch may hand it on
+                continue
+            j = held.setdefault(id(o), i)
+            if j != i:
+                raise LaunchError(f"branches {j} and {i} of {label} both hold {o.describe()}: captured, every branch "
+                                  "is recorded and an op runs (is recorded) once. Build it in each branch function "
+                                  "(e.g. [lambda: kernel(...), lambda: kernel(...)], not [lambda: op] * 2)")
+
+
 class _Branches(DeviceOp):
     """The machinery of ``if_`` and ``switch``: a host branch eagerly, a conditional
     node when captured, a tape branch on the reference device."""
@@ -119,23 +137,36 @@ class _Branches(DeviceOp):
         _select_function(stream.device).launch(stream, _ONE_THREAD, int(handle), self.value, int(self._is_if),
                                                int(which < 0), max(which, 0))
 
-    def _build(self, i: int, capture=None) -> DeviceOp:
-        op = built_op(self._builders[i](), f"branch {i} of {self._label}")
+    def _build(self, i: int, outer, capture=None) -> tuple:
+        """Branch i's op, checked, and the BodyGuard it runs under (``outer``: the enclosing
+        loop's or branch's, or None): what a ``then`` in it returns is checked as the op is."""
+        what = f"branch {i} of {self._label}"
+        guard = BodyGuard(what, (), outer)
+        guard.branch_mark, guard.branch_label = births_mark(), what
+        if guard.mark is not None:  # in a loop's body: built at every iteration
+            guard.mark_label = f"{guard.mark_label} ({what})"
+        op = built_op(self._builders[i](), what)
         capturing = capture is not None
-        bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
-        if bad is not None:
-            where = "captured" if capturing else "run"
-            raise GraphSafetyError(f"branch {i} of {self._label} contains {bad.describe()}, which allocates or "
-                                   f"synchronizes; a branch may only launch kernels, copy and fill (it is {where} "
-                                   "as the body of a conditional graph node): allocate before and pass buffers in")
-        return op
+        try:
+            guard.check_built_before(op)
+            bad = op.unsafe_for_graphs(capture.fresh if capturing else None)
+            if bad is not None:
+                where = "captured" if capturing else "run"
+                raise GraphSafetyError(f"{what} contains {bad.describe()}, which allocates or synchronizes; a branch "
+                                       f"may only launch kernels, copy and fill (it is {where} as the body of a "
+                                       "conditional graph node): allocate before and pass buffers in")
+        except BaseException:
+            op.discard()  # refused, so it never runs: the error says so, not a warning on top
+            raise
+        return op, guard
 
     def _execute(self, ctx: ExecutionContext):
         refuse_cells_elsewhere(ctx, (self.value,), self._label)
         if ctx.capture is None:
             chosen = self._pick(int(self.value.numpy(stream=ctx.stream).flat[0]))  # eagerly the host reads it once
             if chosen is not None:
-                self._build(chosen)._run(ctx)
+                op, guard = self._build(chosen, ctx.guard)
+                op._run(ExecutionContext(ctx.stream, None, guard))
             return None
         supported, why = ctx.device.conditional_nodes()
         if not supported:
@@ -144,15 +175,18 @@ class _Branches(DeviceOp):
                                   "12.4 or newer")
         several = ctx.device.conditional_branches()[0]
         capture = ctx.capture
-        ops = []  # every branch built and checked before the GPU adds the conditional node(s)
+        ops, guards = [], []  # every branch built and checked before the GPU adds the conditional node(s)
         try:
             for i in range(len(self._builders)):
-                ops.append(self._build(i, capture))
-                refuse_host_nodes(ops[-1], self._label)
+                op, guard = self._build(i, ctx.guard, capture)
+                ops.append(op)
+                guards.append(guard)
+                refuse_host_nodes(op, self._label)
+            refuse_op_in_two_branches(ops, self._label)
             ctx.device.graphs.capture_branches(
                 ctx.stream, self._label, "if" if self._is_if else "switch", len(self._builders), several,
                 self._launch_select, self._host_select,
-                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, ctx.guard, self._label)))
+                lambda i, body_stream: ops[i]._run(ExecutionContext(body_stream, capture, guards[i], self._label)))
         except BaseException:
             for op in ops:
                 op.discard()  # refused (or failed) with an error that says so

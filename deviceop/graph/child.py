@@ -134,6 +134,25 @@ def _copy_of(node: Node, handle, graphs):
     return None  # a child's own child node: its nodes are not reached from here
 
 
+def _updated(node: Node) -> bool:
+    """May ``node`` run other parameters than its graph's definition says (set since its capture)?"""
+    if isinstance(node, KernelNode):
+        return node._buf is not None  # (made by the first set)
+    return isinstance(node, (MemcpyNode, MemsetNode))  # (not tracked: rewritten to be sure)
+
+
+def _define_current(node: Node, handle, graphs) -> None:
+    """Write ``node``'s current parameters into its graph's definition at ``handle``: a node
+    update changes only the executable graph, and a child-graph node copies the definition."""
+    if isinstance(node, KernelNode):
+        graphs.define_kernel_node(handle, node._params, node.launch_args)
+    elif isinstance(node, MemcpyNode):
+        graphs.define_memcpy_node(handle, node.dst.data_ptr, node.src.data_ptr, node.dst.nbytes)
+    else:
+        bits, size, count = fill_pattern(node.dst, node.value)
+        graphs.define_memset_node(handle, node.dst.data_ptr, bits, size, count)
+
+
 def record_child(capture, stream, op, inner) -> None:
     """Record ``inner``'s launch (``op``) as a child-graph node on the capturing ``stream``."""
     inner._check_open()
@@ -145,7 +164,14 @@ def record_child(capture, stream, op, inner) -> None:
     graphs = stream.device.graphs
     label = f"graph.launch() of a {len(inner._nodes)}-node graph"
     mine = [n for n in inner._nodes if n._via is None]  # a grandchild's nodes are not reached
-    source, handles = graphs.clone(inner._current(), inner._exec, [inner._defined[n.index] for n in mine])
+    defined = [inner._defined[n.index] for n in mine]
+    source, handles = graphs.clone(inner._current(), inner._exec, defined)
+    stale = [(n, d) for n, d, h in zip(mine, defined, handles) if h is None and d is not None and _updated(n)]
+    if stale:  # in a loop's or branch's body, out of the clone's reach: the definition takes them, cloned again
+        graphs.destroy(source)
+        for n, d in stale:
+            _define_current(n, d, graphs)
+        source, handles = graphs.clone(inner._current(), inner._exec, defined)
     via = InChild(graphs, None, source, label)  # destroys the clone however this ends
     where = {id(n): h for n, h in zip(mine, handles)}
     copies, dags = {}, {}

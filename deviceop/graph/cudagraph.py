@@ -233,6 +233,11 @@ class CudaGraph(ProcessHandle):
         """The second half of ``recapture``: make this graph do ``graph``'s work."""
         stream, graphs = self._stream, self._graphs
         with self._lock:
+            if self._closed:  # by the op being captured (a then callback, a branch function): no graph to update
+                graphs.destroy(graph)
+                raise StateError("this CudaGraph was closed while recapture() captured its new work (a callback or "
+                                 "branch function of the op closed it), so there is no graph left to update: capture "
+                                 "the op into a new graph (op.graph_on(stream)), and close the old one after")
             reason = graphs.update(self._exec, graph, cap.label)
             if reason is None:
                 for node in self._nodes:  # the new capture's nodes are on, as the nodes it reports say

@@ -37,9 +37,10 @@ import numpy as np
 
 from ..compile import compile_cubin
 from ..errors import CapabilityError, DTypeError, LaunchError, ShapeError
-from ..execution import BodyGuard, births_mark, walk
+from ..bodies import BodyGuard
+from ..execution import births_mark
 from ..foreign import refuse_host_nodes
-from ..op import DeviceOp, ExecutionContext, SharedOp, value
+from ..op import DeviceOp, ExecutionContext, value
 from ..runtime.device import device_key, load_module, wrong_device
 from ..runtime.launch import LaunchConfig, ptr
 from ..memory import read_only_error
@@ -137,18 +138,6 @@ def built_op(x, what: str) -> DeviceOp:
     return value(x)
 
 
-def refuse_prebuilt(op: DeviceOp, mark: int, label: str) -> None:
-    """Refuse a body holding an op built before its function was called (a closure's op,
-    or a shared op's source; a shared op that has run is a value, welcome): captured, that op would run at every iteration, but eagerly
-    an op runs once, so the two modes would part after the first iteration."""
-    for o in walk(op):
-        if o._born < mark and not (isinstance(o, SharedOp) and o.core.done):  # a done one is a value
-            raise LaunchError(f"the body of {label} holds {o.describe()}, built before the body function was "
-                              "called: an op runs once, and the body runs at every iteration, so the function "
-                              "must build its ops each time it is called (e.g. lambda i: kernel(...), not "
-                              "lambda i: op_built_earlier)")
-
-
 def refuse_cells_elsewhere(ctx, cells, label: str) -> None:
     """Refuse a loop or branch whose control cells (count, index, condition) are another
     device's than the stream's: its control kernel, or the host reading them, would be
@@ -206,10 +195,10 @@ class _Loop(DeviceOp):
     def _build_body(self, guard, capture=None) -> DeviceOp:
         """The body op, checked by ``guard`` (BodyGuard.check_op); ``capture``: the capture
         it is recorded into (which notes the ops it runs, to hand them back if it fails)."""
-        mark = births_mark()
+        # ops built before the body function was called are refused (check_op), in a branch or a then of the body too
+        guard.mark, guard.mark_label = births_mark(), self._label
         op = built_op(self._body(*self._body_args()), f"the body of {self._label}")
         try:
-            refuse_prebuilt(op, mark, self._label)
             guard.check_op(op, capture.fresh if capture is not None else None, "captured" if capture else "run")
         except BaseException:
             op.discard()  # refused, so it never runs: that is the error's to say, not a warning's

@@ -314,10 +314,15 @@ class TapeGraphs:
 
     @staticmethod
     def clone(graph, exec_, handles) -> tuple:
-        """runtime/graphs.py's ``clone``: a copy of the tape ``exec_`` (what it runs now)."""
+        """runtime/graphs.py's ``clone``: a copy of the tape ``graph`` (the definition of the work
+        ``exec_`` does: ``exec_`` itself, or the recapture it was updated to) and the copies of
+        ``handles``, steps of ``graph``.  As on a GPU, node updates made since on ``exec_`` alone
+        are not in the copy (graph/child.py writes them), and as cuGraphNodeFindInClone, only
+        the graph's own steps are found: one in a loop's or branch's body is None."""
         copies = {}
-        copy = copy_tape(exec_, copies)
-        return copy, [None if h is None else copies[id(h)] for h in handles]
+        copy = copy_tape(graph, copies)
+        mine = {id(s) for s in graph}
+        return copy, [copies[id(h)] if h is not None and id(h) in mine else None for h in handles]
 
     @staticmethod
     def add_child(stream, source, label: str):
@@ -367,14 +372,20 @@ class TapeGraphs:
             body, _ = body_stream._end_capture()
         return body
 
+    # The step is recorded before its bodies are, as a GPU adds the conditional node before capturing
+    # into its bodies: a body that fails leaves the capture changed (a scope that goes on is broken).
     def capture_while(self, stream, label: str, launch_control, host_control, run_body) -> None:
-        stream._run(While(label, host_control, self._capture_body(stream, run_body)))
+        step = While(label, host_control, Tape())
+        stream._run(step)
+        step.body = self._capture_body(stream, run_body)
 
     def capture_branches(self, stream, label: str, kind: str, count: int, several: bool, launch_select,
                          host_select, run_branch) -> None:
         """runtime/graphs.py's ``capture_branches``: one step whose ``host_select()`` picks the body."""
-        bodies = [self._capture_body(stream, lambda s, i=i: run_branch(i, s)) for i in range(count)]
-        stream._run(Branch(label, host_select, bodies))
+        step = Branch(label, host_select, [])
+        stream._run(step)
+        for i in range(count):
+            step.bodies.append(self._capture_body(stream, lambda s, i=i: run_branch(i, s)))
 
     @staticmethod
     def nodes(graph) -> list[dict]:
