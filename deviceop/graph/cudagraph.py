@@ -1,17 +1,14 @@
-"""CUDA graphs: capture an op once (``op.graph_on(stream)``) or a block of
-imperative code (``CudaGraph.scope``), replay it with one driver call.
+"""CUDA graphs: capture an op once (``op.graph_on(stream)``) or a block of imperative
+code (``CudaGraph.scope``), replay it with one driver call.
 
-Capture, in order: refuse ops that are not graph-safe (by name, before
-anything is recorded); load every kernel's module (loading is not capture
-work); begin a relaxed-mode capture; execute the op — this records, it does
-not compute; *always* end the capture, also when the op raised (the partial
-graph is destroyed and the stream is usable again); instantiate, upload,
-synchronize.  The graph keeps every tensor and kernel it touches alive until
-it is closed or collected.
-
-Begin, end (or abort) and instantiate are graph/capture.py's ``Recording``, for
-every path.  The driver work is the stream's device's ``graphs`` (runtime/graphs.py
-on a GPU; on the reference device a graph is the tape of recorded steps).
+Capture, in order: refuse ops that are not graph-safe (by name, before anything is
+recorded); load every kernel's module (loading is not capture work); begin a relaxed-mode
+capture; execute the op (this records, it does not compute); *always* end the capture, also
+when the op raised (the partial graph is destroyed, the stream usable again); instantiate,
+upload, synchronize.  The graph keeps every tensor and kernel it touches alive until closed
+or collected.  Begin, end (or abort) and instantiate are graph/capture.py's ``Recording``,
+for every path; the driver work is the device's ``graphs`` (runtime/graphs.py on a GPU; on
+the reference device a graph is the tape of recorded steps).
 """
 from __future__ import annotations
 
@@ -116,8 +113,7 @@ class CudaGraph(ProcessHandle):
         return GraphLaunch(self)
 
     def update(self, op: DeviceOp):
-        """Run ``op`` on the graph's stream now, before the next replay (e.g.
-        ``api.memcpy(input, x)``); returns its value without waiting."""
+        """Run ``op`` (e.g. ``api.memcpy(input, x)``) on the graph's stream now; its value, not waited for."""
         if isinstance(op, DeviceOp):
             op.discard()  # handed over: if it cannot run here, the error says so
         self._check_open()
@@ -235,9 +231,8 @@ class CudaGraph(ProcessHandle):
         with self._lock:
             if self._closed:  # by the op being captured (a then callback, a branch function): no graph to update
                 graphs.destroy(graph)
-                raise StateError("this CudaGraph was closed while recapture() captured its new work (a callback or "
-                                 "branch function of the op closed it), so there is no graph left to update: capture "
-                                 "the op into a new graph (op.graph_on(stream)), and close the old one after")
+                raise StateError("this CudaGraph was closed while recapture() captured its new work (by a callback "
+                                 "or branch function of the op): capture the op into a new graph, op.graph_on(stream)")
             reason = graphs.update(self._exec, graph, cap.label)
             if reason is None:
                 for node in self._nodes:  # the new capture's nodes are on, as the nodes it reports say
