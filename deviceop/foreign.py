@@ -49,13 +49,15 @@ def refuse_uncallable(label: str, what: str, fn, positional: list, keywords: lis
     """Refuse ``fn`` now, before anything runs, if it cannot be called with ``positional``
     and ``keywords`` (their names): a body the GPU would call with the wrong arguments
     fails there with a raw TypeError, and the reference device, which never calls the
-    body, would accept it.  A callable without a signature (a builtin) is called as is."""
+    body, would accept it.  A callable without a signature (a builtin) is called as is; a
+    decorated one is checked as the wrapper it is, not as what functools.wraps says it wraps
+    (a decorator may supply arguments itself: the stream, bound values)."""
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)} is an async function: "
                           "calling it runs none of its code (it makes a coroutine that nothing awaits); make it a "
                           "plain def, and do its work on the stream it is handed")
     try:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):
         return
     try:

@@ -7,6 +7,7 @@ reference=, eager, captured and replayed) runs on an explicit reference device,
 on either machine.  The library bodies themselves (torch, CuPy, Triton) are
 GPU tests: tests/test_foreign_gpu.py.
 """
+import functools
 import warnings
 
 import numpy as np
@@ -332,6 +333,46 @@ def test_a_body_reference_or_warmup_that_cannot_take_the_declared_arguments_is_r
     x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
     dop.foreign(body, reads=[x], writes=[y], reference=reference, warmup=body).sync_on(ref)
     np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref))
+
+
+def test_a_decorated_body_reference_or_callback_is_checked_as_it_is_called_not_as_the_function_it_wraps(rng):
+    # functools.wraps makes inspect.signature report the wrapped function's parameters; the op
+    # calls the wrapper, so a decorator that supplies arguments itself (the stream, bound values)
+    # was refused with a call the wrapper takes
+    ref = dop.ReferenceDevice(0).new_stream()
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+
+    def drops_stream(fn):  # the body's library picks its own stream
+        @functools.wraps(fn)
+        def wrapper(stream, *args):
+            return fn(*args)
+        return wrapper
+
+    def bound(*front):  # hands the function values the decorator holds, then the call's arguments
+        def wrap(fn):
+            @functools.wraps(fn)
+            def wrapper(*args):
+                return fn(*front, *args)
+            return wrapper
+        return wrap
+
+    @drops_stream
+    def body(x, y):  # pragma: no cover - the reference device runs the reference
+        pass
+
+    @bound(2.0)
+    def reference(scale, x, y):
+        y[...] = scale * x
+
+    ran = []
+
+    @bound("tick")
+    def callback(what):
+        ran.append(what)
+
+    dop.zip_(dop.foreign(body, reads=[x], writes=[y], reference=reference), dop.host_callback(callback)).sync_on(ref)
+    np.testing.assert_array_equal(y.numpy(stream=ref), 2.0 * x.numpy(stream=ref))
+    assert ran == ["tick"]
 
 
 def test_a_foreign_op_never_executed_warns(stream):
