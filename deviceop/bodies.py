@@ -82,9 +82,14 @@ def _pending_shared(op) -> bool | None:
 
 def refuse_prebuilt(op, mark: int, label: str) -> None:
     """Refuse a body holding an op built before its function was called (a closure's op,
-    or a shared op's source; a shared op that has run is a value, welcome): captured, that op would run at every iteration, but eagerly
-    an op runs once, so the two modes would part after the first iteration."""
-    for o in walk(op):
+    or a shared op's source; a shared op that has run is a value, welcome): captured, that op
+    would run at every iteration, but eagerly an op runs once, so the modes would part."""
+    for o in walk(op):  # (a shared op comes before its source: its error names the fix that fits it)
+        if _pending_shared(o) and o.core.op._born < mark:
+            raise LaunchError(f"the body of {label} holds {o.describe()}, which has not run and was built "
+                              "before the body function was called: captured it would run at every iteration, "
+                              "eagerly once. Run it before the loop (e.g. shared.clone().sync_on(stream)): a shared "
+                              "op that has run is a value the body may hold; or build it in the body function")
         if o._born < mark and _pending_shared(o) is not False:  # a done one is a value
             raise LaunchError(f"the body of {label} holds {o.describe()}, built before the body function was "
                               "called: an op runs once, and the body runs at every iteration, so the function "

@@ -137,12 +137,6 @@ def check_stream(what: str, stream) -> None:
         raise not_a_stream(what, stream)
 
 
-# Executing an op recurses through its tree, a frame or a few per nested op.
-# On Python 3.11+ those frames use no C stack (Python-to-Python calls run
-# inline), so deviceop raises the recursion limit to this once, where it was
-# lower, for chains of thousands of launches to execute.  Once, not around
-# each execution: setrecursionlimit visits every thread, and raising and
-# restoring it would add ~0.1 us to every eager execution.
 # Ops are numbered as they are built (DeviceOp.__init__): a loop tells the ops its
 # body function built from ones built before the call (graph/loops.py's refuse_prebuilt).
 BIRTHS = itertools.count()
@@ -153,6 +147,12 @@ def births_mark() -> int:
     return next(BIRTHS)
 
 
+# Executing an op recurses through its tree, a frame or a few per nested op.
+# On Python 3.11+ those frames use no C stack (Python-to-Python calls run
+# inline), so deviceop raises the recursion limit to this once, where it was
+# lower, for chains of thousands of launches to execute.  Once, not around
+# each execution: setrecursionlimit visits every thread, and raising and
+# restoring it would add ~0.1 us to every eager execution.
 RECURSION_LIMIT = 20_000 if sys.version_info >= (3, 11) else sys.getrecursionlimit()
 if sys.getrecursionlimit() < RECURSION_LIMIT:
     sys.setrecursionlimit(RECURSION_LIMIT)

@@ -17,6 +17,7 @@ is done: eagerly once, captured at every replay (a HOST node).
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 
 import numpy as np
@@ -45,21 +46,45 @@ def _declared(role: str, given) -> list:
                       f"keyword arguments), got a {type(given).__name__}; e.g. {role}=[x]")
 
 
+# Plain functions known to fit a call, by what decides it: reading and binding a signature
+# costs ~7 us, and an eager loop's body function builds its foreign ops at every iteration
+# (a lambda made anew each time has the same code, so it hits too)
+_FITS: set = set()
+_OWN_SIGNATURE = ("__signature__", "_partialmethod", "__partialmethod__", "_is_coroutine_marker")  # what inspect reads
+
+
+def _fit_key(fn, positional: list, keywords: list):
+    """What decides whether ``fn`` fits this call, where that is its code and its defaults (a
+    plain function with no ``__signature__``, partialmethod or coroutine mark of its own), else None."""
+    if type(fn) is not types.FunctionType or any(k in fn.__dict__ for k in _OWN_SIGNATURE):
+        return None
+    return fn.__code__, len(fn.__defaults__ or ()), tuple(fn.__kwdefaults__ or ()), len(positional), tuple(keywords)
+
+
 def refuse_uncallable(label: str, what: str, fn, positional: list, keywords: list, fix: str) -> None:
     """Refuse ``fn`` now, before anything runs, if it cannot be called with ``positional``
     and ``keywords`` (their names): a body the GPU would call with the wrong arguments
     fails there with a raw TypeError, and the reference device, which never calls the
-    body, would accept it.  A callable without a signature (a builtin) is called as is."""
+    body, would accept it.  A callable without a signature (a builtin) is called as is; a
+    decorated one is checked as the wrapper it is, not as what functools.wraps says it wraps
+    (a decorator may supply arguments itself: the stream, bound values)."""
+    key = _fit_key(fn, positional, keywords)
+    if key in _FITS:  # (only a plain def that fit is there: no async one)
+        return
     if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
         raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)} is an async function: "
                           "calling it runs none of its code (it makes a coroutine that nothing awaits); make it a "
                           "plain def, and do its work on the stream it is handed")
     try:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):
         return
     try:
         signature.bind(*positional, **dict.fromkeys(keywords))
+        if key is not None:
+            if len(_FITS) >= 4096:  # (functions made by exec each time would grow it without end)
+                _FITS.clear()
+            _FITS.add(key)
     except TypeError as exc:
         call = ", ".join([*positional, *(f"{k}=..." for k in keywords)])
         raise LaunchError(f"{label}'s {what} {getattr(fn, '__name__', type(fn).__name__)}{signature} cannot be "
@@ -90,17 +115,24 @@ def _stray(out, writes) -> str | None:
     """What of ``out``, a body's return value, is an array outside its ``writes`` (its type
     name), or None.  A library's out= returns the output it wrote (torch, CuPy), and a Triton
     launch returns its compiled kernel: those are fine; a new array (``torch.matmul(a, b)``
-    without out=) holds the result, which then reaches no write."""
+    without out=) holds the result, which then reaches no write.  Of a tuple, only when none
+    of it lies in a write: ``(out, lse)`` with a new ``lse`` (flash attention) wrote its result."""
     if isinstance(out, (tuple, list)):
-        return next((s for s in (_stray(o, writes) for o in out) if s), None)
+        strays = [_stray(o, writes) for o in out]
+        wrote = any(s is None and (isinstance(o, Tensor) or hasattr(o, "__cuda_array_interface__"))
+                    for s, o in zip(strays, out))
+        return None if wrote else next((s for s in strays if s), None)
     if isinstance(out, Tensor):
-        return None if any(out.overlaps(w) for w in writes) else "Tensor"
+        return None if out.size == 0 or any(out.overlaps(w) for w in writes) else "Tensor"
     try:
-        pointer = int(out.__cuda_array_interface__["data"][0])
+        cai = out.__cuda_array_interface__
+        pointer = int(cai["data"][0])
     except Exception:  # noqa: BLE001 - no array (or none that says where it lives): not a result
         return None
+    if pointer == 0 or 0 in tuple(cai.get("shape", ())):  # an empty array holds no result
+        return None
     inside = any(lo <= pointer < hi for lo, hi in (w.memory_range() for w in writes))
-    return None if pointer == 0 or inside else type(out).__name__
+    return None if inside else type(out).__name__
 
 
 def _writing(label: str, body, writes: list):

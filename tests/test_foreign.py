@@ -7,6 +7,8 @@ reference=, eager, captured and replayed) runs on an explicit reference device,
 on either machine.  The library bodies themselves (torch, CuPy, Triton) are
 GPU tests: tests/test_foreign_gpu.py.
 """
+import functools
+import inspect
 import warnings
 
 import numpy as np
@@ -334,6 +336,74 @@ def test_a_body_reference_or_warmup_that_cannot_take_the_declared_arguments_is_r
     np.testing.assert_array_equal(y.numpy(stream=ref), x.numpy(stream=ref))
 
 
+def test_a_decorated_body_reference_or_callback_is_checked_as_it_is_called_not_as_the_function_it_wraps(rng):
+    # functools.wraps makes inspect.signature report the wrapped function's parameters; the op
+    # calls the wrapper, so a decorator that supplies arguments itself (the stream, bound values)
+    # was refused with a call the wrapper takes
+    ref = dop.ReferenceDevice(0).new_stream()
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+
+    def drops_stream(fn):  # the body's library picks its own stream
+        @functools.wraps(fn)
+        def wrapper(stream, *args):
+            return fn(*args)
+        return wrapper
+
+    def bound(*front):  # hands the function values the decorator holds, then the call's arguments
+        def wrap(fn):
+            @functools.wraps(fn)
+            def wrapper(*args):
+                return fn(*front, *args)
+            return wrapper
+        return wrap
+
+    @drops_stream
+    def body(x, y):  # pragma: no cover - the reference device runs the reference
+        pass
+
+    @bound(2.0)
+    def reference(scale, x, y):
+        y[...] = scale * x
+
+    ran = []
+
+    @bound("tick")
+    def callback(what):
+        ran.append(what)
+
+    dop.zip_(dop.foreign(body, reads=[x], writes=[y], reference=reference), dop.host_callback(callback)).sync_on(ref)
+    np.testing.assert_array_equal(y.numpy(stream=ref), 2.0 * x.numpy(stream=ref))
+    assert ran == ["tick"]
+
+
+def test_a_body_built_again_and_again_has_its_signature_read_once_and_its_defaults_still_count(rng, monkeypatch):
+    # an eager loop's body function builds its foreign ops at every iteration, and reading and
+    # binding three signatures made dop.foreign ~5x dearer to build (~25 us against ~5 on a CPU)
+    ref = dop.ReferenceDevice(0).new_stream()
+    x, y = tensor(rng, 16, ref), dop.empty(16, stream=ref)
+    reads = []
+    real = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn, **kw: reads.append(fn) or real(fn, **kw))
+
+    def build(scale):  # a new body and reference at every call, as a loop body's lambdas are
+        def reference(x, y):
+            y[...] = scale * x
+        return dop.foreign(lambda s, x, y: None, reads=[x], writes=[y], reference=reference), dop.host_callback(
+            lambda: None)
+    for i in range(5):
+        for op in build(float(i)):
+            op.sync_on(ref)
+    assert len(reads) <= 3  # the first build's body, reference and callback
+    np.testing.assert_array_equal(y.numpy(stream=ref), 4.0 * x.numpy(stream=ref))
+
+    def fits(s, x, y=None):  # pragma: no cover - the reference device never calls a body
+        pass
+    dop.foreign(fits, reads=[x], writes=[y], reference=no_op).discard()
+    fits.__defaults__ = None  # the same code without its default cannot take reads=[x] alone
+    with pytest.raises(dop.LaunchError, match=r"body fits\(s, x, y\) cannot be called as body\(stream, reads\[0\]\)"):
+        dop.foreign(fits, reads=[x], reference=no_op)
+
+
 def test_a_foreign_op_never_executed_warns(stream):
     with pytest.warns(dop.UnexecutedOpWarning, match=r"dop.foreign\(gpu_body\) was never executed"):
         dop.foreign(gpu_body, writes=[dop.empty(4, stream=stream)])
@@ -473,3 +543,22 @@ def test_a_reference_streams_cuda_handles_are_refused_naming_the_device(name):
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'") as info:
         stream.no_such_thing
     assert not isinstance(info.value, dop.NoDeviceError)
+
+
+def test_what_a_gpu_body_may_return_is_judged_by_where_its_arrays_lie(stream):
+    # The GPU-side check of a body's return value (the reference device never calls a body):
+    # a new array alone is a result lost; the write itself (out=), a tuple with one array in a
+    # write beside new ones ((out, lse)), an empty array or anything that is no array are fine.
+    from deviceop.foreign import _stray
+    y, other = dop.empty((4, 8), stream=stream), dop.empty((4, 8), stream=stream)
+
+    class Cai:  # an array of another library, where it says it lies
+        def __init__(self, ptr, shape=(4,)):
+            self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": "<f4", "version": 3}
+    lo, hi = y.memory_range()
+    outside = other.memory_range()[0]
+    assert _stray(Cai(outside), [y]) == "Cai" and _stray(other, [y]) == "Tensor"
+    assert _stray((Cai(outside), Cai(outside)), [y]) == "Cai"            # none of it written
+    for fine in (None, 3, "kernel", y, y.view(32)[8:16], Cai(lo), Cai(hi - 4), (Cai(lo), Cai(outside)),
+                 [other, y], Cai(outside, (0,)), Cai(0)):
+        assert _stray(fine, [y]) is None, fine

@@ -273,3 +273,14 @@ def test_parameters_can_be_passed_by_their_declared_names(stream, rng):
     with pytest.raises(dop.LaunchError, match="'bias' missing"):
         layernorm(*outputs(), inp=inp, weight=weight, N=n, C=c)
     np.testing.assert_array_equal(m2.numpy(stream=stream), before)  # nothing ran
+
+
+def test_a_parameter_named_self_is_passed_by_name_too(stream, rng):
+    # C names a parameter `self` freely; by name it was Kernel.__call__'s own self (a raw TypeError)
+    src = r'extern "C" __global__ void copy_self(float* out, const float* self) { out[threadIdx.x] = self[threadIdx.x]; }'
+    copy_self = Kernel("copy_self", src, [Out("out", "float32", shape=("N",), tile=(32,)),
+                                          In("self", "float32", shape=("N",))],
+                       block=32, reference=lambda g, out, x: out.__setitem__(..., x))
+    x, y = put(rng, 32, stream), dop.empty(32, stream=stream)
+    copy_self(y.partition([32]), self=x).sync_on(stream)
+    np.testing.assert_array_equal(y.numpy(stream=stream), x.numpy(stream=stream))

@@ -96,3 +96,21 @@ def test_a_shared_op_that_already_ran_is_a_value_a_body_may_hold(stream, rng, ca
     op.graph_on(stream).replay() if captured else op.sync_on(stream)
     stream.synchronize()
     np.testing.assert_allclose(z.numpy(stream=stream), 2 * x.numpy(stream=stream), rtol=1e-6)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_shared_op_not_yet_run_in_a_body_is_refused_naming_the_run_that_makes_it_a_value(stream, rng, captured):
+    # the body builds the clone (w.clone()); what was built before is the shared op's source, so the
+    # fix is to run it before the loop, not "build your ops in the function" (they are)
+    x = dop.from_numpy(rng.standard_normal(256).astype(np.float32), stream=stream)
+    y, z = dop.empty([256], stream=stream), dop.empty([256], stream=stream)
+    w = _scaled(y, x, 2.0).shared()
+    op = dop.loop(3, _cell(0, stream), lambda i: dop.zip_(w.clone(), api.memcpy(z, y)))
+    with pytest.raises(dop.LaunchError, match=r"holds shared\(affine<128>\), which has not run.*Run it "
+                                              r"before the loop \(e.g. shared.clone\(\).sync_on\(stream\)\)"):
+        op.graph_on(stream) if captured else op.sync_on(stream)
+    w.clone().sync_on(stream)  # the fix: now a value the body may hold
+    op = dop.loop(3, _cell(0, stream), lambda i: dop.zip_(w.clone(), api.memcpy(z, y)))
+    op.graph_on(stream).replay() if captured else op.sync_on(stream)
+    stream.synchronize()
+    np.testing.assert_allclose(z.numpy(stream=stream), 2 * x.numpy(stream=stream), rtol=1e-6)

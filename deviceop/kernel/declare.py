@@ -235,7 +235,7 @@ class Kernel:
         return prebuilt.triton_kernel(cls, compiled, params, name=name, grid=grid, reference=reference,
                                       validate=validate, limits=limits)
 
-    def __call__(self, *args, **by_name) -> "KernelLaunch":
+    def __call__(self, /, *args, **by_name) -> "KernelLaunch":  # (positional-only: a parameter may be `self`)
         if by_name:  # add(x=a, y=b, out=p): the parameters by their declared names
             args = self._bind_names(args, by_name)
         if len(args) != len(self.params):

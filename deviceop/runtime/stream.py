@@ -147,7 +147,6 @@ class Stream(ProcessHandle):
     device = None
     is_legacy = False
 
-
     def synchronize(self) -> None:
         raise NotImplementedError
 
