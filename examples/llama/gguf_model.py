@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,16 @@ def _hf_name(gguf_name: str, layers: int) -> str:
     raise dop.StateError(f"the GGUF holds a tensor {gguf_name!r} that a Llama decoder of {layers} layers does not "
                          "read (biases, llama3 rope_freqs, another architecture's weights): this loader does not "
                          "serve it")
+
+
+def _missing(tensors: dict, cfg: LlamaConfig, most: int = 3) -> list:
+    """The first GGUF names a decoder of ``cfg`` reads that ``tensors`` lacks, at most ``most``: all
+    are among the first len(tensors) + most names, so a huge block_count costs nothing more."""
+    def expected():
+        yield from ("token_embd.weight", "output_norm.weight")
+        for i in range(cfg.num_hidden_layers):
+            yield from (f"blk.{i}.{short}.weight" for short in LAYER_NAMES)
+    return [n for n in itertools.islice(expected(), len(tensors) + most) if n not in tensors][:most]
 
 
 def _value(field):
@@ -179,8 +190,11 @@ def open_gguf(path, *, kernels: bool = True) -> GGUFModel:
     # llama3's rope_freqs, is named), then the count (cheap for any layer count), then each one's kind and shape
     names = {name: _hf_name(name, cfg.num_hidden_layers) for name in tensors}
     if len(tensors) != weight_count(cfg):
+        lacks = _missing(tensors, cfg)
+        more = " ..." if weight_count(cfg) - len(tensors) > len(lacks) else ""
         raise dop.StateError(f"{path.name} holds {len(tensors)} tensors and a Llama decoder of this config reads "
-                             f"{weight_count(cfg)}: the file and its metadata do not belong together")
+                             f"{weight_count(cfg)} (it lacks {', '.join(lacks)}{more}): the file and its metadata "
+                             "do not belong together")
     shapes, size, plan = dict(iter_expected(cfg)), path.stat().st_size, {}
     for name, t in tensors.items():
         hf = names[name]
