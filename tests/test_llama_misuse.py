@@ -228,3 +228,15 @@ def test_random_weights_refuses_what_it_cannot_mean(args, error, message):
     from llama.weights import random_weights
     with pytest.raises(error, match=message):
         random_weights(**{"cfg": TINY, **args})
+
+
+def test_deviceop_tensors_are_weights_as_torch_ones_are(weights, rng):
+    """A bf16 dop.Tensor was refused as "dop.bfloat16, the kernels read bfloat16 weights"."""
+    prompt = rng.integers(0, TINY.vocab_size, size=4).tolist()
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with Llama(TINY, weights, capacity=CAP) as plain, \
+            Llama(TINY, {**weights, name: dop.from_numpy(weights[name])}, capacity=CAP) as mixed:
+        assert mixed.generate(prompt, 5) == plain.generate(prompt, 5)
+    as_float = dop.from_numpy(weights[name].astype(np.float32))
+    with pytest.raises(dop.DTypeError, match=f"{name} is dop.float32, the kernels read bfloat16"):
+        Llama(TINY, {**weights, name: as_float}, capacity=CAP)

@@ -115,12 +115,12 @@ def check_weights(cfg: LlamaConfig, weights: dict) -> None:
             raise dop.ShapeError(f"the checkpoint lacks {name}: is it a Llama-family model of this config?")
         if not hasattr(w, "shape") or not hasattr(w, "dtype"):
             raise dop.DTypeError(f"{name} is a {type(w).__name__}, not an array: pass NumPy (bf16), torch or CuPy "
-                                 "arrays")
+                                 "arrays, or deviceop tensors")
         if tuple(w.shape) != shape:
             raise dop.ShapeError(f"{name} has shape {tuple(w.shape)}, the config needs {shape}: the config and "
                                  "the weights do not belong together")
         kind = str(getattr(w, "dtype", ""))
-        if kind not in ("bfloat16", "torch.bfloat16"):
+        if kind not in ("bfloat16", "torch.bfloat16", "dop.bfloat16"):  # (a deviceop Tensor: used in place)
             raise dop.DTypeError(f"{name} is {kind}, the kernels read bfloat16 weights: convert the checkpoint "
                                  "(e.g. model.to(torch.bfloat16)) first")
         if isinstance(w, np.ndarray):
