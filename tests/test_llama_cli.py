@@ -63,3 +63,11 @@ def test_prompt_len_beside_a_text_prompt_is_refused(gguf_file, capsys):
     code, out, err = run_example(capsys, ["--gguf", str(gguf_file), "--prompt", "hello", "--prompt-len", "5"])
     assert code == 2 and "weights on the device" not in out
     assert "--prompt-len makes a random prompt for a model without a tokenizer" in err
+
+
+def test_a_text_prompt_for_random_weights_names_the_missing_tokenizer_first(capsys):
+    """Beside --prompt-len it said "pass --random" to a command that had passed --random."""
+    for flags in (["--prompt", "hi"], ["--chat"]):
+        code, out, err = run_example(capsys, ["--random", "--prompt-len", "2", "--capacity", "64", *flags])
+        assert code == 2 and out == "" and "Traceback" not in err
+        assert "--prompt needs the model's tokenizer, and random weights" in err and "pass --random" not in err

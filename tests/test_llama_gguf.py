@@ -266,8 +266,17 @@ def test_a_huge_block_count_is_refused_from_the_counts_at_once(tmp_path, rng, al
     path = write_gguf(tmp_path / "deep.gguf", CFG, hf_weights(rng, CFG), meta={"llama.block_count": 10 ** 8})
     start = time.perf_counter()
     refused(path, dop.StateError, f"holds {len(gguf_names(CFG))} tensors and a Llama decoder of this config reads "
-                                  f"{3 + 9 * 10 ** 8}", allocations)
+                                  f"{3 + 9 * 10 ** 8} \\(it lacks blk.2.attn_norm.weight, blk.2.ffn_norm.weight, "
+                                  "blk.2.attn_q.weight ...\\)", allocations)
     assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("drop", ["blk.1.ffn_up.weight", "output_norm.weight", "token_embd.weight"])
+def test_a_missing_tensor_is_refused_naming_it(tmp_path, rng, allocations, drop):
+    """It said only that the file held 20 tensors of 21, not which one it lacked."""
+    path = write_gguf(tmp_path / "lacking.gguf", CFG, hf_weights(rng, CFG), drop=(drop,))
+    refused(path, dop.StateError, f"holds 20 tensors and a Llama decoder of this config reads 21 \\(it lacks "
+                                  f"{drop}\\): the file and its metadata do not belong together", allocations)
 
 
 def test_a_path_that_is_not_a_gguf_file_is_refused(tmp_path, allocations):

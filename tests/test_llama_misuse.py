@@ -190,3 +190,53 @@ def test_a_server_of_fresh_seeds_keeps_a_bounded_number_of_graphs(llama, rng):
     live = [o for o in gc.get_objects() if type(o).__name__ == "CudaGraph" and "closed" not in repr(o)]
     assert len(live) <= 2 * MAX_GRAPHS
     assert llama.generate(prompt, 3, Sampling(0.8, 20, 0.9, 0)) == first[0]   # evicted, captured again
+
+
+def test_a_numpy_integer_chunk_is_the_int_it_holds(weights, rng):
+    """capacity and max_new_tokens took np.int64(8); prefill_chunk refused it as "not an int"."""
+    prompt = rng.integers(0, TINY.vocab_size, size=11).tolist()
+    with Llama(TINY, weights, capacity=CAP, prefill_chunk=np.int64(8)) as chunked, \
+            Llama(TINY, weights, capacity=CAP) as plain:
+        want = plain.generate(prompt, 4)
+        assert chunked.generate(prompt, 4) == want
+        assert plain.generate(prompt, 4, prefill_chunk=np.int32(16)) == want
+
+
+@pytest.mark.parametrize("call", [
+    lambda: __import__("llama.weights").weights.load_checkpoint(None),
+    lambda: __import__("llama.weights").weights.save_checkpoint(TINY, {}, 5),
+    lambda: __import__("llama.config").config.LlamaConfig.from_json(None),
+    lambda: __import__("llama.gguf_model").gguf_model.open_gguf(None),
+    lambda: __import__("llama.tokenizer").tokenizer.Tokenizer.from_directory(b"/tmp"),
+])
+def test_a_location_that_is_not_a_path_is_refused_naming_it(call):
+    """None, an int or bytes where a file or directory goes raised pathlib's raw TypeError."""
+    with pytest.raises(dop.DTypeError, match=r"is a path \(a str or pathlib.Path\), not (NoneType|int|bytes)"):
+        call()
+
+
+@pytest.mark.parametrize("args,error,message", [
+    (dict(cfg=TINY.to_dict()), dop.DTypeError, "the config is a dict, not a LlamaConfig"),
+    (dict(seed=-1), dop.ShapeError, r"seed=-1 must be an integer >= 0"),     # numpy's raw ValueError
+    (dict(seed=1.5), dop.ShapeError, r"seed=1.5 must be an integer"),
+    (dict(std=float("nan")), dop.ShapeError, r"std=nan must be a finite number >= 0"),  # NaN weights, silently
+    (dict(std=-0.1), dop.ShapeError, r"std=-0.1 must be a finite number >= 0"),
+])
+def test_random_weights_refuses_what_it_cannot_mean(args, error, message):
+    """A ShapeError for a seed or std out of range, a DTypeError for a config that is not one (a
+    raw AttributeError)."""
+    from llama.weights import random_weights
+    with pytest.raises(error, match=message):
+        random_weights(**{"cfg": TINY, **args})
+
+
+def test_deviceop_tensors_are_weights_as_torch_ones_are(weights, rng):
+    """A bf16 dop.Tensor was refused as "dop.bfloat16, the kernels read bfloat16 weights"."""
+    prompt = rng.integers(0, TINY.vocab_size, size=4).tolist()
+    name = "model.layers.1.self_attn.q_proj.weight"
+    with Llama(TINY, weights, capacity=CAP) as plain, \
+            Llama(TINY, {**weights, name: dop.from_numpy(weights[name])}, capacity=CAP) as mixed:
+        assert mixed.generate(prompt, 5) == plain.generate(prompt, 5)
+    as_float = dop.from_numpy(weights[name].astype(np.float32))
+    with pytest.raises(dop.DTypeError, match=f"{name} is dop.float32, the kernels read bfloat16"):
+        Llama(TINY, {**weights, name: as_float}, capacity=CAP)

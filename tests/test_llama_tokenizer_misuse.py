@@ -139,3 +139,21 @@ def test_metadata_text_that_is_not_utf8_is_a_state_error(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(dop.StateError, match="metadata tokenizer.chat_template holds text that is not UTF-8"):
         open_gguf(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda tok: tok.chat(None), "chat takes text: prompt is NoneType, not str"),   # rendered as the text "None"
+    (lambda tok: tok.chat(["hi"]), "prompt is list, not str"),                      # rendered as "['hi']"
+    (lambda tok: tok.chat("hi", system=3), "system is int, not str"),
+    (lambda tok: tok.render_chat("hi"), "render_chat takes a list of messages"),     # each character a message
+    (lambda tok: tok.render_chat([{"content": "hi"}]), "each a dict with a 'role'"),
+    (lambda tok: list(tok.stream_text("ab")), "stream_text takes an iterable of token ids, not str"),
+    (lambda tok: list(tok.stream_text([40, "a"])), "decode takes token ids .* got 'a'"),  # a raw ValueError
+])
+def test_chat_and_streamed_text_refuse_what_is_not_text_or_ids(fields, call, message):
+    tok = Tokenizer.from_gguf_fields(fields)
+    with pytest.raises(dop.DTypeError, match=message):
+        call(tok)
+    assert "".join(tok.stream_text(tok.encode("hello"))) == tok.decode(tok.encode("hello"))
+    assert tok.chat("hi", system="be brief") == tok.encode(tok.render_chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]))

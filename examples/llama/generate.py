@@ -69,6 +69,7 @@ class Llama:
 
     def __init__(self, cfg: LlamaConfig, weights: dict, capacity: int = 4096, *, stream=None, pdl: bool = True,
                  prefill_chunk: int | None = None, tp: int | None = None, group=None, allreduce: str = "auto"):
+        prefill_chunk = _numpy_int(prefill_chunk)
         _check_arguments(cfg, stream, pdl, prefill_chunk)  # of the right kind, before any group or buffer is made
         made = group is None
         group = self._group(cfg, tp, group)
@@ -190,7 +191,7 @@ class Llama:
         if not isinstance(graph, bool):
             raise dop.ShapeError(f"graph={graph!r}: pass True (one graph launch) or False (the ops eagerly)")
         dec = self.decoder
-        chunk = prefill_chunk if prefill_chunk is not None else self.prefill_chunk
+        chunk = _numpy_int(prefill_chunk) if prefill_chunk is not None else self.prefill_chunk
         prefill = self._prefill(chunk) if chunk else None  # an unsupported chunk is refused here
         prompt = dec.check_request(prompt, max_new_tokens)
         self._agree(prompt.tobytes(), max_new_tokens, self._key(0, 0, sampling), chunk, graph)
@@ -366,6 +367,12 @@ def _check_arguments(cfg, stream, pdl, prefill_chunk) -> None:
         kernel_limits(cfg)  # (the chunk's plans assume a served shape)
         pf.check_chunk(cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
                        cfg.head_dim, prefill_chunk)
+
+
+def _numpy_int(v):
+    """A NumPy integer as the int it holds (a chunk read from an array was refused as "not an int",
+    where capacity and max_new_tokens take one); anything else as given, for the checks to judge."""
+    return int(v) if isinstance(v, np.integer) else v
 
 
 def _sampling(sampling) -> Sampling:

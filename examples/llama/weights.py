@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 
 import deviceop as dop
 
-from .config import LlamaConfig
+from .config import LlamaConfig, as_path
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -114,12 +115,12 @@ def check_weights(cfg: LlamaConfig, weights: dict) -> None:
             raise dop.ShapeError(f"the checkpoint lacks {name}: is it a Llama-family model of this config?")
         if not hasattr(w, "shape") or not hasattr(w, "dtype"):
             raise dop.DTypeError(f"{name} is a {type(w).__name__}, not an array: pass NumPy (bf16), torch or CuPy "
-                                 "arrays")
+                                 "arrays, or deviceop tensors")
         if tuple(w.shape) != shape:
             raise dop.ShapeError(f"{name} has shape {tuple(w.shape)}, the config needs {shape}: the config and "
                                  "the weights do not belong together")
         kind = str(getattr(w, "dtype", ""))
-        if kind not in ("bfloat16", "torch.bfloat16"):
+        if kind not in ("bfloat16", "torch.bfloat16", "dop.bfloat16"):  # (a deviceop Tensor: used in place)
             raise dop.DTypeError(f"{name} is {kind}, the kernels read bfloat16 weights: convert the checkpoint "
                                  "(e.g. model.to(torch.bfloat16)) first")
         if isinstance(w, np.ndarray):
@@ -146,6 +147,14 @@ def random_weights(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
     they matter.  For tests and for running without a checkpoint (a larger ``std``
     makes a tiny model's greedy output wander instead of repeating one token).
     A model larger than this machine's memory is refused before anything is made."""
+    if not isinstance(cfg, LlamaConfig):
+        raise dop.DTypeError(f"the config is a {type(cfg).__name__}, not a LlamaConfig: pass "
+                             "LlamaConfig.from_dict(d) or LlamaConfig.from_json(path)")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise dop.ShapeError(f"random_weights: seed={seed!r} must be an integer >= 0 (or None for a fresh one)")
+    if isinstance(std, bool) or not isinstance(std, numbers.Real) or not 0 <= float(std) < float("inf"):
+        raise dop.ShapeError(f"random_weights: std={std!r} must be a finite number >= 0 (the matrices' "
+                             "standard deviation)")
     have = host_memory_bytes()
     if have and cfg.weight_bytes() > have:
         raise dop.ShapeError(f"random weights of this config take {cfg.weight_bytes() / 1e9:.1f} GB and this "
@@ -173,7 +182,7 @@ def save_checkpoint(cfg: LlamaConfig, weights: dict, directory, shard_bytes: int
     """Write ``config.json`` and the weights as safetensors (sharded above ``shard_bytes``,
     with the index file Hugging Face writes), as a Hugging Face checkpoint directory."""
     from safetensors.numpy import save_file
-    directory = Path(directory)
+    directory = as_path(directory, "checkpoint directory")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     names = sorted(weights)
@@ -205,7 +214,7 @@ def load_checkpoint(directory, progress: bool = True) -> dict:
     (memory-mapped: nothing is read twice).  A file that cannot be read or parsed, a
     shard the index names that is missing or lacks a tensor, and a tensor stored in two
     shards are StateErrors naming the file."""
-    directory = Path(directory)
+    directory = as_path(directory, "checkpoint directory")
     if not directory.is_dir():
         raise dop.StateError(f"{directory} is not a directory: pass a Hugging Face checkpoint directory")
     index = directory / "model.safetensors.index.json"
