@@ -231,6 +231,30 @@ def test_a_key_whose_comparison_raises_is_refused(stream, weights, rng):
     assert len(cache) == 0
 
 
+class _Drifting:
+    """A key whose hash changes at every hash (it hashes a counter), equal to any other."""
+    hashes = 0
+
+    def __hash__(self):
+        _Drifting.hashes += 1
+        return _Drifting.hashes
+
+    def __eq__(self, other):
+        return isinstance(other, _Drifting)
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_key_whose_hash_changes_is_refused_not_lost_in_the_cache(stream, weights, rng, cls):
+    # before the fix the graph was stored under one hash and looked up under another: a raw
+    # KeyError from the cache's own dict at the second call, and the cache broken for good
+    _, wt = weights
+    cache = cls(make_forward(wt), stream=stream, sizes=[4], key=lambda x: _Drifting())
+    for _ in range(2):
+        with pytest.raises(dop.StateError, match="hashes to another value.*return a key whose hash is fixed"):
+            cache(batch_of(rng, 2, stream)[1])
+    assert len(cache) == 0 and cache.stats.captures == 0
+
+
 def test_options_are_checked_when_the_cache_is_made(device, stream, weights):
     _, wt = weights
     forward = make_forward(wt)

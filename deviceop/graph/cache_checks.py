@@ -79,11 +79,15 @@ def checked_key(key_fn, inputs):
     """``key_fn(*inputs)``, refused unless it is hashable and equals itself."""
     try:
         key = key_fn(*inputs)
-        hash(key)
+        steady = hash(key) == hash(key)  # a hash that changes loses the graph in the cache's dict (a raw KeyError)
         odd = _unequal_part(key)  # its == may raise too: a key that cannot be compared is refused here
     except Exception as exc:
         raise StateError(f"the GraphCache key function failed on inputs of shapes {[t.shape for t in inputs]}: "
                          f"{exc!r}; it must return a hashable key that equals itself") from exc
+    if not steady:
+        raise StateError(f"the GraphCache key {key!r} hashes to another value each time it is hashed: the cache "
+                         "could never find its graph again; return a key whose hash is fixed (a tuple of ints "
+                         "and strings, a frozen dataclass)")
     if odd is not _EQUAL:
         part = "" if odd is key else f" holds {odd!r}, which"
         raise StateError(f"the GraphCache key {key!r}{part} does not equal itself (NaN never does): it would never "
