@@ -282,6 +282,21 @@ def test_options_are_checked_when_the_cache_is_made(device, stream, weights):
     assert made.max_bytes == 1 << 20
 
 
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_function_that_cannot_take_the_inputs_is_refused_naming_its_signature(stream, weights, rng, cls):
+    # before the fix: a raw TypeError ("takes 1 positional argument but 2 were given") from inside the capture
+    w, wt = weights
+    for eager in (False, True):
+        cache = cls(lambda x: x, stream=stream, sizes=[4])
+        with pytest.raises(dop.LaunchError, match=r"function <lambda>\(x\) cannot be called as "
+                                                  r"function\(ws, inputs\[0\]\).*def fn\(ws, x, ...\)"):
+            cache(batch_of(rng, 3, stream)[1], eager=eager)
+        assert len(cache) == 0
+    cache = cls(make_forward(wt), stream=stream, sizes=[4])   # a fitting function still runs
+    xs, x = batch_of(rng, 3, stream)
+    assert close(cache(x).numpy(), xs, w)
+
+
 def test_a_pad_value_the_inputs_dtype_cannot_hold_is_refused_before_any_capture(stream, rng):
     def forward(ws, x):  # int8 rows copied through: the padding is visible in the graph's input
         return dop.api.memcpy(ws.empty([ws.size, 8], "int8"), x)

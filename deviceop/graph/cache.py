@@ -46,6 +46,7 @@ from ..errors import AliasingError, DTypeError, LaunchError, ReentrancyError, Sh
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..execution import executing_now, refuse_reentry
+from ..foreign import refuse_uncallable
 from ..op import DeviceOp
 from ..runtime.stream import refuse_if_captured_elsewhere
 from .cache_checks import check_new_key, check_options, check_pad, checked_key, count
@@ -235,6 +236,8 @@ class GraphCache:
 
     def _build(self, ws: Workspace, *inputs) -> DeviceOp:
         """``fn(ws, *inputs)``, refused unless it returns an op; the cache refuses calls meanwhile."""
+        refuse_uncallable("GraphCache", "function", self.fn, ["ws", *(f"inputs[{i}]" for i in range(len(inputs)))],
+                          [], "define it as def fn(ws, x, ...) with one parameter per input after ws")
         self._building = ws.size
         try:
             op = self.fn(ws, *inputs)
