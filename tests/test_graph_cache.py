@@ -297,6 +297,21 @@ def test_a_function_that_cannot_take_the_inputs_is_refused_naming_its_signature(
     assert close(cache(x).numpy(), xs, w)
 
 
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_shared_tensor_handle_is_an_input_as_a_kernel_reads_it(stream, weights, rng, cls):
+    # before the fix: DTypeError "input 0 must be a deviceop Tensor, got SharedTensor", which kernels
+    # and GraphModel take as a read
+    w, wt = weights
+    cache = cls(make_forward(wt), stream=stream, sizes=[2, 4])
+    xs, x = batch_of(rng, 3, stream)
+    handle = x.into_shared()
+    assert cache.warmup(handle) >= 1
+    assert close(cache(handle).numpy(), xs, w) and close(cache(handle, eager=True).numpy(), xs, w)
+    handle.release()
+    with pytest.raises(dop.StateError, match="released"):
+        cache(handle)
+
+
 def test_a_pad_value_the_inputs_dtype_cannot_hold_is_refused_before_any_capture(stream, rng):
     def forward(ws, x):  # int8 rows copied through: the padding is visible in the graph's input
         return dop.api.memcpy(ws.empty([ws.size, 8], "int8"), x)

@@ -155,7 +155,7 @@ class GraphCache:
             raise LaunchError(f"GraphCache's eager= is True or False (run this call without a graph), got {eager!r}")
         with self._lock:
             self._check_open()
-            batch = self._batch_of(inputs)
+            batch, inputs = self._batch_of(inputs)
             size = self.size_for(batch)
             if eager or size is None:
                 if not eager and not self.fallback:
@@ -181,7 +181,7 @@ class GraphCache:
         first, so smaller ones share the largest one's buffers; returns how many were captured."""
         with self._lock:
             self._check_open()
-            self._batch_of(inputs)
+            _, inputs = self._batch_of(inputs)
             key = self._key_of(inputs)
             todo = self.sizes if sizes is None else _sizes_of(sizes)
             unknown = [s for s in todo if s not in self.sizes]
@@ -248,11 +248,14 @@ class GraphCache:
         return op
 
     @staticmethod
-    def _batch_of(inputs) -> int:
+    def _batch_of(inputs) -> tuple:
+        """The inputs' batch, and the inputs as tensors (a SharedTensor handle read through, as kernels read it)."""
         if not inputs:
             raise ShapeError("a GraphCache call needs at least one input tensor (the batch is its axis 0)")
         for i, t in enumerate(inputs):
             if not isinstance(t, Tensor):
+                if isinstance(t, SharedTensor):  # (.tensor refuses a released handle)
+                    return GraphCache._batch_of(tuple(x.tensor if isinstance(x, SharedTensor) else x for x in inputs))
                 raise DTypeError(f"GraphCache input {i} must be a deviceop Tensor, got {type(t).__name__}")
             if t.ndim == 0 or not t.is_contiguous:
                 raise ShapeError(f"GraphCache input {i} (shape {t.shape}) must be contiguous with a batch axis 0")
@@ -260,7 +263,7 @@ class GraphCache:
         if batch < 1 or any(t.shape[0] != batch for t in inputs):
             raise ShapeError(f"GraphCache inputs must share a batch (axis 0) >= 1; got shapes "
                              f"{[t.shape for t in inputs]}")
-        return batch
+        return batch, inputs
 
     @staticmethod
     def _slot(size: int, key) -> tuple:
