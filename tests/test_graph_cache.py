@@ -231,6 +231,29 @@ def test_a_key_whose_comparison_raises_is_refused(stream, weights, rng):
     assert len(cache) == 0
 
 
+class _Mode:
+    """Compared (and hashed) by identity, as any class without __eq__."""
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+@pytest.mark.parametrize("make_key", [lambda x: _Mode(), lambda x: ("decode", object()), lambda x: x],
+                         ids=["instance", "object-in-tuple", "tensor"])
+def test_a_key_made_anew_by_each_call_and_compared_by_identity_is_refused(stream, weights, rng, cls, make_key):
+    # before the fix every call captured and held another graph (5 calls, 5 graphs: unbounded)
+    _, wt = weights
+    cache = cls(make_forward(wt), stream=stream, sizes=[4], key=make_key)
+    cache(batch_of(rng, 2, stream)[1])
+    for _ in range(3):
+        with pytest.raises(dop.StateError, match="held graph.*identity.*made anew by each call"):
+            cache(batch_of(rng, 2, stream)[1])        # (a tensor prints its shape: the same one here)
+    assert len(cache) == 1 and cache.stats.captures == 1
+    same = _Mode()                              # the same object each call hits, as any key that equals itself
+    cache = cls(make_forward(wt), stream=stream, sizes=[4], key=lambda x: same)
+    for b in (1, 3, 4):
+        cache(batch_of(rng, b, stream)[1])
+    assert cache.stats.captures == 1
+
+
 class _Drifting:
     """A key whose hash changes at every hash (it hashes a counter), equal to any other."""
     hashes = 0
