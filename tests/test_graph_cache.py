@@ -335,6 +335,23 @@ def test_a_shared_tensor_handle_is_an_input_as_a_kernel_reads_it(stream, weights
         cache(handle)
 
 
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_function_that_writes_its_input_leaves_the_callers_tensor_alone_eager_or_replayed(stream, rng, cls):
+    # a replay's function writes the graph's copy of the input; before the fix the eager path
+    # (eager=True, or a batch above every size) handed the function the caller's tensor itself
+    def forward(ws, x):  # copy x out, then zero x in place
+        out = ws.empty([ws.size, 8])
+        return dop.api.memcpy(out, x).then(lambda o: dop.api.fill(x, 0.0).map(lambda _: o))
+
+    cache = cls(forward, stream=stream, sizes=[4])
+    for b, eager in ((3, False), (3, True), (5, False)):
+        xs = rng.standard_normal((b, 8)).astype(np.float32)
+        x = dop.from_numpy(xs, stream=stream)
+        y = cache(x, eager=eager)
+        assert np.array_equal(y.numpy(), xs) and np.array_equal(x.numpy(), xs)
+    assert cache.stats.fallbacks == 2
+
+
 def test_a_pad_value_the_inputs_dtype_cannot_hold_is_refused_before_any_capture(stream, rng):
     def forward(ws, x):  # int8 rows copied through: the padding is visible in the graph's input
         return dop.api.memcpy(ws.empty([ws.size, 8], "int8"), x)

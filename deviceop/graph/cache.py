@@ -372,6 +372,9 @@ class GraphCache:
             stream.fill(dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:], self.pad_value)
 
     def _eager(self, batch, inputs):
+        # the function gets copies, as a replay's function got the graph's input buffers: one that
+        # writes its inputs in place leaves the caller's tensors as they were, whichever path runs
+        inputs = tuple(_copy_of(x, self.stream) for x in inputs)
         ws = Workspace(self, batch, self._key_of(inputs), eager=True)
         op = self._build(ws, *inputs)
         outputs, single = _outputs_of(op.async_on(self.stream), batch)
