@@ -231,6 +231,53 @@ def test_a_key_whose_comparison_raises_is_refused(stream, weights, rng):
     assert len(cache) == 0
 
 
+class _Mode:
+    """Compared (and hashed) by identity, as any class without __eq__."""
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+@pytest.mark.parametrize("make_key", [lambda x: _Mode(), lambda x: ("decode", object()), lambda x: x],
+                         ids=["instance", "object-in-tuple", "tensor"])
+def test_a_key_made_anew_by_each_call_and_compared_by_identity_is_refused(stream, weights, rng, cls, make_key):
+    # before the fix every call captured and held another graph (5 calls, 5 graphs: unbounded)
+    _, wt = weights
+    cache = cls(make_forward(wt), stream=stream, sizes=[4], key=make_key)
+    cache(batch_of(rng, 2, stream)[1])
+    for _ in range(3):
+        with pytest.raises(dop.StateError, match="held graph.*identity.*made anew by each call"):
+            cache(batch_of(rng, 2, stream)[1])        # (a tensor prints its shape: the same one here)
+    assert len(cache) == 1 and cache.stats.captures == 1
+    same = _Mode()                              # the same object each call hits, as any key that equals itself
+    cache = cls(make_forward(wt), stream=stream, sizes=[4], key=lambda x: same)
+    for b in (1, 3, 4):
+        cache(batch_of(rng, b, stream)[1])
+    assert cache.stats.captures == 1
+
+
+class _Drifting:
+    """A key whose hash changes at every hash (it hashes a counter), equal to any other."""
+    hashes = 0
+
+    def __hash__(self):
+        _Drifting.hashes += 1
+        return _Drifting.hashes
+
+    def __eq__(self, other):
+        return isinstance(other, _Drifting)
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_key_whose_hash_changes_is_refused_not_lost_in_the_cache(stream, weights, rng, cls):
+    # before the fix the graph was stored under one hash and looked up under another: a raw
+    # KeyError from the cache's own dict at the second call, and the cache broken for good
+    _, wt = weights
+    cache = cls(make_forward(wt), stream=stream, sizes=[4], key=lambda x: _Drifting())
+    for _ in range(2):
+        with pytest.raises(dop.StateError, match="hashes to another value.*return a key whose hash is fixed"):
+            cache(batch_of(rng, 2, stream)[1])
+    assert len(cache) == 0 and cache.stats.captures == 0
+
+
 def test_options_are_checked_when_the_cache_is_made(device, stream, weights):
     _, wt = weights
     forward = make_forward(wt)
@@ -256,6 +303,53 @@ def test_options_are_checked_when_the_cache_is_made(device, stream, weights):
         GraphCache(forward, stream=stream, key=("seq", 1))
     made = GraphCache(forward, stream=stream, max_bytes=np.int64(1 << 20), pad_value=np.float32(-1))
     assert made.max_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_function_that_cannot_take_the_inputs_is_refused_naming_its_signature(stream, weights, rng, cls):
+    # before the fix: a raw TypeError ("takes 1 positional argument but 2 were given") from inside the capture
+    w, wt = weights
+    for eager in (False, True):
+        cache = cls(lambda x: x, stream=stream, sizes=[4])
+        with pytest.raises(dop.LaunchError, match=r"function <lambda>\(x\) cannot be called as "
+                                                  r"function\(ws, inputs\[0\]\).*def fn\(ws, x, ...\)"):
+            cache(batch_of(rng, 3, stream)[1], eager=eager)
+        assert len(cache) == 0
+    cache = cls(make_forward(wt), stream=stream, sizes=[4])   # a fitting function still runs
+    xs, x = batch_of(rng, 3, stream)
+    assert close(cache(x).numpy(), xs, w)
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_shared_tensor_handle_is_an_input_as_a_kernel_reads_it(stream, weights, rng, cls):
+    # before the fix: DTypeError "input 0 must be a deviceop Tensor, got SharedTensor", which kernels
+    # and GraphModel take as a read
+    w, wt = weights
+    cache = cls(make_forward(wt), stream=stream, sizes=[2, 4])
+    xs, x = batch_of(rng, 3, stream)
+    handle = x.into_shared()
+    assert cache.warmup(handle) >= 1
+    assert close(cache(handle).numpy(), xs, w) and close(cache(handle, eager=True).numpy(), xs, w)
+    handle.release()
+    with pytest.raises(dop.StateError, match="released"):
+        cache(handle)
+
+
+@pytest.mark.parametrize("cls", [GraphCache, dop.SwitchGraphCache])
+def test_a_function_that_writes_its_input_leaves_the_callers_tensor_alone_eager_or_replayed(stream, rng, cls):
+    # a replay's function writes the graph's copy of the input; before the fix the eager path
+    # (eager=True, or a batch above every size) handed the function the caller's tensor itself
+    def forward(ws, x):  # copy x out, then zero x in place
+        out = ws.empty([ws.size, 8])
+        return dop.api.memcpy(out, x).then(lambda o: dop.api.fill(x, 0.0).map(lambda _: o))
+
+    cache = cls(forward, stream=stream, sizes=[4])
+    for b, eager in ((3, False), (3, True), (5, False)):
+        xs = rng.standard_normal((b, 8)).astype(np.float32)
+        x = dop.from_numpy(xs, stream=stream)
+        y = cache(x, eager=eager)
+        assert np.array_equal(y.numpy(), xs) and np.array_equal(x.numpy(), xs)
+    assert cache.stats.fallbacks == 2
 
 
 def test_a_pad_value_the_inputs_dtype_cannot_hold_is_refused_before_any_capture(stream, rng):

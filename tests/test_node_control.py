@@ -95,6 +95,10 @@ def test_memcpy_node_updates_are_checked_and_a_refused_one_changes_nothing(strea
         node.set(src=dst)                                   # a buffer onto itself
     with pytest.raises(dop.DTypeError, match="from_numpy"):
         node.set(src=a)                                     # a host array
+    with pytest.raises(dop.LaunchError, match=r"set\(\) takes dst and src .*got argument 'source'"):
+        node.set(source=src)                                # a raw TypeError before the fix
+    with pytest.raises(dop.LaunchError, match=r"set\(\) takes dst and src .*got 3 positional arguments"):
+        node.set(dst, src, 0)
     graph.replay()
     stream.synchronize()
     assert np.array_equal(dst.numpy(stream=stream), a)      # it still copies what it did
@@ -144,6 +148,8 @@ def test_a_memset_node_takes_a_new_value_and_buffer(stream):
         node.set(dst=dop.empty([N], "float64", stream=stream))
     with pytest.raises(dop.DTypeError):
         node.set(value="two")
+    with pytest.raises(dop.LaunchError, match=r"set\(\) takes dst and value .*got argument 'fill'"):
+        node.set(fill=1.0)                                  # a raw TypeError before the fix
     node.enabled = False
     refill(u, stream, 7.0)
     graph.replay()

@@ -64,6 +64,27 @@ def test_tensor_and_grid_updates(stream, data, rng):
     assert close(big.numpy(), affine_ref(xs3, 2.0, 0.0))
 
 
+def test_a_positional_set_may_repeat_the_arguments_that_are_not_dynamic(stream, data, rng):
+    # set(*args) passes every argument: before the fix the same y, x and beta, given again as
+    # a fresh partition and equal values, counted as changes and were refused as not dynamic
+    xs, x, y = data
+    step = affine(y.partition([B]), x, 2.0, 1).generics([B]).dynamic("alpha")
+    graph = step.graph_on(stream)
+    node = graph.node(step)
+    alpha = float(rng.uniform(-3, 3))
+    node.set(y.partition([B]), x.view([N]), alpha, np.float32(1.0))
+    graph.launch().sync_on(stream)
+    assert close(y.numpy(), affine_ref(xs, alpha, 1.0))
+    for beta in (2.0, -1.0):                           # another value is a change
+        with pytest.raises(dop.StateError, match=r"argument\(s\) beta of .*not marked dynamic"):
+            node.set(y.partition([B]), x, alpha, beta)
+    other = dop.empty([N], stream=stream)
+    with pytest.raises(dop.StateError, match=r"argument\(s\) out, x of .*not marked dynamic"):
+        node.set(other.partition([B]), other, alpha, 1.0)   # other buffers of the same layout are a change
+    graph.launch().sync_on(stream)
+    assert close(y.numpy(), affine_ref(xs, alpha, 1.0))
+
+
 def test_update_errors_name_the_problem_and_change_nothing(stream, data):
     xs, x, y = data
     step = affine(y.partition([B]), x, 2.0, 1.0).generics([B]).dynamic("alpha")

@@ -270,6 +270,22 @@ def test_a_stream_argument_that_is_not_a_stream():
             call()
 
 
+def test_a_scope_body_that_cannot_take_the_scope_is_refused_before_the_capture(stream, rng):
+    # before the fix: a raw TypeError ("'int' object is not callable", "takes 0 positional
+    # arguments") raised from inside the capture
+    xs = rng.standard_normal(256).astype(np.float32)
+    x, y = dop.from_numpy(xs, stream=stream), dop.empty(256, stream=stream)
+    with pytest.raises(dop.LaunchError, match=r"CudaGraph.scope\(stream, body\) takes a function body\(s\).*got a int"):
+        CudaGraph.scope(stream, 3)
+    with pytest.raises(dop.LaunchError, match=r"body <lambda>\(\) cannot be called as body\(s\).*def body\(s\)"):
+        CudaGraph.scope(stream, lambda: None)
+    graph = CudaGraph.scope(stream, lambda s: s.record(affine(y.partition([128]), x, 2.0, 0.0).generics([128])))
+    with pytest.raises(dop.LaunchError, match=r"graph.recapture\(body\)'s body <lambda>\(a, b\) cannot be called"):
+        graph.recapture(lambda a, b: None)
+    graph.launch().sync_on(stream)  # the graph and its stream go on as before
+    assert np.allclose(y.numpy(), 2 * xs)
+
+
 def test_graph_cache_sizes_must_be_ints(stream):
     with pytest.raises(dop.ShapeError, match="max_size must be an int >= 1, got 2.5"):
         GraphCache(lambda ws, x: x, stream=stream, max_size=2.5)

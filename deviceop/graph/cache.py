@@ -46,6 +46,7 @@ from ..errors import AliasingError, DTypeError, LaunchError, ReentrancyError, Sh
 from ..interop import empty
 from ..kernel.precompile import progress
 from ..execution import executing_now, refuse_reentry
+from ..foreign import refuse_uncallable
 from ..op import DeviceOp
 from ..runtime.stream import refuse_if_captured_elsewhere
 from .cache_checks import check_new_key, check_options, check_pad, checked_key, count
@@ -154,7 +155,7 @@ class GraphCache:
             raise LaunchError(f"GraphCache's eager= is True or False (run this call without a graph), got {eager!r}")
         with self._lock:
             self._check_open()
-            batch = self._batch_of(inputs)
+            batch, inputs = self._batch_of(inputs)
             size = self.size_for(batch)
             if eager or size is None:
                 if not eager and not self.fallback:
@@ -180,7 +181,7 @@ class GraphCache:
         first, so smaller ones share the largest one's buffers; returns how many were captured."""
         with self._lock:
             self._check_open()
-            self._batch_of(inputs)
+            _, inputs = self._batch_of(inputs)
             key = self._key_of(inputs)
             todo = self.sizes if sizes is None else _sizes_of(sizes)
             unknown = [s for s in todo if s not in self.sizes]
@@ -235,6 +236,8 @@ class GraphCache:
 
     def _build(self, ws: Workspace, *inputs) -> DeviceOp:
         """``fn(ws, *inputs)``, refused unless it returns an op; the cache refuses calls meanwhile."""
+        refuse_uncallable("GraphCache", "function", self.fn, ["ws", *(f"inputs[{i}]" for i in range(len(inputs)))],
+                          [], "define it as def fn(ws, x, ...) with one parameter per input after ws")
         self._building = ws.size
         try:
             op = self.fn(ws, *inputs)
@@ -245,11 +248,14 @@ class GraphCache:
         return op
 
     @staticmethod
-    def _batch_of(inputs) -> int:
+    def _batch_of(inputs) -> tuple:
+        """The inputs' batch, and the inputs as tensors (a SharedTensor handle read through, as kernels read it)."""
         if not inputs:
             raise ShapeError("a GraphCache call needs at least one input tensor (the batch is its axis 0)")
         for i, t in enumerate(inputs):
             if not isinstance(t, Tensor):
+                if isinstance(t, SharedTensor):  # (.tensor refuses a released handle)
+                    return GraphCache._batch_of(tuple(x.tensor if isinstance(x, SharedTensor) else x for x in inputs))
                 raise DTypeError(f"GraphCache input {i} must be a deviceop Tensor, got {type(t).__name__}")
             if t.ndim == 0 or not t.is_contiguous:
                 raise ShapeError(f"GraphCache input {i} (shape {t.shape}) must be contiguous with a batch axis 0")
@@ -257,7 +263,7 @@ class GraphCache:
         if batch < 1 or any(t.shape[0] != batch for t in inputs):
             raise ShapeError(f"GraphCache inputs must share a batch (axis 0) >= 1; got shapes "
                              f"{[t.shape for t in inputs]}")
-        return batch
+        return batch, inputs
 
     @staticmethod
     def _slot(size: int, key) -> tuple:
@@ -366,6 +372,9 @@ class GraphCache:
             stream.fill(dst._array.reshape(-1)[nbytes // dst.dtype.itemsize:], self.pad_value)
 
     def _eager(self, batch, inputs):
+        # the function gets copies, as a replay's function got the graph's input buffers: one that
+        # writes its inputs in place leaves the caller's tensors as they were, whichever path runs
+        inputs = tuple(_copy_of(x, self.stream) for x in inputs)
         ws = Workspace(self, batch, self._key_of(inputs), eager=True)
         op = self._build(ws, *inputs)
         outputs, single = _outputs_of(op.async_on(self.stream), batch)

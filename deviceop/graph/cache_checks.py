@@ -5,6 +5,7 @@ is captured or copied)."""
 from __future__ import annotations
 
 import operator
+import re
 
 import numpy as np
 
@@ -79,11 +80,15 @@ def checked_key(key_fn, inputs):
     """``key_fn(*inputs)``, refused unless it is hashable and equals itself."""
     try:
         key = key_fn(*inputs)
-        hash(key)
+        steady = hash(key) == hash(key)  # a hash that changes loses the graph in the cache's dict (a raw KeyError)
         odd = _unequal_part(key)  # its == may raise too: a key that cannot be compared is refused here
     except Exception as exc:
         raise StateError(f"the GraphCache key function failed on inputs of shapes {[t.shape for t in inputs]}: "
                          f"{exc!r}; it must return a hashable key that equals itself") from exc
+    if not steady:
+        raise StateError(f"the GraphCache key {key!r} hashes to another value each time it is hashed: the cache "
+                         "could never find its graph again; return a key whose hash is fixed (a tuple of ints "
+                         "and strings, a frozen dataclass)")
     if odd is not _EQUAL:
         part = "" if odd is key else f" holds {odd!r}, which"
         raise StateError(f"the GraphCache key {key!r}{part} does not equal itself (NaN never does): it would never "
@@ -92,15 +97,30 @@ def checked_key(key_fn, inputs):
     return key
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # what object.__repr__ adds: <K object at 0x7f...>
+
+
 def check_new_key(key_fn, key, held) -> None:
-    """Refuse a missed ``(size, key)`` that prints as one of the ``held`` ones: it holds
-    something unequal to its copy (a NaN in a dataclass ...), so it would miss every call."""
+    """Refuse a missed ``(size, key)`` that prints as one of the ``held`` ones, also but for
+    the addresses in it: it holds something unequal to its copy (a NaN in a dataclass, an
+    object compared by identity and made anew by every call), so it would miss every call."""
     if key_fn is None:
         return
     text = repr(key)
+    bare = _ADDRESS.sub("", text)
     for other in held:
-        if other[0] == key[0] and repr(other) == text:
+        if other[0] != key[0]:
+            continue
+        shown = repr(other)
+        if shown == text:
             raise StateError(f"the GraphCache key {key[1]!r} does not equal the key {other[1]!r} of a held graph "
                              "that prints the same: it holds something unequal to its copy (NaN never equals "
-                             "itself), so every call would capture and hold another graph; return a key that "
-                             "equals its copy (replace the NaN, e.g. by None)")
+                             "itself, nor an object compared by identity, made anew by each call, any other), so "
+                             "every call would capture and hold another graph; return a key that equals its copy "
+                             "(replace the NaN, e.g. by None; key by value: shapes, ints, strings)")
+        if bare != text and _ADDRESS.sub("", shown) == bare:
+            raise StateError(f"the GraphCache key {key[1]!r} prints as the key {other[1]!r} of a held graph but "
+                             "for its address: it holds an object compared by identity (object(), an instance "
+                             "without __eq__, a lambda) made anew by each call, so every call would capture and "
+                             "hold another graph; return a key compared by value (a tuple of ints and strings, "
+                             "a frozen dataclass)")

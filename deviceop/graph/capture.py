@@ -6,6 +6,7 @@ import threading
 from ..api import memset
 from ..errors import CaptureError, GraphSafetyError, LaunchError
 from ..execution import _running
+from ..foreign import refuse_uncallable
 from ..kernel import KernelLaunch
 from ..op import DeviceOp, SharedOp
 from .copy_nodes import MemcpyNode, MemsetNode
@@ -250,3 +251,18 @@ def not_recordable(x) -> LaunchError:
         what = "which is no op, so there is nothing to record: record a kernel launch, api.memcpy, dop.foreign(...), " \
                "dop.host_callback(...), or a value made an op with dop.value(x)"
     return LaunchError(f"scope.record() takes an op; got a {type(x).__name__}, {what}")
+
+
+def check_body(label: str, body) -> None:
+    """Refuse a scope body that is not a function of the scope, before the capture begins
+    (called inside it, its TypeError was a raw one from the middle of a capture)."""
+    if not callable(body):
+        raise LaunchError(f"{label} takes a function body(s) that records ops with s.record(op), "
+                          f"got a {type(body).__name__}")
+    refuse_uncallable(label, "body", body, ["s"], [], "define it as def body(s): ... s.record(op)")
+
+
+def flag(name: str, on) -> bool:
+    if not isinstance(on, bool):
+        raise LaunchError(f"{name} takes True or False, got {on!r}")
+    return on

@@ -32,6 +32,14 @@ def _same_buffer_kind(node: Node, new, old, what: str) -> None:
                          f"{old.size} elements, or recapture")
 
 
+def _refuse_extra(node: Node, names: tuple, extra: tuple, unknown: dict) -> None:
+    """Refuse what ``set`` does not take (a raw TypeError from Python, the kernel node's way)."""
+    if extra or unknown:
+        given = f"{len(names) + len(extra)} positional arguments" if extra else f"argument {next(iter(unknown))!r}"
+        raise LaunchError(f"{node.label}: set() takes {' and '.join(names)} (by name, or in that order; either "
+                          f"may be left out), got {given}; e.g. node.set({names[0]}=...)")
+
+
 class MemcpyNode(Node):
     """The MEMCPY node of one ``api.memcpy(dst, src)``: ``set(dst=..., src=...)``."""
 
@@ -41,8 +49,9 @@ class MemcpyNode(Node):
         super().__init__(f"api.memcpy({dst.dtype.name} x {dst.size})", handle)
         self.dst, self.src = dst, src  # the graph keeps them (through its nodes) while the node copies them
 
-    def set(self, dst=None, src=None) -> None:
+    def set(self, dst=None, src=None, *extra, **unknown) -> None:
         """Copy from ``src`` into ``dst`` at the next replays (either may be left as it is)."""
+        _refuse_extra(self, ("dst", "src"), extra, unknown)
         graph = self._live_graph()
         new_dst = self.dst if dst is None else _destination(dst)
         new_src = self.src if src is None else _tensor_of(src, "memcpy source")
@@ -72,8 +81,9 @@ class MemsetNode(Node):
         super().__init__(f"api.fill({dst.dtype.name} x {dst.size})", handle)
         self.dst, self.value = dst, value
 
-    def set(self, dst=None, value=None) -> None:
+    def set(self, dst=None, value=None, *extra, **unknown) -> None:
         """Set every element of ``dst`` to ``value`` at the next replays (either may be left as it is)."""
+        _refuse_extra(self, ("dst", "value"), extra, unknown)
         graph = self._live_graph()
         new_dst = self.dst if dst is None else _destination(dst)
         new_value = self.value if value is None else value

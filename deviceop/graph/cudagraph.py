@@ -23,7 +23,7 @@ from ..foreign import ForeignOp, HostCallback
 from ..op import DeviceOp, ExecutionContext, check_stream, executing, too_deep, value
 from ..runtime.device import placed
 from ..runtime.stream import ProcessHandle, capturing, refuse_if_captured_elsewhere
-from .capture import Capture, Recording, ReplayCheck, not_recordable, preload
+from .capture import Capture, Recording, ReplayCheck, check_body, flag, not_recordable, preload
 from .child import Ambiguous, ChildGraphNode, GraphLaunch
 from .nodes import KernelNode, Node
 from .render import render_dot
@@ -77,7 +77,7 @@ class CudaGraph(ProcessHandle):
     @classmethod
     def _record(cls, op: DeviceOp, stream, parallel: bool = False, instantiate: bool = False):
         """Capture ``op`` into a new graph (graph/capture.py's Recording): ``(recording, output)``."""
-        cap = Capture(op.describe(), _flag("parallel", parallel))
+        cap = Capture(op.describe(), flag("parallel", parallel))
         cap.check_graph_safe(op)
         with executing(f"graph_on({op.describe()})"):
             preload(op, stream.device)
@@ -96,9 +96,10 @@ class CudaGraph(ProcessHandle):
         leaves it in ``s.graph``.  ``s.record(op)`` records a graph-safe op.
         ``parallel``: as for ``graph_on`` (graph/parallel.py)."""
         check_stream("CudaGraph.scope", stream)
-        scope = Scope(stream, parallel=_flag("parallel", parallel))
+        scope = Scope(stream, parallel=flag("parallel", parallel))
         if body is None:
             return scope
+        check_body("CudaGraph.scope(stream, body)", body)
         with scope as s:
             body(s)
         return scope.graph
@@ -211,6 +212,7 @@ class CudaGraph(ProcessHandle):
             rec, output = CudaGraph._record(work, stream, self.parallel)
             graph, cap = rec.graph, rec.cap
         elif callable(work):
+            check_body("graph.recapture(body)", work)
             scope = Scope(stream, instantiate=False, parallel=self.parallel)
             with scope as s:
                 work(s)
@@ -332,12 +334,6 @@ class CudaGraph(ProcessHandle):
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"on {self._stream!r}"
         return f"<CudaGraph {state}>"
-
-
-def _flag(name: str, on) -> bool:
-    if not isinstance(on, bool):
-        raise LaunchError(f"{name} takes True or False, got {on!r}")
-    return on
 
 
 class Scope:

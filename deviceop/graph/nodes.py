@@ -28,6 +28,7 @@ switched on again), also without re-instantiating.
 """
 from __future__ import annotations
 
+import math
 import struct
 import weakref
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from ..errors import DTypeError, LaunchError, StateError
 from ..kernel import checked_launch
-from ..tensor import SharedTensor
+from ..tensor import Partition, SharedTensor, Tensor
 from .parallel import kernel_footprint
 
 
@@ -189,7 +190,8 @@ class KernelNode(Node):
                 raise LaunchError(f"{self.label} takes {len(params)} arguments "
                                   f"({', '.join(p.describe() for p in params)}), got {len(args)}")
             new = list(args)
-            changed = [i for i in range(len(params)) if not _same(new[i], self.values[i])]
+            changed = [i for i in range(len(params)) if not _same(new[i], self.values[i], params[i])]
+            new = [new[i] if i in changed else self.values[i] for i in range(len(params))]  # the equal ones: as kept
         else:
             new, changed = list(self.values), []
             index = kernel.param_index
@@ -314,9 +316,27 @@ def _kept(params, values, launch_args) -> list:
     return [v if p.role == "out" else a for p, v, a in zip(params, values, launch_args)]
 
 
-def _same(given, kept) -> bool:
-    """Is an argument given to ``set`` the one the node has (a live handle to its tensor counts)?"""
-    return given is kept or (type(given) is SharedTensor and given._live and given._tensor is kept)
+def _same(given, kept, param) -> bool:
+    """Is an argument given to ``set`` the one the node has: the object itself, a live handle to
+    its tensor, or (passed positionally, all of them) an equal one: a tensor of the same address
+    and layout, a partition of it into the same tiles, a scalar of the same value (a positional
+    set passes every argument, also those not marked dynamic, and was refused unless each was
+    the very object the capture kept)."""
+    if given is kept or (type(given) is SharedTensor and given._live and given._tensor is kept):
+        return True
+    if type(given) is SharedTensor and given._live:
+        given = given._tensor
+    if type(given) is Tensor and type(kept) is Tensor:
+        return given._sig == kept._sig
+    if type(given) is Partition and type(kept) is Partition:
+        return given.tile_shape == kept.tile_shape and given.tensor._sig == kept.tensor._sig
+    if param.role != "scalar" or isinstance(given, (bool, np.bool_)) != isinstance(kept, (bool, np.bool_)):
+        return False
+    try:
+        a, b = param.dtype.coerce(given), param.dtype.coerce(kept)
+    except DTypeError:
+        return False
+    return type(a) is type(b) and a == b and (type(a) is not float or math.copysign(1, a) == math.copysign(1, b))
 
 
 def _coerce(param, value, label):
