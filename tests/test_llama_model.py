@@ -94,6 +94,8 @@ def test_sampling_eagerly_and_a_graph_a_token_draw_the_same_tokens(llama):
     ([1, -3], 4, "token id -3 is outside"),
     ([1] * 60, 5, "need 65 KV entries; the cache holds 64"),
     ([1, 2], 0, "ask for at least one token"),
+    ([1, True, 3], 4, "holds a bool"),          # NumPy alone would read it as id 1
+    ((np.int64(5), np.bool_(False)), 4, "holds a bool"),
 ])
 def test_a_request_the_cache_or_vocabulary_cannot_serve_is_refused_before_launching(llama, prompt, max_new,
                                                                                    message):

@@ -321,6 +321,9 @@ class LlamaDecoder:
     # -- host side ----------------------------------------------------------------------
     def check_request(self, prompt, max_new: int) -> np.ndarray:
         """The prompt as int32, or a deviceop error before anything launches."""
+        if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+            raise dop.ShapeError("a prompt's token ids are integers, and this one holds a bool (NumPy would read "
+                                 "True as id 1): pass the ids as ints")  # an all-bool array is refused below
         try:
             prompt = np.asarray(prompt)
         except (ValueError, TypeError):  # ragged nesting ([[1, 2], [3]]), objects NumPy cannot lay out
