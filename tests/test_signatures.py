@@ -90,6 +90,18 @@ def test_a_declaration_of_the_wrong_kind_is_refused_naming_the_argument(args, kw
         Kernel(*args, **kw)
 
 
+def test_a_source_that_cannot_be_read_or_compiled_is_refused_naming_it(tmp_path):
+    # a missing or binary source file was a raw FileNotFoundError/UnicodeDecodeError; source=None an
+    # AttributeError at the first compile
+    with pytest.raises(dop.LaunchError, match=r"cannot read its source .*nope.cu \(No such file"):
+        Kernel("k", tmp_path / "nope.cu", [OUT], generics=["B"])
+    (tmp_path / "k.cubin").write_bytes(b"\x7fELF\xff\xfe")
+    with pytest.raises(dop.LaunchError, match="not UTF-8 text.*Kernel.from_binary"):
+        Kernel("k", tmp_path / "k.cubin", [OUT], generics=["B"])
+    with pytest.raises(dop.LaunchError, match="has no source to compile.*Kernel.from_binary"):
+        Kernel("k", None, [OUT], generics=["B"]).check_compiled("sm_90", (128,))
+
+
 def test_the_inferred_generics_are_the_compiled_ones_in_a_graph(stream, rng):
     """A captured launch whose generics were inferred becomes the node of that instantiation."""
     a, b = (dop.from_numpy(rng.standard_normal(256).astype(np.float32)) for _ in range(2))

@@ -114,7 +114,13 @@ class Kernel:
         self.entry = entry or name
         if isinstance(source, Path):
             self.source_path = source
-            self.source = source.read_text()
+            try:
+                self.source = source.read_text()
+            except (OSError, UnicodeDecodeError) as exc:  # a missing file, a directory, a binary
+                reason = exc.strerror or str(exc) if isinstance(exc, OSError) else "it is not UTF-8 text"
+                raise LaunchError(f"kernel {name}: cannot read its source {source} ({reason}): pass the path of a "
+                                  "CUDA C++ file (or the source as a str); a CUBIN, fatbin or PTX file is declared "
+                                  "with Kernel.from_binary") from None
             include_dirs = (source.parent, *include_dirs)
         else:
             self.source_path, self.source = None, source
@@ -279,6 +285,10 @@ class Kernel:
         one), except for an entry that is a mangled symbol already."""
         if self.binary is not None:  # nothing to compile: the binary for arch (the driver unknown here)
             return prebuilt.program(self, normalize_arch(arch) if arch is not None else default_arch(), None)
+        if self.source is None:
+            raise LaunchError(f"kernel {self.name} has no source to compile (source=None): pass its CUDA C++ as a str "
+                              "or a .cu file's Path, or declare a kernel another compiler built with "
+                              "Kernel.from_binary or Kernel.from_triton")
         expr = self.name_expression(values)
         mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
         filename = self.source_path.name if self.source_path else f"{self.name}.cu"
