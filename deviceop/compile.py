@@ -5,9 +5,11 @@ refused by an older driver (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), while its
 CUBIN loads.  Compiling needs no GPU, so CI compiles every kernel for sm_90.
 
 Cache key: SHA-256 of the source, the file name, the options, the name
-expressions, the NVRTC version, the arch and the contents of every header in
-the user's include directories (toolkit headers are identified by their path
-and the NVRTC version).  Disk entries carry a checksum of their metadata
+expressions, the NVRTC version, the arch, the contents of every header in
+the user's include directories and of every file the source ``#include``s,
+wherever NVRTC finds it (beside the including file, in the working directory,
+``.inc`` or no suffix; toolkit headers are identified by their path and the
+NVRTC version).  Disk entries carry a checksum of their metadata
 and CUBIN; a corrupt, edited or truncated entry is recompiled and rewritten,
 never loaded.  Writes go to a temporary file that is renamed into place, so
 concurrent processes never see half an entry.
@@ -279,6 +281,71 @@ def _dir_digest(path: str) -> str:
     return digest
 
 
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\r\n]+)[>"]', re.M)
+_file_facts: dict[tuple, tuple] = {}
+
+
+def _facts(path: str) -> tuple | None:
+    """``(digest, includes)`` of a regular file (memoized on its mtime and size): its
+    SHA-256 and its ``#include`` directives as ``(quoted, name)``; None if it is no file."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    stamp = (path, st.st_mtime_ns, st.st_size)
+    facts = _file_facts.get(stamp)
+    if facts is None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        facts = _file_facts[stamp] = (hashlib.sha256(data).hexdigest(), _directives(data))
+    return facts
+
+
+def _directives(text: bytes) -> tuple:
+    return tuple((q == b'"', n.decode(errors="replace").strip()) for q, n in _INCLUDE.findall(text))
+
+
+def _includes_digest(source: str, filename: str, user_dirs: list[str], toolkit_dirs: list[str]) -> str:
+    """Digest of every file ``source`` includes, transitively, found where NVRTC looks: a quoted
+    name beside the including file (the top source's: the working directory, for its file name
+    is relative), then the include directories in order; any suffix (``.inc``, none), any path
+    (``../common.cuh``).  The directory digests miss these.  A file found first in a toolkit
+    directory is the toolkit's (keyed by its path and the NVRTC version).  Every directive is
+    followed, taken or not by the preprocessor: a superset, never a stale key; a name built by
+    a macro (``#include HEADER``) is not, as the directory digests cover only headers there."""
+    h = hashlib.sha256()
+    toolkit = set(toolkit_dirs)
+    searched = [*user_dirs, *toolkit_dirs]
+    todo = [(os.path.dirname(os.path.abspath(filename)), _directives(source.encode(errors="replace")))]
+    seen: set = set()
+    resolved_names: dict = {}  # (directory or None, name) -> the file NVRTC would open, or None
+    while todo:
+        here, includes = todo.pop()
+        for quoted, name in includes:
+            key = (here if quoted else None, name)
+            if key in resolved_names:
+                continue
+            found = resolved_names[key] = None
+            for d in ([""] if os.path.isabs(name) else [here, *searched] if quoted else searched):
+                path = os.path.join(d, name)
+                facts = _facts(path)
+                if facts is None:
+                    continue
+                if d not in toolkit:
+                    found = resolved_names[key] = os.path.normpath(path)
+                break
+            if found is not None and found not in seen:
+                seen.add(found)
+                h.update(found.encode() + b"\0" + facts[0].encode() + b"\0")
+                todo.append((os.path.dirname(found), facts[1]))
+    return h.hexdigest()
+
+
 def _cache_key(source: str, filename: str, options: list[str], names: tuple, arch: str,
                user_dirs: list[str], toolkit_dirs: list[str]) -> str:
     h = hashlib.sha256()
@@ -287,6 +354,7 @@ def _cache_key(source: str, filename: str, options: list[str], names: tuple, arc
         h.update(part.encode() + b"\0")
     for d in user_dirs:
         h.update(_dir_digest(d).encode())
+    h.update(_includes_digest(source, filename, user_dirs, toolkit_dirs).encode())
     return h.hexdigest()
 
 

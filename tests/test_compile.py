@@ -67,6 +67,26 @@ def test_key_covers_headers_in_user_include_dirs(cache, tmp_path):
     assert a.key != b.key and b.origin == "compiled"
 
 
+def test_key_covers_every_file_the_source_includes_wherever_nvrtc_finds_it(cache, tmp_path, monkeypatch):
+    # an .inc table, a header beside the script (NVRTC finds a quoted name in the working
+    # directory) and one outside the include dir (../): each edit was served the stale CUBIN
+    inc, here = tmp_path / "inc", tmp_path / "here"
+    inc.mkdir(), here.mkdir()
+    monkeypatch.chdir(here)
+    files = {inc / "table.inc": "1.0f", here / "local.cuh": "2.0f", tmp_path / "up.cuh": "3.0f"}
+    for i, (path, value) in enumerate(files.items()):
+        path.write_text(f"#define V{i} {value}\n")
+    src = ('#include "table.inc"\n#include "local.cuh"\n#include "../up.cuh"\n'
+           'extern "C" __global__ void k(float* p) { p[0] = V0 + V1 + V2; }\n')
+    first = dop.compile_cubin(src, arch="sm_90", include_dirs=[inc])
+    for i, path in enumerate(files):
+        path.write_text(f"#define V{i} 5.0f\n")
+        again = dop.compile_cubin(src, arch="sm_90", include_dirs=[inc])
+        assert again.origin == "compiled" and again.key != first.key, path.name
+        first = again
+    assert dop.compile_cubin(src, arch="sm_90", include_dirs=[inc]).origin == "memory"
+
+
 def test_corrupt_cache_entry_is_recompiled_never_loaded(cache):
     good = dop.compile_cubin(SAXPY, arch="sm_90")
     entry = cache / f"{good.key}.cubin"
