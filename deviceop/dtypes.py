@@ -41,6 +41,9 @@ class DType:
     def __repr__(self) -> str:
         return f"dop.{self.name}"
 
+    def __reduce__(self):  # one instance per dtype (checks compare by identity): a copy or an unpickled one is it
+        return dtype, (self.name,)
+
     def scalar_bytes(self, value) -> bytes:
         """``value`` as the bytes of one kernel argument of this type."""
         return struct.pack(self.pack, self.coerce(value))

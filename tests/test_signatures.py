@@ -4,6 +4,9 @@ code exactly as the seed writes it (``add(...)`` with no ``.generics()``)."""
 import sys
 from pathlib import Path
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -100,6 +103,29 @@ def test_a_source_that_cannot_be_read_or_compiled_is_refused_naming_it(tmp_path)
         Kernel("k", tmp_path / "k.cubin", [OUT], generics=["B"])
     with pytest.raises(dop.LaunchError, match="has no source to compile.*Kernel.from_binary"):
         Kernel("k", None, [OUT], generics=["B"]).check_compiled("sm_90", (128,))
+
+
+def _twice_reference(g, out, x):
+    out[...] = 2 * x
+
+
+TWICE = Kernel("twice", 'extern "C" __global__ void twice(float* o, const float* x) '
+               "{ int i = blockIdx.x * blockDim.x + threadIdx.x; o[i] = 2 * x[i]; }",
+               [Out("o", "float32", tile=(128,)), In("x", "float32")], block=128, reference=_twice_reference)
+
+
+def test_a_kernel_pickles_and_deep_copies(stream, rng):
+    # both were a raw TypeError (cannot pickle '_thread.lock'), and so was a deepcopy of anything holding one
+    assert copy.deepcopy({"k": add})["k"] is add
+    assert pickle.loads(pickle.dumps(dop.float32)) is dop.float32  # a new instance failed every dtype check
+    x = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
+    out = dop.empty(256, stream=stream)
+    TWICE(out.partition([128]), x).sync_on(stream)   # plans, loaded functions: not pickled, made anew
+    again = pickle.loads(pickle.dumps(TWICE))
+    assert str(again) == str(TWICE) and again._plans == {} and again._functions == {}
+    out2 = dop.empty(256, stream=stream)
+    again(out2.partition([128]), x).sync_on(stream)
+    np.testing.assert_array_equal(out2.numpy(stream=stream), 2 * x.numpy())
 
 
 def test_the_inferred_generics_are_the_compiled_ones_in_a_graph(stream, rng):

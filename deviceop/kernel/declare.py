@@ -174,6 +174,23 @@ class Kernel:
         self._launch_types: dict = {}  # positions of the arguments that are ops -> launch class
         self._launch_key = _launch_key_function(self)  # (device, generics, pdl, cooperative, *args) -> key
 
+    # What is made per process (the loaded functions, the checked plans, the generated launch code,
+    # the lock) is not pickled: a copy in another process compiles and checks anew.  A deep copy is
+    # the kernel itself, as a function's is: a declaration has no state a copy could keep apart.
+    _PER_PROCESS = ("_functions", "_compiled", "_configs", "_plans", "_lock", "_launch_types", "_launch_key")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._functions, self._compiled, self._configs, self._plans = {}, set(), {}, {}
+        self._lock, self._launch_types = threading.Lock(), {}
+        self._launch_key = _launch_key_function(self)
+
+    def __deepcopy__(self, memo) -> "Kernel":
+        return self
+
     def _spec(self, what: str):
         return self.grid_spec if what == "grid" else getattr(self, what)
 
