@@ -156,6 +156,9 @@ def normalize_arch(arch) -> str:
     """``"sm_90"``, ``"90"``, ``90``, ``(9, 0)`` or ``"sm_90a"`` → ``"sm_90"``/``"sm_90a"``,
     checked against what this NVRTC can target."""
     if isinstance(arch, tuple):
+        if len(arch) != 2:  # (10,) was an IndexError, (9, 0, 1) read as sm_90
+            raise ArchError(f"cannot read {arch!r} as a GPU architecture: a tuple is (major, minor), a compute "
+                            "capability like (9, 0); or write it like 'sm_90'")
         arch = f"{arch[0]}{arch[1]}"
     text = str(arch).lower().removeprefix("sm_").removeprefix("compute_")
     m = re.fullmatch(r"(\d+)([af]?)", text)
@@ -480,6 +483,12 @@ def _nvrtc_compile(source, filename, opts, names, arch, key) -> CompiledProgram:
         log_buf = bytearray(log_size)
         _nvrtc_check(nvrtc.nvrtcGetProgramLog(handle, log_buf), "nvrtcGetProgramLog")
         log = bytes(log_buf).rstrip(b"\0 ").decode(errors="replace")
+        if code != nvrtc.nvrtcResult.NVRTC_SUCCESS and "--nv_arch" in log and arch[-1] in "af":
+            # normalize_arch knows the numbers NVRTC targets, not which have an 'a'/'f' variant
+            raise ArchError(f"NVRTC {nvrtc_version()} cannot compile for {arch}: sm_{arch[3:-1]} has no "
+                            f"'{arch[-1]}' variant (the arch-specific 'a' ones begin at sm_90a, the family 'f' "
+                            f"ones at sm_100f); compile for {arch[:-1]}, or a variant `nvcc --list-gpu-arch` "
+                            "lists")
         if code != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(_describe_failure(source, filename, arch, log, names), log)
         size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(handle), "nvrtcGetCUBINSize")

@@ -180,6 +180,13 @@ def test_unknown_or_unsupported_arch(cache):
         dop.compile_cubin(SAXPY, arch="sm_42")
     with pytest.raises(dop.CompileError, match="arch=..."):
         dop.compile_cubin(SAXPY, arch="sm_90", options=["-arch=sm_80"])
+    # a tuple of another length was an IndexError or read as sm_90; an 'a'/'f' variant NVRTC lacks was a
+    # CompileError quoting NVRTC's command line ("invalid or no value specified with --nv_arch flag")
+    for arch in [(10,), (9, 0, 1)]:
+        with pytest.raises(dop.ArchError, match=r"a tuple is \(major, minor\)"):
+            dop.compile_cubin(SAXPY, arch=arch)
+    with pytest.raises(dop.ArchError, match="sm_89 has no 'f' variant.*compile for sm_89"):
+        dop.compile_cubin(SAXPY, arch="sm_89f")
 
 
 def test_arch_spellings():
