@@ -81,6 +81,8 @@ OUT = Out("o", "float32", shape=("N",), tile=("B",))
     (("k", SRC, [OUT, "x"]), {}, "each parameter is declared with Out.*got 'x'"),
     (("k", SRC, [OUT]), {"generics": "B"}, r"generics= is a list, got 'B'"),  # "BK" would be two generics
     (("k", SRC, [OUT]), {"options": "-lineinfo"}, "options= is a list"),     # one option per character
+    (("k", SRC, [OUT]), {"options": ["-DN=4", None]}, r"options= is a str each.*got None"),
+    (("k", SRC, [OUT]), {"include_dirs": [3]}, r"include_dirs= is a str or Path each.*got 3"),
     (("k", SRC, [OUT]), {"generics": [2]}, "names are identifiers.*got 2"),
     (("k", SRC, [OUT, In("o", "float32")]), {"generics": ["B"]}, "declares the parameter o more than once"),
     (("k", SRC, [OUT]), {"generics": ["B", "B"]}, "declares the generic B more than once"),

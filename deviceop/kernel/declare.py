@@ -39,6 +39,7 @@ A kernel another compiler built is declared the same way from its binary:
 from __future__ import annotations
 
 import threading
+from os import PathLike
 from pathlib import Path
 
 from ..compile import compile_cubin, normalize_arch
@@ -66,7 +67,7 @@ def _shapes_name_scalars(g, *args) -> None:
 
 
 def _checked_declaration(name, source, params, generics, entry, options, include_dirs, **rules) -> tuple:
-    """``(params, generics)`` as tuples, the declaration's kinds checked: what ``tuple()`` would take
+    """``(params, generics, options, include_dirs)`` as tuples, the declaration's kinds checked: what ``tuple()`` would take
     apart (a str of generics, options or include dirs: one per character) or take as something it
     is not (a Param given alone, a rule that is no function) is refused, naming the argument."""
     if not isinstance(name, str) or not name:
@@ -81,7 +82,12 @@ def _checked_declaration(name, source, params, generics, entry, options, include
                         ("include_dirs", include_dirs)):
         if isinstance(value, (str, bytes, Param)) or not hasattr(value, "__iter__"):
             raise LaunchError(f"kernel {name}: {what}= is a list, got {value!r}; e.g. {what}=[{value!r}]")
-    params, generics = tuple(params), tuple(generics)
+    params, generics, options, include_dirs = tuple(params), tuple(generics), tuple(options), tuple(include_dirs)
+    for what, given, kinds, shown in (("options", options, str, "a str each (options=['-DN=4', '-O3'])"),
+                                      ("include_dirs", include_dirs, (str, PathLike), "a str or Path each")):
+        odd = [v for v in given if not isinstance(v, kinds)]
+        if odd:  # a raw AttributeError/TypeError at the first compile
+            raise LaunchError(f"kernel {name}: {what}= is {shown}, got {odd[0]!r} in {list(given)!r}")
     bad = [p for p in params if not isinstance(p, Param)]
     if bad:
         raise LaunchError(f"kernel {name}: each parameter is declared with Out(...), InOut(...), In(...) or "
@@ -99,7 +105,7 @@ def _checked_declaration(name, source, params, generics, entry, options, include
     for what, rule in rules.items():
         if rule is not None and not callable(rule):
             raise LaunchError(f"kernel {name}: {what}= is a function (or None), got {type(rule).__name__} {rule!r}")
-    return params, generics
+    return params, generics, options, include_dirs
 
 
 class Kernel:
@@ -108,8 +114,9 @@ class Kernel:
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
                  entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None,
                  limits=None):
-        params, generics = _checked_declaration(name, source, params, generics, entry, options, include_dirs,
-                                                reference=reference, validate=validate, limits=limits)
+        params, generics, options, include_dirs = _checked_declaration(
+            name, source, params, generics, entry, options, include_dirs,
+            reference=reference, validate=validate, limits=limits)
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
