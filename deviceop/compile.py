@@ -6,8 +6,9 @@ CUBIN loads.  Compiling needs no GPU, so CI compiles every kernel for sm_90.
 
 Cache key: SHA-256 of the source, the file name, the options, the name
 expressions, the NVRTC version, the arch, the contents of every header in
-the user's include directories and of every file the source ``#include``s,
-wherever NVRTC finds it (beside the including file, in the working directory,
+the user's include directories and of every file the source ``#include``s
+(or an ``-include`` option pre-includes), wherever NVRTC finds it (beside the
+including file, in the working directory, in an ``-I`` option's directory;
 ``.inc`` or no suffix; toolkit headers are identified by their path and the
 NVRTC version).  Disk entries carry a checksum of their metadata
 and CUBIN; a corrupt, edited or truncated entry is recompiled and rewritten,
@@ -313,7 +314,30 @@ def _directives(text: bytes) -> tuple:
     return tuple((q == b'"', n.decode(errors="replace").strip()) for q, n in _INCLUDE.findall(text))
 
 
-def _includes_digest(source: str, filename: str, user_dirs: list[str], toolkit_dirs: list[str]) -> str:
+_OPTION_PATHS = {"-I": "dir", "--include-path": "dir", "-include": "file", "--pre-include": "file"}
+
+
+def _option_paths(options) -> tuple[list[str], list[str]]:
+    """The include directories and pre-included files ``options`` name (``-I<dir>``, ``-I <dir>``,
+    ``--include-path=<dir>``, ``-include=<file>``, ``--pre-include <file>``): NVRTC searches them as it
+    does include_dirs, so the key covers what they hold."""
+    dirs, files = [], []
+    options = list(options)
+    for i, o in enumerate(options):
+        for flag, kind in _OPTION_PATHS.items():
+            if o == flag and i + 1 < len(options):
+                value = options[i + 1]
+            elif o.startswith(flag + "=") or (flag == "-I" and o.startswith("-I") and len(o) > 2):
+                value = o[len(flag) + (o[len(flag)] == "="):]
+            else:
+                continue
+            (dirs if kind == "dir" else files).append(value)
+            break
+    return dirs, files
+
+
+def _includes_digest(source: str, filename: str, user_dirs: list[str], toolkit_dirs: list[str],
+                     options=()) -> str:
     """Digest of every file ``source`` includes, transitively, found where NVRTC looks: a quoted
     name beside the including file (the top source's: the working directory, for its file name
     is relative), then the include directories in order; any suffix (``.inc``, none), any path
@@ -323,8 +347,10 @@ def _includes_digest(source: str, filename: str, user_dirs: list[str], toolkit_d
     a macro (``#include HEADER``) is not, as the directory digests cover only headers there."""
     h = hashlib.sha256()
     toolkit = set(toolkit_dirs)
-    searched = [*user_dirs, *toolkit_dirs]
-    todo = [(os.path.dirname(os.path.abspath(filename)), _directives(source.encode(errors="replace")))]
+    option_dirs, pre_includes = _option_paths(options)
+    searched = [*map(os.path.abspath, option_dirs), *user_dirs, *toolkit_dirs]  # NVRTC's order: the options first
+    top = os.path.dirname(os.path.abspath(filename))
+    todo = [(top, _directives(source.encode(errors="replace"))), (top, tuple((True, f) for f in pre_includes))]
     seen: set = set()
     resolved_names: dict = {}  # (directory or None, name) -> the file NVRTC would open, or None
     while todo:
@@ -357,7 +383,7 @@ def _cache_key(source: str, filename: str, options: list[str], names: tuple, arc
         h.update(part.encode() + b"\0")
     for d in user_dirs:
         h.update(_dir_digest(d).encode())
-    h.update(_includes_digest(source, filename, user_dirs, toolkit_dirs).encode())
+    h.update(_includes_digest(source, filename, user_dirs, toolkit_dirs, options).encode())
     return h.hexdigest()
 
 

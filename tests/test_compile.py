@@ -87,6 +87,22 @@ def test_key_covers_every_file_the_source_includes_wherever_nvrtc_finds_it(cache
     assert dop.compile_cubin(src, arch="sm_90", include_dirs=[inc]).origin == "memory"
 
 
+@pytest.mark.parametrize("spell", [lambda d: ["-I" + str(d), "-include=pre.cuh"],
+                                   lambda d: ["--include-path=" + str(d), "--pre-include", str(d / "pre.cuh")],
+                                   lambda d: ["-I", str(d), "-include", "pre.cuh"]])
+def test_key_covers_the_include_paths_and_pre_includes_the_options_name(cache, tmp_path, spell):
+    # include_dirs passed as options: an edit to a header there was served the stale CUBIN
+    (tmp_path / "h.cuh").write_text("#define V 1.0f\n")
+    (tmp_path / "pre.cuh").write_text("#define W 1.0f\n")
+    src = '#include "h.cuh"\nextern "C" __global__ void k(float* p) { p[0] = V + W; }\n'
+    first = dop.compile_cubin(src, arch="sm_90", options=spell(tmp_path))
+    for name, text in (("h.cuh", "#define V 2.0f\n"), ("pre.cuh", "#define W 3.0f\n")):
+        (tmp_path / name).write_text(text)
+        again = dop.compile_cubin(src, arch="sm_90", options=spell(tmp_path))
+        assert again.origin == "compiled" and again.key != first.key, name
+        first = again
+
+
 def test_corrupt_cache_entry_is_recompiled_never_loaded(cache):
     good = dop.compile_cubin(SAXPY, arch="sm_90")
     entry = cache / f"{good.key}.cubin"
