@@ -87,3 +87,12 @@ def test_deviceop_arch_is_read_as_nvrtc_spells_an_arch(monkeypatch):
     monkeypatch.setenv("DEVICEOP_ARCH", "hopper")
     with pytest.raises(dop.ConfigError, match="DEVICEOP_ARCH='hopper' is not a GPU architecture: write it like sm_90"):
         device.arch
+
+
+def test_info_says_when_the_cache_dir_is_a_file(monkeypatch, tmp_path):
+    # it said "0 entries", as for an empty cache; each compile warns, info is what a bug report pastes
+    (tmp_path / "cache").write_text("not a directory")
+    for d in (tmp_path / "cache", tmp_path / "cache" / "sub"):
+        monkeypatch.setenv("DEVICEOP_CACHE_DIR", str(d))
+        line = next(l for l in info_lines() if l.startswith("compile cache"))
+        assert f"({tmp_path / 'cache'} is a file, not a directory: nothing is cached on disk)" in line
