@@ -201,8 +201,8 @@ def toolkit_include_dirs() -> list[str]:
 def cache_dir() -> Path:
     """``$DEVICEOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/deviceop``, else ``~/.cache/deviceop``."""
     env = os.environ.get("DEVICEOP_CACHE_DIR")
-    if env:
-        return Path(env)
+    if env:  # "~/cache", quoted where no shell expands it, made a folder named ~ in the working directory
+        return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".cache"
     return base / "deviceop"

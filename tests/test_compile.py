@@ -103,6 +103,13 @@ def test_key_covers_the_include_paths_and_pre_includes_the_options_name(cache, t
         first = again
 
 
+def test_a_cache_dir_under_home_spelled_with_a_tilde_is_home(monkeypatch, tmp_path):
+    # quoted where no shell expands it (a .env file, a Dockerfile ENV), "~/x" made a folder named ~
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DEVICEOP_CACHE_DIR", "~/deviceop-cache")
+    assert comp.cache_dir() == tmp_path / "deviceop-cache"
+
+
 def test_corrupt_cache_entry_is_recompiled_never_loaded(cache):
     good = dop.compile_cubin(SAXPY, arch="sm_90")
     entry = cache / f"{good.key}.cubin"
