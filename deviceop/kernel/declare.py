@@ -332,6 +332,13 @@ class Kernel:
         if "overloaded function" in log:
             fix = (f"the source overloads {self.entry}: give the overload to launch its own name, or pass entry= "
                    "its mangled symbol (cuobjdump -symbols lists them)")
+        elif "function template" in log and not self.generic_names:
+            fix = (f"the source's {self.entry} is a template: declare its template parameters, generics=[...], "
+                   "and pick them at each launch with .generics([...])")
+        elif "function template" in log:
+            fix = (f"the generics {expr[len(self.entry):]} do not instantiate the template {self.entry}: declare "
+                   "generics= as its template parameters, in order, and give each a value of its kind (an int, "
+                   "a bool, a C++ type name)")
         elif "is undefined" in log:
             fix = (f"the source defines no kernel {self.entry}: pass entry= the __global__ function's C++ name "
                    "(ns::name for one in a namespace), or rename the Kernel")
