@@ -80,7 +80,10 @@ class DType:
             if not lo <= int(value) <= hi:
                 raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
-        return bool(value)
+        if isinstance(value, (bool, np.bool_, int, np.integer)) and value in (0, 1):
+            return bool(value)
+        # bool(2) is True on the GPU while the reference computes with 2; bool("no") is True
+        raise DTypeError(f"expected True or False for a bool scalar, got {value!r}")
 
 
     def from_host(self, host) -> np.ndarray:
