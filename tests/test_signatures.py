@@ -107,6 +107,18 @@ def test_a_source_that_cannot_be_read_or_compiled_is_refused_naming_it(tmp_path)
         Kernel("k", None, [OUT], generics=["B"]).check_compiled("sm_90", (128,))
 
 
+def test_a_source_files_quoted_include_is_the_one_beside_it(tmp_path, monkeypatch):
+    # the file was compiled under its bare name, so NVRTC looked in the working directory first:
+    # a c.cuh there was compiled in place of the one beside the .cu
+    (tmp_path / "src").mkdir(), (tmp_path / "cwd").mkdir()
+    (tmp_path / "src" / "c.cuh").write_text("#define V 7\n")
+    (tmp_path / "cwd" / "c.cuh").write_text("#define V 99\n")
+    (tmp_path / "src" / "k.cu").write_text('#include "c.cuh"\nstatic_assert(V == 7, "the c.cuh of the working '
+                                           'directory");\ntemplate <int B> __global__ void k(float* o) {}\n')
+    monkeypatch.chdir(tmp_path / "cwd")
+    Kernel("k", tmp_path / "src" / "k.cu", [OUT], generics=["B"]).check_compiled("sm_90", (128,))
+
+
 def _twice_reference(g, out, x):
     out[...] = 2 * x
 

@@ -315,7 +315,9 @@ class Kernel:
                               "Kernel.from_binary or Kernel.from_triton")
         expr = self.name_expression(values)
         mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
-        filename = self.source_path.name if self.source_path else f"{self.name}.cu"
+        # a source file's own path: NVRTC looks for a quoted #include beside the file it compiles, and for a
+        # bare name that is the working directory, whose c.cuh then won over the one beside the .cu
+        filename = str(self.source_path.resolve()) if self.source_path else f"{self.name}.cu"
         try:
             prog = compile_cubin(self.source, arch=arch, name_expressions=[] if mangled else [expr],
                                  options=self.options, include_dirs=(*self.include_dirs, INCLUDE_DIR),
