@@ -13,7 +13,6 @@ difference lives.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
 import weakref
@@ -23,7 +22,7 @@ import numpy as np
 from ..dtypes import host_array_from_dlpack, host_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, refcache
-from .device import CTX_SYNC, Device
+from .device import CTX_SYNC, Device, arch_from_environment
 from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, Tape, TapeGraphs
 from .params import ParamLayout, check_param_layout
 from .stream import _CAPTURED_EVENT, _CLOSED, ProcessHandle, Stream, closed_stream, no_cuda_stream, sync_in_capture
@@ -69,7 +68,7 @@ class ReferenceDevice(Device):
     def arch(self) -> str:
         """The architecture NVRTC compiles for here (``DEVICEOP_ARCH``, default
         ``sm_90``, the H100): compiling needs no GPU."""
-        return _arch_from_environment(os.environ.get("DEVICEOP_ARCH") or "sm_90")
+        return arch_from_environment(os.environ.get("DEVICEOP_ARCH") or "sm_90")
 
     @property
     def max_shared_memory_per_block(self) -> int:
@@ -408,24 +407,6 @@ class ReferenceForeign:
 # -- kernels: the NumPy reference behind a Function's interface --------------------------
 
 # the opt-in shared memory per block of each arch (CUDA's programming guide, compute capabilities table)
-_ARCH_SPELLING = re.compile(r"(?:sm_|compute_)?(\d+)([af]?)", re.I)
-_ARCHS: dict[str, str] = {}
-
-
-def _arch_from_environment(text: str) -> str:
-    """``DEVICEOP_ARCH`` spelled as NVRTC's arch (``90``, ``SM_90`` -> ``sm_90``): read as it was
-    given, the device's per-arch facts (its shared-memory limit) were unknown, and went unchecked."""
-    arch = _ARCHS.get(text)
-    if arch is None:
-        m = _ARCH_SPELLING.fullmatch(text.strip())
-        if not m:
-            from ..errors import ConfigError
-            raise ConfigError(f"DEVICEOP_ARCH={text!r} is not a GPU architecture: write it like sm_90 (the arch "
-                              "the reference device compiles for), or unset it for sm_90")
-        arch = _ARCHS[text] = f"sm_{int(m.group(1))}{m.group(2).lower()}"
-    return arch
-
-
 _SMEM_OPTIN = {"sm_70": 98304, "sm_75": 65536, "sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
                "sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_120": 101376}
 
