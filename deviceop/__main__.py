@@ -75,6 +75,9 @@ def info_lines() -> list[str]:
         state = "" if comp.disk_cache_enabled() else " (disk cache disabled by DEVICEOP_DISK_CACHE)"
     except dop.ConfigError as exc:  # info is what a bug report pastes: say it, do not fail
         state = f" ({exc})"
+    blocked = next((p for p in (Path(stats["dir"]), *Path(stats["dir"]).parents) if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():  # every compile warns of it; a bug report should say it too
+        state += f" ({blocked} is a file, not a directory: nothing is cached on disk)"
     lines.append(f"compile cache   {stats['dir']}: {stats['entries']} entries, {stats['bytes'] / 2**20:.1f} MiB{state}")
     env = deviceop_variables()
     lines.append("environment     " + (" ".join(f"{k}={v}" for k, v in env.items()) or "no DEVICEOP_* variables set")

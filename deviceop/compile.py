@@ -5,9 +5,12 @@ refused by an older driver (CUDA_ERROR_UNSUPPORTED_PTX_VERSION), while its
 CUBIN loads.  Compiling needs no GPU, so CI compiles every kernel for sm_90.
 
 Cache key: SHA-256 of the source, the file name, the options, the name
-expressions, the NVRTC version, the arch and the contents of every header in
-the user's include directories (toolkit headers are identified by their path
-and the NVRTC version).  Disk entries carry a checksum of their metadata
+expressions, the NVRTC version, the arch, the contents of every header in
+the user's include directories and of every file the source ``#include``s
+(or an ``-include`` option pre-includes), wherever NVRTC finds it (beside the
+including file, in the working directory, in an ``-I`` option's directory;
+``.inc`` or no suffix; toolkit headers are identified by their path and the
+NVRTC version).  Disk entries carry a checksum of their metadata
 and CUBIN; a corrupt, edited or truncated entry is recompiled and rewritten,
 never loaded.  Writes go to a temporary file that is renamed into place, so
 concurrent processes never see half an entry.
@@ -28,6 +31,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
+from .compile_inputs import dir_digest, includes_digest
 from .errors import ArchError, CompileError, ConfigError
 
 DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo")
@@ -35,7 +39,6 @@ DEFAULT_OPTIONS = ("-std=c++17", "-lineinfo")
 # covered only the CUBIN, so an edited lowered name loaded as a hit).
 _MAGIC = b"DEVICEOP-CUBIN-2\n"
 _MAGIC_FAMILY = b"DEVICEOP-CUBIN-"
-_HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".hh", ".inl", ".cu")
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,9 @@ def normalize_arch(arch) -> str:
     """``"sm_90"``, ``"90"``, ``90``, ``(9, 0)`` or ``"sm_90a"`` → ``"sm_90"``/``"sm_90a"``,
     checked against what this NVRTC can target."""
     if isinstance(arch, tuple):
+        if len(arch) != 2:  # (10,) was an IndexError, (9, 0, 1) read as sm_90
+            raise ArchError(f"cannot read {arch!r} as a GPU architecture: a tuple is (major, minor), a compute "
+                            "capability like (9, 0); or write it like 'sm_90'")
         arch = f"{arch[0]}{arch[1]}"
     text = str(arch).lower().removeprefix("sm_").removeprefix("compute_")
     m = re.fullmatch(r"(\d+)([af]?)", text)
@@ -195,8 +201,8 @@ def toolkit_include_dirs() -> list[str]:
 def cache_dir() -> Path:
     """``$DEVICEOP_CACHE_DIR``, else ``$XDG_CACHE_HOME/deviceop``, else ``~/.cache/deviceop``."""
     env = os.environ.get("DEVICEOP_CACHE_DIR")
-    if env:
-        return Path(env)
+    if env:  # "~/cache", quoted where no shell expands it, made a folder named ~ in the working directory
+        return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".cache"
     return base / "deviceop"
@@ -263,22 +269,6 @@ def clear_cache(memory: bool = True, disk: bool = True) -> None:
 
 _memory: dict[str, CompiledProgram] = {}
 _memory_lock = threading.Lock()
-_dir_digests: dict[tuple, str] = {}
-
-
-def _dir_digest(path: str) -> str:
-    """Digest of every header under a user include directory (memoized on mtimes)."""
-    files = sorted(p for p in Path(path).rglob("*") if p.suffix in _HEADER_SUFFIXES and p.is_file())
-    stamp = (path, tuple((str(p), p.stat().st_mtime_ns, p.stat().st_size) for p in files))
-    digest = _dir_digests.get(stamp)
-    if digest is None:
-        h = hashlib.sha256()
-        for p in files:
-            h.update(str(p.relative_to(path)).encode() + b"\0" + p.read_bytes() + b"\0")
-        digest = _dir_digests[stamp] = h.hexdigest()
-    return digest
-
-
 def _cache_key(source: str, filename: str, options: list[str], names: tuple, arch: str,
                user_dirs: list[str], toolkit_dirs: list[str]) -> str:
     h = hashlib.sha256()
@@ -286,7 +276,8 @@ def _cache_key(source: str, filename: str, options: list[str], names: tuple, arc
                  nvrtc_version(), "\x1f".join(toolkit_dirs)):
         h.update(part.encode() + b"\0")
     for d in user_dirs:
-        h.update(_dir_digest(d).encode())
+        h.update(dir_digest(d).encode())
+    h.update(includes_digest(source, filename, user_dirs, toolkit_dirs, options).encode())
     return h.hexdigest()
 
 
@@ -412,6 +403,12 @@ def _nvrtc_compile(source, filename, opts, names, arch, key) -> CompiledProgram:
         log_buf = bytearray(log_size)
         _nvrtc_check(nvrtc.nvrtcGetProgramLog(handle, log_buf), "nvrtcGetProgramLog")
         log = bytes(log_buf).rstrip(b"\0 ").decode(errors="replace")
+        if code != nvrtc.nvrtcResult.NVRTC_SUCCESS and "--nv_arch" in log and arch[-1] in "af":
+            # normalize_arch knows the numbers NVRTC targets, not which have an 'a'/'f' variant
+            raise ArchError(f"NVRTC {nvrtc_version()} cannot compile for {arch}: sm_{arch[3:-1]} has no "
+                            f"'{arch[-1]}' variant (the arch-specific 'a' ones begin at sm_90a, the family 'f' "
+                            f"ones at sm_100f); compile for {arch[:-1]}, or a variant `nvcc --list-gpu-arch` "
+                            "lists")
         if code != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(_describe_failure(source, filename, arch, log, names), log)
         size = _nvrtc_check(nvrtc.nvrtcGetCUBINSize(handle), "nvrtcGetCUBINSize")

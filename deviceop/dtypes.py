@@ -41,6 +41,9 @@ class DType:
     def __repr__(self) -> str:
         return f"dop.{self.name}"
 
+    def __reduce__(self):  # one instance per dtype (checks compare by identity): a copy or an unpickled one is it
+        return dtype, (self.name,)
+
     def scalar_bytes(self, value) -> bytes:
         """``value`` as the bytes of one kernel argument of this type."""
         return struct.pack(self.pack, self.coerce(value))
@@ -77,7 +80,10 @@ class DType:
             if not lo <= int(value) <= hi:
                 raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
-        return bool(value)
+        if isinstance(value, (bool, np.bool_, int, np.integer)) and value in (0, 1):
+            return bool(value)
+        # bool(2) is True on the GPU while the reference computes with 2; bool("no") is True
+        raise DTypeError(f"expected True or False for a bool scalar, got {value!r}")
 
 
     def from_host(self, host) -> np.ndarray:

@@ -16,7 +16,8 @@ LIBRARY = ROOT / "kernels"   # installed and imported as deviceop.kernels (pypro
 LAYERS = [
     ("foundation", ("deviceop.errors", "deviceop.dtypes")),
     ("runtime", ("deviceop.runtime",)),
-    ("memory and compiler", ("deviceop.memory", "deviceop.tensor", "deviceop.interop", "deviceop.compile")),
+    ("memory and compiler", ("deviceop.memory", "deviceop.tensor", "deviceop.interop", "deviceop.compile",
+                             "deviceop.compile_inputs")),
     ("op algebra", ("deviceop.execution", "deviceop.bodies", "deviceop.values", "deviceop.op", "deviceop.api", "deviceop.foreign")),
     ("kernels", ("deviceop.kernel",)),
     ("graphs", ("deviceop.graph",)),

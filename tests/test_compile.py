@@ -67,6 +67,49 @@ def test_key_covers_headers_in_user_include_dirs(cache, tmp_path):
     assert a.key != b.key and b.origin == "compiled"
 
 
+def test_key_covers_every_file_the_source_includes_wherever_nvrtc_finds_it(cache, tmp_path, monkeypatch):
+    # an .inc table, a header beside the script (NVRTC finds a quoted name in the working
+    # directory) and one outside the include dir (../): each edit was served the stale CUBIN
+    inc, here = tmp_path / "inc", tmp_path / "here"
+    inc.mkdir(), here.mkdir()
+    monkeypatch.chdir(here)
+    files = {inc / "table.inc": "1.0f", here / "local.cuh": "2.0f", tmp_path / "up.cuh": "3.0f"}
+    for i, (path, value) in enumerate(files.items()):
+        path.write_text(f"#define V{i} {value}\n")
+    src = ('#include "table.inc"\n#include "local.cuh"\n#include "../up.cuh"\n'
+           'extern "C" __global__ void k(float* p) { p[0] = V0 + V1 + V2; }\n')
+    first = dop.compile_cubin(src, arch="sm_90", include_dirs=[inc])
+    for i, path in enumerate(files):
+        path.write_text(f"#define V{i} 5.0f\n")
+        again = dop.compile_cubin(src, arch="sm_90", include_dirs=[inc])
+        assert again.origin == "compiled" and again.key != first.key, path.name
+        first = again
+    assert dop.compile_cubin(src, arch="sm_90", include_dirs=[inc]).origin == "memory"
+
+
+@pytest.mark.parametrize("spell", [lambda d: ["-I" + str(d), "-include=pre.cuh"],
+                                   lambda d: ["--include-path=" + str(d), "--pre-include", str(d / "pre.cuh")],
+                                   lambda d: ["-I", str(d), "-include", "pre.cuh"]])
+def test_key_covers_the_include_paths_and_pre_includes_the_options_name(cache, tmp_path, spell):
+    # include_dirs passed as options: an edit to a header there was served the stale CUBIN
+    (tmp_path / "h.cuh").write_text("#define V 1.0f\n")
+    (tmp_path / "pre.cuh").write_text("#define W 1.0f\n")
+    src = '#include "h.cuh"\nextern "C" __global__ void k(float* p) { p[0] = V + W; }\n'
+    first = dop.compile_cubin(src, arch="sm_90", options=spell(tmp_path))
+    for name, text in (("h.cuh", "#define V 2.0f\n"), ("pre.cuh", "#define W 3.0f\n")):
+        (tmp_path / name).write_text(text)
+        again = dop.compile_cubin(src, arch="sm_90", options=spell(tmp_path))
+        assert again.origin == "compiled" and again.key != first.key, name
+        first = again
+
+
+def test_a_cache_dir_under_home_spelled_with_a_tilde_is_home(monkeypatch, tmp_path):
+    # quoted where no shell expands it (a .env file, a Dockerfile ENV), "~/x" made a folder named ~
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DEVICEOP_CACHE_DIR", "~/deviceop-cache")
+    assert comp.cache_dir() == tmp_path / "deviceop-cache"
+
+
 def test_corrupt_cache_entry_is_recompiled_never_loaded(cache):
     good = dop.compile_cubin(SAXPY, arch="sm_90")
     entry = cache / f"{good.key}.cubin"
@@ -160,6 +203,13 @@ def test_unknown_or_unsupported_arch(cache):
         dop.compile_cubin(SAXPY, arch="sm_42")
     with pytest.raises(dop.CompileError, match="arch=..."):
         dop.compile_cubin(SAXPY, arch="sm_90", options=["-arch=sm_80"])
+    # a tuple of another length was an IndexError or read as sm_90; an 'a'/'f' variant NVRTC lacks was a
+    # CompileError quoting NVRTC's command line ("invalid or no value specified with --nv_arch flag")
+    for arch in [(10,), (9, 0, 1)]:
+        with pytest.raises(dop.ArchError, match=r"a tuple is \(major, minor\)"):
+            dop.compile_cubin(SAXPY, arch=arch)
+    with pytest.raises(dop.ArchError, match="sm_89 has no 'f' variant.*compile for sm_89"):
+        dop.compile_cubin(SAXPY, arch="sm_89f")
 
 
 def test_arch_spellings():

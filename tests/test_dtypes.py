@@ -36,6 +36,11 @@ def test_scalar_coercion_never_truncates_or_overflows():
         dop.float32.coerce(True)
     with pytest.raises(dop.DTypeError, match="expected a number"):
         dop.float32.coerce("1.0")
+    # a bool scalar was bool(value): 2 and "no" became True on the GPU while the reference computed with them
+    assert dop.bool_.coerce(np.bool_(True)) is True and dop.bool_.coerce(0) is False
+    for wrong in (2, -1, "no", 0.5, None):
+        with pytest.raises(dop.DTypeError, match="expected True or False for a bool scalar"):
+            dop.bool_.coerce(wrong)
 
 
 def test_bfloat16_scalar_is_packed_as_its_bits():

@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import deviceop as dop
 from deviceop.__main__ import info_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,3 +75,24 @@ def test_the_readme_and_the_tutorial_say_the_cuda_does_not_run_on_the_reference_
     tutorial = (ROOT / "docs/tutorial.md").read_text()
     declared = tutorial[tutorial.index("## Kernels: CUDA C++ plus a declaration"):tutorial.index("## The model\n")]
     _says_it(_paragraph(declared, "- **`reference`**"), "the tutorial where a kernel is declared")
+
+
+def test_deviceop_arch_is_read_as_nvrtc_spells_an_arch(monkeypatch):
+    # "90" was kept as "90": compiling read it as sm_90, but the reference device's per-arch facts
+    # (the shared memory a block may have) were unknown, so a launch over the limit went unrefused
+    device = dop.ReferenceDevice(0)
+    for spelling in ("90", "SM_90", "compute_90"):
+        monkeypatch.setenv("DEVICEOP_ARCH", spelling)
+        assert device.arch == "sm_90" and device.max_shared_memory_per_block == 232448
+    monkeypatch.setenv("DEVICEOP_ARCH", "hopper")
+    with pytest.raises(dop.ConfigError, match="DEVICEOP_ARCH='hopper' is not a GPU architecture: write it like sm_90"):
+        device.arch
+
+
+def test_info_says_when_the_cache_dir_is_a_file(monkeypatch, tmp_path):
+    # it said "0 entries", as for an empty cache; each compile warns, info is what a bug report pastes
+    (tmp_path / "cache").write_text("not a directory")
+    for d in (tmp_path / "cache", tmp_path / "cache" / "sub"):
+        monkeypatch.setenv("DEVICEOP_CACHE_DIR", str(d))
+        line = next(l for l in info_lines() if l.startswith("compile cache"))
+        assert f"({tmp_path / 'cache'} is a file, not a directory: nothing is cached on disk)" in line

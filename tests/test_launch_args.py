@@ -196,6 +196,19 @@ def test_a_launch_is_pdl_or_cooperative_not_both():
         launch.cooperative()
 
 
+
+def test_pdl_and_cooperative_take_a_bool():
+    # .pdl("no") was bool("no"): PDL on, for a kernel that may not wait for the one before it
+    from deviceop.kernels import add
+    for what in ("pdl", "cooperative"):
+        launch = add(dop.empty([1024]).partition([1024]), dop.empty([1024]), dop.empty([1024]))
+        for wrong in ("no", None, 2, 0.0):
+            with pytest.raises(dop.LaunchError, match=rf"\.{what}\(\) takes True or False, got {wrong!r}"):
+                getattr(launch, what)(wrong)
+        assert getattr(launch, what)(np.bool_(False)) is launch and getattr(launch, "_" + what) is False
+        launch.discard()
+
+
 def test_cluster_launches_carry_the_cluster_dimension(monkeypatch, rng):
     """A LaunchConfig with cluster=(x, y, z) launches the grid in thread-block
     clusters (cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)."""

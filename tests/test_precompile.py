@@ -68,6 +68,20 @@ def test_precompile_checks_every_item_before_compiling():
         dop.precompile(["add"], arch="sm_90")
 
 
+def test_precompile_refuses_generics_the_kernels_limits_refuse():
+    # a launch refuses them with the kernel's own message; precompile compiled them anyway
+    # (NVRTC's static_assert failure here, an unlaunchable CUBIN without one)
+    def limits(g):
+        if g["B"] > 1024:
+            raise dop.LaunchError(f"B={g['B']} is above 1024: pick a B of at most 1024")
+
+    k = dop.Kernel("capped", "template <int B> __global__ void capped(float* o) { static_assert(B <= 1024); }",
+                   [dop.Out("o", "float32", tile=("B",))], generics=["B"], limits=limits)
+    with pytest.raises(dop.LaunchError, match="B=2048 is above 1024"):
+        dop.precompile([(k, [2048])], arch="sm_90")
+    assert k._compiled == set()
+
+
 def test_graph_cache_warmup_shows_a_bar_over_its_sizes(monkeypatch, bars, stream, rng):
     K, N, BN, BK = 256, 128, 16, 2
     w = dop.from_numpy((rng.standard_normal((N, K)) / 16).astype(np.float32), stream=stream)

@@ -285,6 +285,16 @@ def test_an_entry_the_source_or_the_cubin_lacks_is_refused(stream, rng):
             k(dop.empty(32).partition([32])).sync_on(stream)
 
 
+def test_a_template_entry_without_its_generics_is_refused_naming_generics():
+    # NVRTC's "cannot determine which instance of function template" came with "check entry= and the generics"
+    source = "template <int B, typename T> __global__ void fill(T* out) { out[threadIdx.x] = B; }"
+    for generics, values, match in (((), (), r"fill is a template: declare its template parameters, generics="),
+                                    (("B",), (4,), r"the generics <4> do not instantiate the template fill")):
+        k = Kernel("fill", source, [Out("out", "float32", rank=1)], generics=generics)
+        with pytest.raises(dop.CompileError, match=match):
+            k.check_compiled("sm_90", values)
+
+
 def test_the_cubin_says_what_cuFuncGetParamInfo_says():
     """The parameter layout read from the CUBIN's EIATTR_KPARAM_INFO records."""
     from deviceop.kernels import affine, rms_norm, store_row

@@ -4,6 +4,9 @@ code exactly as the seed writes it (``add(...)`` with no ``.generics()``)."""
 import sys
 from pathlib import Path
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 
@@ -78,6 +81,8 @@ OUT = Out("o", "float32", shape=("N",), tile=("B",))
     (("k", SRC, [OUT, "x"]), {}, "each parameter is declared with Out.*got 'x'"),
     (("k", SRC, [OUT]), {"generics": "B"}, r"generics= is a list, got 'B'"),  # "BK" would be two generics
     (("k", SRC, [OUT]), {"options": "-lineinfo"}, "options= is a list"),     # one option per character
+    (("k", SRC, [OUT]), {"options": ["-DN=4", None]}, r"options= is a str each.*got None"),
+    (("k", SRC, [OUT]), {"include_dirs": [3]}, r"include_dirs= is a str or Path each.*got 3"),
     (("k", SRC, [OUT]), {"generics": [2]}, "names are identifiers.*got 2"),
     (("k", SRC, [OUT, In("o", "float32")]), {"generics": ["B"]}, "declares the parameter o more than once"),
     (("k", SRC, [OUT]), {"generics": ["B", "B"]}, "declares the generic B more than once"),
@@ -88,6 +93,53 @@ def test_a_declaration_of_the_wrong_kind_is_refused_naming_the_argument(args, kw
     # each of these was taken apart by tuple(), or accepted and failed at the first launch with a raw error
     with pytest.raises(dop.LaunchError, match=says):
         Kernel(*args, **kw)
+
+
+def test_a_source_that_cannot_be_read_or_compiled_is_refused_naming_it(tmp_path):
+    # a missing or binary source file was a raw FileNotFoundError/UnicodeDecodeError; source=None an
+    # AttributeError at the first compile
+    with pytest.raises(dop.LaunchError, match=r"cannot read its source .*nope.cu \(No such file"):
+        Kernel("k", tmp_path / "nope.cu", [OUT], generics=["B"])
+    (tmp_path / "k.cubin").write_bytes(b"\x7fELF\xff\xfe")
+    with pytest.raises(dop.LaunchError, match="not UTF-8 text.*Kernel.from_binary"):
+        Kernel("k", tmp_path / "k.cubin", [OUT], generics=["B"])
+    with pytest.raises(dop.LaunchError, match="has no source to compile.*Kernel.from_binary"):
+        Kernel("k", None, [OUT], generics=["B"]).check_compiled("sm_90", (128,))
+
+
+def test_a_source_files_quoted_include_is_the_one_beside_it(tmp_path, monkeypatch):
+    # the file was compiled under its bare name, so NVRTC looked in the working directory first:
+    # a c.cuh there was compiled in place of the one beside the .cu
+    (tmp_path / "src").mkdir(), (tmp_path / "cwd").mkdir()
+    (tmp_path / "src" / "c.cuh").write_text("#define V 7\n")
+    (tmp_path / "cwd" / "c.cuh").write_text("#define V 99\n")
+    (tmp_path / "src" / "k.cu").write_text('#include "c.cuh"\nstatic_assert(V == 7, "the c.cuh of the working '
+                                           'directory");\ntemplate <int B> __global__ void k(float* o) {}\n')
+    monkeypatch.chdir(tmp_path / "cwd")
+    Kernel("k", tmp_path / "src" / "k.cu", [OUT], generics=["B"]).check_compiled("sm_90", (128,))
+
+
+def _twice_reference(g, out, x):
+    out[...] = 2 * x
+
+
+TWICE = Kernel("twice", 'extern "C" __global__ void twice(float* o, const float* x) '
+               "{ int i = blockIdx.x * blockDim.x + threadIdx.x; o[i] = 2 * x[i]; }",
+               [Out("o", "float32", tile=(128,)), In("x", "float32")], block=128, reference=_twice_reference)
+
+
+def test_a_kernel_pickles_and_deep_copies(stream, rng):
+    # both were a raw TypeError (cannot pickle '_thread.lock'), and so was a deepcopy of anything holding one
+    assert copy.deepcopy({"k": add})["k"] is add
+    assert pickle.loads(pickle.dumps(dop.float32)) is dop.float32  # a new instance failed every dtype check
+    x = dop.from_numpy(rng.standard_normal(256).astype(np.float32))
+    out = dop.empty(256, stream=stream)
+    TWICE(out.partition([128]), x).sync_on(stream)   # plans, loaded functions: not pickled, made anew
+    again = pickle.loads(pickle.dumps(TWICE))
+    assert str(again) == str(TWICE) and again._plans == {} and again._functions == {}
+    out2 = dop.empty(256, stream=stream)
+    again(out2.partition([128]), x).sync_on(stream)
+    np.testing.assert_array_equal(out2.numpy(stream=stream), 2 * x.numpy())
 
 
 def test_the_inferred_generics_are_the_compiled_ones_in_a_graph(stream, rng):

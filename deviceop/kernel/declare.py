@@ -39,6 +39,7 @@ A kernel another compiler built is declared the same way from its binary:
 from __future__ import annotations
 
 import threading
+from os import PathLike
 from pathlib import Path
 
 from ..compile import compile_cubin, normalize_arch
@@ -66,7 +67,7 @@ def _shapes_name_scalars(g, *args) -> None:
 
 
 def _checked_declaration(name, source, params, generics, entry, options, include_dirs, **rules) -> tuple:
-    """``(params, generics)`` as tuples, the declaration's kinds checked: what ``tuple()`` would take
+    """``(params, generics, options, include_dirs)`` as tuples, the declaration's kinds checked: what ``tuple()`` would take
     apart (a str of generics, options or include dirs: one per character) or take as something it
     is not (a Param given alone, a rule that is no function) is refused, naming the argument."""
     if not isinstance(name, str) or not name:
@@ -81,7 +82,12 @@ def _checked_declaration(name, source, params, generics, entry, options, include
                         ("include_dirs", include_dirs)):
         if isinstance(value, (str, bytes, Param)) or not hasattr(value, "__iter__"):
             raise LaunchError(f"kernel {name}: {what}= is a list, got {value!r}; e.g. {what}=[{value!r}]")
-    params, generics = tuple(params), tuple(generics)
+    params, generics, options, include_dirs = tuple(params), tuple(generics), tuple(options), tuple(include_dirs)
+    for what, given, kinds, shown in (("options", options, str, "a str each (options=['-DN=4', '-O3'])"),
+                                      ("include_dirs", include_dirs, (str, PathLike), "a str or Path each")):
+        odd = [v for v in given if not isinstance(v, kinds)]
+        if odd:  # a raw AttributeError/TypeError at the first compile
+            raise LaunchError(f"kernel {name}: {what}= is {shown}, got {odd[0]!r} in {list(given)!r}")
     bad = [p for p in params if not isinstance(p, Param)]
     if bad:
         raise LaunchError(f"kernel {name}: each parameter is declared with Out(...), InOut(...), In(...) or "
@@ -99,7 +105,7 @@ def _checked_declaration(name, source, params, generics, entry, options, include
     for what, rule in rules.items():
         if rule is not None and not callable(rule):
             raise LaunchError(f"kernel {name}: {what}= is a function (or None), got {type(rule).__name__} {rule!r}")
-    return params, generics
+    return params, generics, options, include_dirs
 
 
 class Kernel:
@@ -108,13 +114,20 @@ class Kernel:
     def __init__(self, name: str, source, params, *, generics=(), block=256, reference=None, validate=None,
                  entry: str | None = None, options=(), include_dirs=(), shared_mem=0, cluster=None, grid=None,
                  limits=None):
-        params, generics = _checked_declaration(name, source, params, generics, entry, options, include_dirs,
-                                                reference=reference, validate=validate, limits=limits)
+        params, generics, options, include_dirs = _checked_declaration(
+            name, source, params, generics, entry, options, include_dirs,
+            reference=reference, validate=validate, limits=limits)
         self.name = name
         self.entry = entry or name
         if isinstance(source, Path):
             self.source_path = source
-            self.source = source.read_text()
+            try:
+                self.source = source.read_text()
+            except (OSError, UnicodeDecodeError) as exc:  # a missing file, a directory, a binary
+                reason = exc.strerror or str(exc) if isinstance(exc, OSError) else "it is not UTF-8 text"
+                raise LaunchError(f"kernel {name}: cannot read its source {source} ({reason}): pass the path of a "
+                                  "CUDA C++ file (or the source as a str); a CUBIN, fatbin or PTX file is declared "
+                                  "with Kernel.from_binary") from None
             include_dirs = (source.parent, *include_dirs)
         else:
             self.source_path, self.source = None, source
@@ -167,6 +180,23 @@ class Kernel:
         self._lock = threading.Lock()
         self._launch_types: dict = {}  # positions of the arguments that are ops -> launch class
         self._launch_key = _launch_key_function(self)  # (device, generics, pdl, cooperative, *args) -> key
+
+    # What is made per process (the loaded functions, the checked plans, the generated launch code,
+    # the lock) is not pickled: a copy in another process compiles and checks anew.  A deep copy is
+    # the kernel itself, as a function's is: a declaration has no state a copy could keep apart.
+    _PER_PROCESS = ("_functions", "_compiled", "_configs", "_plans", "_lock", "_launch_types", "_launch_key")
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._functions, self._compiled, self._configs, self._plans = {}, set(), {}, {}
+        self._lock, self._launch_types = threading.Lock(), {}
+        self._launch_key = _launch_key_function(self)
+
+    def __deepcopy__(self, memo) -> "Kernel":
+        return self
 
     def _spec(self, what: str):
         return self.grid_spec if what == "grid" else getattr(self, what)
@@ -279,9 +309,15 @@ class Kernel:
         one), except for an entry that is a mangled symbol already."""
         if self.binary is not None:  # nothing to compile: the binary for arch (the driver unknown here)
             return prebuilt.program(self, normalize_arch(arch) if arch is not None else default_arch(), None)
+        if self.source is None:
+            raise LaunchError(f"kernel {self.name} has no source to compile (source=None): pass its CUDA C++ as a str "
+                              "or a .cu file's Path, or declare a kernel another compiler built with "
+                              "Kernel.from_binary or Kernel.from_triton")
         expr = self.name_expression(values)
         mangled = self.entry.startswith("_Z") and not self.generic_names  # no C++ name starts with _Z
-        filename = self.source_path.name if self.source_path else f"{self.name}.cu"
+        # a source file's own path: NVRTC looks for a quoted #include beside the file it compiles, and for a
+        # bare name that is the working directory, whose c.cuh then won over the one beside the .cu
+        filename = str(self.source_path.resolve()) if self.source_path else f"{self.name}.cu"
         try:
             prog = compile_cubin(self.source, arch=arch, name_expressions=[] if mangled else [expr],
                                  options=self.options, include_dirs=(*self.include_dirs, INCLUDE_DIR),
@@ -298,6 +334,13 @@ class Kernel:
         if "overloaded function" in log:
             fix = (f"the source overloads {self.entry}: give the overload to launch its own name, or pass entry= "
                    "its mangled symbol (cuobjdump -symbols lists them)")
+        elif "function template" in log and not self.generic_names:
+            fix = (f"the source's {self.entry} is a template: declare its template parameters, generics=[...], "
+                   "and pick them at each launch with .generics([...])")
+        elif "function template" in log:
+            fix = (f"the generics {expr[len(self.entry):]} do not instantiate the template {self.entry}: declare "
+                   "generics= as its template parameters, in order, and give each a value of its kind (an int, "
+                   "a bool, a C++ type name)")
         elif "is undefined" in log:
             fix = (f"the source defines no kernel {self.entry}: pass entry= the __global__ function's C++ name "
                    "(ns::name for one in a namespace), or rename the Kernel")

@@ -6,6 +6,8 @@ capture, which decides what node it becomes); the plan module checks it.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import DeviceOpError, LaunchError
 from ..op import DeviceOp, stats, warn_if_unexecuted
 from ..tensor import Partition, SharedTensor, Tensor
@@ -113,12 +115,20 @@ class KernelLaunch(DeviceOp):
         self._mutable = mutable
         return self
 
+    def _switch(self, what: str, enabled) -> bool:
+        """``enabled`` as a bool: a bool or 0/1 (NumPy's too); ``"no"`` or ``None`` was read as truthy or falsy."""
+        if isinstance(enabled, (int, np.integer, np.bool_)) and enabled in (0, 1):  # bool is an int
+            return bool(enabled)
+        self._armed = False
+        raise LaunchError(f"{self.kernel.name}: .{what}() takes True or False, got {enabled!r}: write .{what}() to turn "
+                          f"it on, .{what}(False) to leave it off")
+
     def pdl(self, enabled: bool = True) -> "KernelLaunch":
         """Launch with programmatic dependent launch: the kernel may start while the
         previous kernel on the stream is still running (in a graph: a programmatic
         edge).  Only for kernels that execute ``griddepcontrol.wait`` before reading
         anything the previous kernels wrote (kernels/fused.cu does)."""
-        self._pdl = bool(enabled)
+        self._pdl = self._switch("pdl", enabled)
         if self._pdl and self._cooperative:
             self._armed = False
             raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")
@@ -128,7 +138,7 @@ class KernelLaunch(DeviceOp):
         """Launch cooperatively: all CTAs of the grid are resident at once, so they may
         wait for each other (a grid barrier); the driver refuses a grid too large to
         be (CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) instead of letting it hang."""
-        self._cooperative = bool(enabled)
+        self._cooperative = self._switch("cooperative", enabled)
         if self._pdl and self._cooperative:
             self._armed = False
             raise LaunchError(f"{self.kernel.name}: a launch is either PDL or cooperative, not both")

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from ..errors import LaunchError
 from ..runtime.device import default_arch
+from .signature import run_rule
 
 
 def progress(iterable, *, total: int, desc: str):
@@ -31,7 +32,8 @@ def precompile(items, *, arch: str | None = None, threads: int | None = None) ->
     to CUBIN for ``arch`` (default: the GPU this process uses, runtime.device.default_arch) in parallel threads, into the
     in-memory and on-disk compile caches, checking each against its declaration;
     returns how many were compiled.  A later launch loads the cached CUBIN.
-    Every item's generics are checked before any compiles; the first failure
+    Every item's generics are checked (their kind, and the kernel's ``limits``)
+    before any compiles; the first failure
     (e.g. a CompileError) is raised once the others have finished."""
     if hasattr(items, "check_compiled") or isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
         raise LaunchError(f"precompile takes a list of (kernel, generics) pairs or kernels, got {items!r}: "
@@ -43,7 +45,11 @@ def precompile(items, *, arch: str | None = None, threads: int | None = None) ->
             raise LaunchError(f"precompile takes (kernel, generics) pairs or kernels, got {item!r}")
         fix = f"({kernel.name}, {{}})"
         given = kernel.generic_names or generics not in ((), [], None)  # generics for a kernel without: refused
-        work.append((kernel, kernel.check_generics(generics, fix) if given else ()))
+        generics = kernel.check_generics(generics, fix) if given else ()
+        limits = getattr(kernel, "limits", None)
+        if limits is not None and kernel.generic_names:  # a launch refuses these generics: compile none of them
+            run_rule(kernel, limits, generics, dict(zip(kernel.generic_names, generics)))
+        work.append((kernel, generics))
     arch = arch if arch is not None else default_arch()
     workers = max(1, min(threads or os.cpu_count() or 1, len(work)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="deviceop-precompile") as pool:

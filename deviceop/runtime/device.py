@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import threading
 
 from cuda.bindings import driver as cu
 
 from ..dtypes import producer_name
-from ..errors import LaunchError, NoDeviceError, OutOfMemoryError, StateError
+from ..errors import ConfigError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, graphs
 from .graph_backend import GraphBackend
 from . import foreign as foreign_work
@@ -406,3 +407,20 @@ def Event(device=None, *, timing: bool = True):
     """A new event on ``device`` (default: ``Device(0)``)."""
     device = device if device is not None else Device(0)
     return device.new_event(timing=timing)
+
+
+_ARCH_SPELLING = re.compile(r"(?:sm_|compute_)?(\d+)([af]?)", re.I)
+_ARCHS: dict[str, str] = {}
+
+
+def arch_from_environment(text: str) -> str:
+    """``DEVICEOP_ARCH`` spelled as NVRTC's arch (``90``, ``SM_90`` -> ``sm_90``): read as it was
+    given, the device's per-arch facts (its shared-memory limit) were unknown, and went unchecked."""
+    arch = _ARCHS.get(text)
+    if arch is None:
+        m = _ARCH_SPELLING.fullmatch(text.strip())
+        if not m:
+            raise ConfigError(f"DEVICEOP_ARCH={text!r} is not a GPU architecture: write it like sm_90 (the arch "
+                              "the reference device compiles for), or unset it for sm_90")
+        arch = _ARCHS[text] = f"sm_{int(m.group(1))}{m.group(2).lower()}"
+    return arch

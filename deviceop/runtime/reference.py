@@ -22,7 +22,7 @@ import numpy as np
 from ..dtypes import host_array_from_dlpack, host_dlpack
 from ..errors import DistributedError, LaunchError, NoDeviceError, OutOfMemoryError, StateError
 from . import driver, refcache
-from .device import CTX_SYNC, Device
+from .device import CTX_SYNC, Device, arch_from_environment
 from .tape import Kernel as _Kernel, Copy as _Copy, Host as _Host, Memset as _Memset, Tape, TapeGraphs
 from .params import ParamLayout, check_param_layout
 from .stream import _CAPTURED_EVENT, _CLOSED, ProcessHandle, Stream, closed_stream, no_cuda_stream, sync_in_capture
@@ -68,7 +68,7 @@ class ReferenceDevice(Device):
     def arch(self) -> str:
         """The architecture NVRTC compiles for here (``DEVICEOP_ARCH``, default
         ``sm_90``, the H100): compiling needs no GPU."""
-        return os.environ.get("DEVICEOP_ARCH", "sm_90")
+        return arch_from_environment(os.environ.get("DEVICEOP_ARCH") or "sm_90")
 
     @property
     def max_shared_memory_per_block(self) -> int:
