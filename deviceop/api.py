@@ -128,9 +128,12 @@ class Dup(DeviceOp):
             raise GraphSafetyError("api.dup allocates, which a graph cannot replay safely; "
                                    "allocate the copy's buffer before capturing and use api.memcpy")
         src = _tensor_of(resolve(self.src, ctx), "dup source")
+        stats["allocations"] += 1
+        if not src.is_contiguous:  # a strided view: a byte copy from its first element would read other memory
+            stats["copies"] += 1
+            return Tensor._wrap(ctx.device.contiguous(src._array, ctx.stream), ctx.device, src.dtype, ctx.stream)
         dst = Tensor.empty(src.shape, src.dtype, device=ctx.device, stream=ctx.stream)
         _copy(dst, src, ctx)
-        stats["allocations"] += 1
         return dst
 
 
@@ -178,14 +181,14 @@ def memcpy(dst, src) -> DeviceOp:
     return Memcpy(dst, src)
 
 
-def _destination(x) -> Tensor:
-    """The tensor memcpy writes: a SharedTensor only when nothing else can reach
-    its buffer (a handle is read-only while shared, as an Arc is)."""
+def _destination(x, op: str = "api.memcpy") -> Tensor:
+    """The tensor ``op`` (memcpy, fill) writes: a SharedTensor only when nothing else can
+    reach its buffer (a handle is read-only while shared, as an Arc is)."""
     if isinstance(x, SharedTensor):
-        return x.check_writable("api.memcpy into a SharedTensor")
-    t = _tensor_of(x, "memcpy destination")
+        return x.check_writable(f"{op} into a SharedTensor")
+    t = _tensor_of(x, f"{op.removeprefix('api.')} destination")
     if t._alloc.read_only:
-        raise read_only_error("api.memcpy into it", t)
+        raise read_only_error(f"{op} into it", t)
     return t
 
 
@@ -238,7 +241,7 @@ class Fill(DeviceOp):
         if isinstance(dst, DeviceOp):
             dst._armed = False  # run by this fill
         else:
-            fill_pattern(_destination(dst), value)  # a bad value or buffer fails now, not at execution
+            fill_pattern(_destination(dst, "api.fill"), value)  # a bad value or buffer fails now, not at execution
         self._armed = True
 
     __del__ = warn_if_unexecuted
@@ -247,7 +250,7 @@ class Fill(DeviceOp):
         return (self.dst,) if isinstance(self.dst, DeviceOp) else ()
 
     def _execute(self, ctx):
-        dst = _destination(resolve(self.dst, ctx))
+        dst = _destination(resolve(self.dst, ctx), "api.fill")
         bits, size, count = fill_pattern(dst, self.value)
         if count == 0:
             return dst

@@ -77,6 +77,8 @@ class DType:
             if not lo <= int(value) <= hi:
                 raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
+        if not isinstance(value, (int, float, np.bool_, np.integer, np.floating)):  # bool("no") is True
+            raise DTypeError(f"expected a bool or number for a bool scalar, got {type(value).__name__}")
         return bool(value)
 
 
@@ -160,6 +162,9 @@ def dtype(spec) -> DType:
     a NumPy dtype or scalar type, or a torch/CuPy dtype with a NumPy twin."""
     if isinstance(spec, DType):
         return spec
+    if spec is None:  # NumPy reads None as float64, torch as its default dtype: name one instead
+        raise DTypeError(f"dtype None names no type (NumPy would read float64, torch float32); pass one, "
+                         f"or leave the argument out for the default; known: {', '.join(_BY_NAME)}")
     if isinstance(spec, str):
         name = {"f32": "float32", "f16": "float16", "half": "float16", "bf16": "bfloat16",
                 "f64": "float64", "i32": "int32", "i64": "int64", "bool_": "bool"}.get(spec, spec)

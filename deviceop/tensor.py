@@ -275,7 +275,7 @@ class Tensor:
                 raise ShapeError(f"only basic indexing (ints, slices, ...) makes views; got {type(k).__name__}")
         try:
             arr = self._array[key]
-        except IndexError as e:  # out of range, too many indices
+        except (IndexError, ValueError, TypeError) as e:  # out of range, too many indices, step 0, a float bound
             raise ShapeError(f"index {key!r} into tensor {self._shape}: {e}; index within the shape") from None
         item = self.dtype.itemsize
         ptr = self.device.address(arr)

@@ -1,0 +1,56 @@
+"""A demanding NumPy/torch user's edge cases on tensors and the value ops:
+strided copies, odd dtype and scalar arguments, odd slices, NumPy on a handle.
+Each works as those libraries do or is refused with a deviceop error."""
+import numpy as np
+import pytest
+
+import deviceop as dop
+from deviceop import api
+
+
+@pytest.mark.parametrize("view", [lambda t: t[:, ::2], lambda t: t[::-1], lambda t: t[1:, ::-3], lambda t: t[:, 1]])
+def test_dup_of_a_strided_view_copies_its_elements(rng, view):
+    host = rng.standard_normal((4, 6)).astype(np.float32)
+    copy = api.dup(view(dop.from_numpy(host))).sync()  # (was a byte copy from the first element: other memory)
+    assert copy.is_contiguous
+    np.testing.assert_array_equal(copy.numpy(), view(host))
+
+
+def test_dtype_none_is_refused_not_read_as_float64():
+    for make in (lambda: dop.empty(3, None), lambda: dop.zeros(3, dtype=None), lambda: api.zeros(3, None),
+                 lambda: dop.dtype(None), lambda: dop.In("x", None)):
+        with pytest.raises(dop.DTypeError, match="dtype None names no type"):
+            make()  # (NumPy's reading: a float64 tensor where torch's user meant its default float32)
+    assert dop.empty(3).dtype is dop.float32
+
+
+def test_a_bool_scalar_is_a_bool_or_a_number(rng):
+    mask = dop.from_numpy(rng.standard_normal(5) > 0)
+    for value in (None, "no", "", [1]):
+        with pytest.raises(dop.DTypeError, match="bool or number for a bool scalar"):
+            api.fill(mask, value)  # (None filled False, "no" filled True)
+    np.testing.assert_array_equal(api.fill(mask, 1).sync().numpy(), np.ones(5, bool))
+    np.testing.assert_array_equal(api.fill(mask, np.False_).sync().numpy(), np.zeros(5, bool))
+
+
+def test_a_slice_numpy_refuses_is_a_shape_error(rng):
+    t = dop.from_numpy(rng.standard_normal((3, 4)).astype(np.float32))
+    with pytest.raises(dop.ShapeError, match="step cannot be zero"):
+        t[::0]  # (was NumPy's raw ValueError)
+    with pytest.raises(dop.ShapeError, match="slice indices must be integers"):
+        t[0.5:2]  # (was a raw TypeError)
+
+
+def test_a_refused_fill_into_a_shared_handle_names_fill(rng):
+    handle = dop.from_numpy(rng.standard_normal(4).astype(np.float32)).into_shared()
+    other = handle.clone()
+    with pytest.raises(dop.OwnershipError, match=r"^api\.fill into a SharedTensor"):
+        api.fill(handle, 1.0)  # (said api.memcpy)
+    other.release()
+
+
+def test_numpy_reads_a_shared_handle_as_its_data(rng):
+    host = rng.standard_normal((2, 3)).astype(np.float32)
+    handle = dop.from_numpy(host).into_shared()
+    np.testing.assert_array_equal(np.asarray(handle), host)  # (was a 0-d object array holding the handle)
+    assert np.asarray(handle, dtype=np.float64).dtype == np.float64
