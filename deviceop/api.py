@@ -13,9 +13,11 @@ so a seed gives the same numbers on the GPU and on the reference device.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
-from .dtypes import dtype as as_dtype
+from .dtypes import dtype as as_dtype, host_array
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
 from .op import DeviceOp, resolve, stats, warn_if_unexecuted
 from .memory import read_only_error
@@ -96,6 +98,10 @@ def randn(shape, dtype="float32", seed=None) -> DeviceOp:
 
 
 def arange(n: int, dtype="int32") -> DeviceOp:
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise ShapeError(f"api.arange(n): n is the length, an int; got {n!r}") from None
     if n > 0:
         as_dtype(dtype).coerce(n - 1)  # the last value must fit, now rather than at execution
     return AllocOp("arange", (n,), dtype, _upload(lambda t: np.arange(t.shape[0])))
@@ -103,7 +109,8 @@ def arange(n: int, dtype="int32") -> DeviceOp:
 
 def from_numpy(array, dtype=None) -> DeviceOp:
     """A new tensor holding a copy of the host ``array``."""
-    dt = as_dtype(dtype if dtype is not None else np.asarray(array).dtype)
+    array = host_array(array, "api.from_numpy")
+    dt = as_dtype(dtype if dtype is not None else array.dtype)
     host = dt.from_host(array)  # converted and checked now, as full checks its value
     return AllocOp("from_numpy", host.shape, dt, _upload(lambda t: host))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import ml_dtypes  # registers bfloat16 with NumPy (and, through NumPy, with CuPy)
 import numpy as np
 
-from .errors import DTypeError, StateError
+from .errors import DTypeError, ShapeError, StateError
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,7 +180,17 @@ def dtype(spec) -> DType:
         raise DTypeError(f"cannot interpret {spec!r} as a dtype; known: {', '.join(_BY_NAME)}") from None
     if npd in _BY_NP:
         return _BY_NP[npd]
+    if not npd.isnative and npd.newbyteorder("=") in _BY_NP:  # big-endian data (a file's): the same values
+        return _BY_NP[npd.newbyteorder("=")]
     raise DTypeError(f"dtype {npd} is not supported by deviceop; known: {', '.join(_BY_NAME)}")
+
+
+def host_array(obj, what: str) -> np.ndarray:
+    """``np.asarray(obj)``, with NumPy's refusal of a ragged nested list a ShapeError."""
+    try:
+        return np.asarray(obj)
+    except ValueError as exc:  # "setting an array element with a sequence ... inhomogeneous shape"
+        raise ShapeError(f"{what}: {exc}; give a rectangular array (every row of one length)") from None
 
 
 # -- DLPack -------------------------------------------------------------------------

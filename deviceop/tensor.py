@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .dtypes import DType, dlpack_producer, dtype as as_dtype, producer_name
+from .dtypes import DType, dlpack_producer, dtype as as_dtype, host_array, producer_name
 from .errors import DTypeError, LaunchError, ShapeError, StateError
 from .memory import (READ_ONLY, Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
                      _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
@@ -103,7 +103,12 @@ class Tensor:
         if arr is None:
             base, item = self._base, self.dtype.itemsize
             byte_strides = tuple(s * item for s in self._strides)
-            arr = self._arr = self.device.view_array(base, self._ptr, self._shape, byte_strides, self.dtype.np)
+            try:
+                arr = self._arr = self.device.view_array(base, self._ptr, self._shape, byte_strides, self.dtype.np)
+            except (ValueError, OverflowError):  # a view NumPy/CuPy cannot hold: over 64 dims, a dim past int64
+                if len(self._shape) <= MAX_NDIM and max(self._shape, default=0) <= MAX_DIM:
+                    raise
+                raise _bad_dims(self._shape) from None
         return arr
 
     # -- creation ------------------------------------------------------------
@@ -114,15 +119,15 @@ class Tensor:
         device, stream = placed("dop.empty", device, stream)
         dt = as_dtype(dtype)
         dims = _shape_tuple(shape)
-        if any(d < 0 for d in dims):
-            raise ShapeError(f"negative size in shape {dims}")
+        if dims and (min(dims) < 0 or len(dims) > MAX_NDIM or max(dims) > MAX_DIM):
+            raise _bad_dims(dims)
         return cls._wrap(device.alloc(dims, dt, stream), device, dt, stream)
 
     @classmethod
     def from_numpy(cls, array, *, device=None, stream=None, dtype=None) -> "Tensor":
         """A new tensor holding a copy of the host ``array``."""
         device, stream = placed("dop.from_numpy", device, stream)
-        host = np.asarray(array)
+        host = host_array(array, "dop.from_numpy")
         dt = as_dtype(dtype if dtype is not None else host.dtype)
         host = dt.from_host(host)  # refuses a value the copy would change (300 in int8)
         return cls._wrap(device.from_host(host, dt, stream), device, dt, stream)
@@ -367,6 +372,16 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
+
+
+MAX_NDIM, MAX_DIM = 64, (1 << 63) - 1  # what a NumPy or CuPy array can hold
+
+
+def _bad_dims(dims: tuple) -> ShapeError:
+    if min(dims) < 0:
+        return ShapeError(f"negative size in shape {dims}")
+    return ShapeError(f"shape {dims}: NumPy and CuPy arrays hold at most {MAX_NDIM} dims, each below 2**63; "
+                      "use fewer, smaller dims")
 
 
 def _gpu_of(obj) -> int | None:

@@ -54,3 +54,28 @@ def test_numpy_reads_a_shared_handle_as_its_data(rng):
     handle = dop.from_numpy(host).into_shared()
     np.testing.assert_array_equal(np.asarray(handle), host)  # (was a 0-d object array holding the handle)
     assert np.asarray(handle, dtype=np.float64).dtype == np.float64
+
+
+def test_shapes_no_array_can_hold_are_shape_errors():
+    for dims in [(1 << 70, 0), (1,) * 65]:
+        with pytest.raises(dop.ShapeError, match="at most 64 dims, each below 2\\*\\*63"):
+            dop.empty(dims)  # (was an OutOfMemoryError for a 0-byte tensor, "allocate less")
+    view = dop.zeros(0).view(1 << 70, 0)  # a view costs no array...
+    with pytest.raises(dop.ShapeError, match="at most 64 dims"):
+        view.numpy()  # ... until one is asked for (was a raw OverflowError)
+    with pytest.raises(dop.ShapeError, match="at most 64 dims"):
+        dop.zeros(1).view((1,) * 70).numpy()  # (was a raw ValueError)
+    assert dop.zeros((1,) * 64).numpy().shape == (1,) * 64
+
+
+def test_host_data_numpy_reads_differently_is_refused_or_read_by_value(rng):
+    for make in (dop.from_numpy, lambda a: api.from_numpy(a).sync()):
+        with pytest.raises(dop.ShapeError, match="rectangular"):
+            make([[1.0], [1.0, 2.0]])  # (was NumPy's raw ValueError)
+        host = rng.standard_normal(5).astype(">f4")  # big-endian, as a file may store it
+        t = make(host)  # (was "dtype >f4 is not supported")
+        assert t.dtype is dop.float32
+        np.testing.assert_array_equal(t.numpy(), host)
+    for n in ("3", None, 2.5):
+        with pytest.raises(dop.ShapeError, match="n is the length, an int"):
+            api.arange(n)  # (was a raw TypeError; 2.5: "the float 1.5 for a int32 scalar")
