@@ -315,8 +315,20 @@ class Tensor:
         _, stream = placed("tensor.contiguous", self.device, stream)
         if self._contig:
             return self
-        stream = stream or self._home_stream or self.device.default_stream()
+        stream = stream or self._live_home()
         return Tensor._wrap(self.device.contiguous(self._array, stream), self.device, self.dtype, stream)
+
+    def _live_home(self):
+        """The stream that orders work after this tensor's making: its home stream, or once
+        that was closed (its device then is the closed one's), the default stream after a
+        device sync (which waits for the closed stream's last work too)."""
+        home = self._home_stream
+        if home is None:
+            return self.device.default_stream()
+        if home.device is not self.device:
+            self.device.synchronize()
+            return self.device.default_stream()
+        return home
 
     def partition(self, tile_shape) -> "Partition":
         """Borrow this tensor mutably as the output of one launch, cut into tiles."""
@@ -335,7 +347,9 @@ class Tensor:
             raise sync_in_capture("tensor.numpy(stream=...)", "cuStreamSynchronize")
         if stream is None:
             self.device.synchronize()  # refused while a capture is open
-            stream = self._home_stream or self.device.default_stream()
+            stream = self._home_stream
+            if stream is None or stream.device is not self.device:  # none, or closed (synchronized above)
+                stream = self.device.default_stream()
         return self.device.to_host(self._array, stream)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
@@ -360,7 +374,7 @@ class Tensor:
         if stream is not None and (type(stream) is not int or stream == 0 or stream < -1):
             raise LaunchError(f"__dlpack__(stream={stream!r}): DLPack's stream is an int: a CUDA stream handle, "
                               "1 (the legacy default stream), 2 (per-thread default) or -1 (no ordering)")
-        home = self._home_stream or self.device.default_stream()
+        home = self._live_home()
         return self.device.export_dlpack(self._array, home, stream, kwargs)
 
     def __dlpack_device__(self):

@@ -79,3 +79,16 @@ def test_host_data_numpy_reads_differently_is_refused_or_read_by_value(rng):
     for n in ("3", None, 2.5):
         with pytest.raises(dop.ShapeError, match="n is the length, an int"):
             api.arange(n)  # (was a raw TypeError; 2.5: "the float 1.5 for a int32 scalar")
+
+
+def test_a_tensor_outlives_the_stream_it_was_made_on(rng):
+    device = dop.Device()
+    host = rng.standard_normal((3, 4)).astype(np.float32)
+    stream = device.new_stream()
+    t = dop.from_numpy(host, stream=stream)
+    stream.close()  # its home stream: numpy(), contiguous() and DLPack ordered work on it, and failed
+    np.testing.assert_array_equal(t.numpy(), host)
+    np.testing.assert_array_equal(t[:, ::2].contiguous().numpy(), host[:, ::2])
+    np.testing.assert_array_equal(np.from_dlpack(t), host)
+    with pytest.raises(dop.StateError, match="closed"):
+        t.numpy(stream=stream)  # a closed stream named is still refused
