@@ -183,6 +183,11 @@ class Tensor:
     def shape(self) -> tuple[int, ...]:
         return self._shape
 
+    @shape.setter
+    def shape(self, dims):  # NumPy's in-place reshape (a.shape = ...): a tensor's layout is fixed
+        raise ShapeError(f"tensor.shape = {dims!r}: a tensor's shape is fixed (views of it and launch keys were "
+                         f"made for it); take a view: tensor = tensor.view({dims!r})")
+
     @property
     def strides(self) -> tuple[int, ...]:
         """Strides in elements (not bytes)."""

@@ -92,3 +92,10 @@ def test_a_tensor_outlives_the_stream_it_was_made_on(rng):
     np.testing.assert_array_equal(np.from_dlpack(t), host)
     with pytest.raises(dop.StateError, match="closed"):
         t.numpy(stream=stream)  # a closed stream named is still refused
+
+
+def test_numpys_in_place_reshape_is_refused_and_names_view(rng):
+    t = dop.from_numpy(rng.standard_normal(6).astype(np.float32))
+    with pytest.raises(dop.ShapeError, match=r"tensor = tensor\.view\(\(2, 3\)\)"):
+        t.shape = (2, 3)  # (was a raw AttributeError)
+    assert t.shape == (6,) and t.view((2, 3)).shape == (2, 3)
