@@ -334,6 +334,18 @@ def host_array_from_dlpack(obj) -> np.ndarray:
     return array.view(bfloat16.np) if shim.dtype == (_K_DL_BFLOAT, 16, 1) else array
 
 
+def mark_read_only(capsule) -> bool:
+    """Set DLPack 1.0's read-only flag on an export of read-only memory (a CuPy array, or a
+    NumPy view made from a pointer, does not know the memory is); False for an unversioned
+    capsule, which has no such flag."""
+    name = _capsule_name(capsule)
+    if name != b"dltensor_versioned":
+        return False
+    flags = ctypes.c_uint64.from_address(_capsule_pointer(capsule, name) + _FLAGS_OFFSET)
+    flags.value |= _DLPACK_READ_ONLY
+    return True
+
+
 def host_dlpack(array: np.ndarray, kwargs: dict):
     """``array.__dlpack__(**kwargs)``, bfloat16 included: NumPy exports no bfloat16, so a
     bfloat16 array is exported as its uint16 bits and the capsule's DLTensor (this export's

@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from .dtypes import DType, dlpack_producer, dtype as as_dtype, host_array, producer_name
-from .errors import DTypeError, LaunchError, ShapeError, StateError
+from .dtypes import DType, dlpack_producer, dtype as as_dtype, host_array, mark_read_only, producer_name
+from .errors import DTypeError, LaunchError, OwnershipError, ShapeError, StateError
 from .memory import (READ_ONLY, Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
                      _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
@@ -380,7 +380,22 @@ class Tensor:
             raise LaunchError(f"__dlpack__(stream={stream!r}): DLPack's stream is an int: a CUDA stream handle, "
                               "1 (the legacy default stream), 2 (per-thread default) or -1 (no ordering)")
         home = self._live_home()
+        if self._alloc.read_only:
+            return self._export_read_only(home, stream, kwargs)
         return self.device.export_dlpack(self._array, home, stream, kwargs)
+
+    def _export_read_only(self, home, stream, kwargs: dict):
+        """A DLPack export of read-only memory, flagged so (DLPack 1.0), or refused: an
+        export that cannot say it is read-only is one its consumer may write."""
+        version = kwargs.get("max_version")
+        if isinstance(version, tuple) and version and isinstance(version[0], int) and version[0] >= 1:
+            capsule = self.device.export_dlpack(self._array, home, stream, kwargs)
+            if mark_read_only(capsule):
+                return capsule
+        raise OwnershipError(f"a DLPack export of the {self.dtype.name} tensor {self._shape}: it is read-only memory "
+                             "imported from another framework, and an export without DLPack 1.0's read-only flag "
+                             "(a consumer asking no max_version >= (1, 0)) is one its consumer may write; import it "
+                             "with a DLPack 1.0 consumer (np.from_dlpack, torch.from_dlpack), or copy it: api.dup(x)")
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()

@@ -99,3 +99,28 @@ def test_numpys_in_place_reshape_is_refused_and_names_view(rng):
     with pytest.raises(dop.ShapeError, match=r"tensor = tensor\.view\(\(2, 3\)\)"):
         t.shape = (2, 3)  # (was a raw AttributeError)
     assert t.shape == (6,) and t.view((2, 3)).shape == (2, 3)
+
+
+class _Producer:  # a DLPack producer other than NumPy (whose arrays dop.from_dlpack sends to from_numpy)
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_a_read_only_import_is_exported_read_only_through_every_view(rng):
+    host = rng.standard_normal(8).astype(np.float32)
+    host.setflags(write=False)
+    t = dop.from_dlpack(_Producer(host))
+    for view in (t, t.view(2, 4), t.reshape(-1), t[1:5], next(iter(t.view(2, 4))), t.into_shared().view(8)):
+        out = np.from_dlpack(view)
+        assert not out.flags.writeable  # (views made without NumPy's indexing were exported writable)
+        with pytest.raises(ValueError, match="read-only"):
+            out[0] = 1.0
+    with pytest.raises(dop.OwnershipError, match="read-only memory.*DLPack 1.0"):
+        t.view(2, 4).__dlpack__()  # an unversioned capsule cannot say read-only
+    np.testing.assert_array_equal(np.from_dlpack(t.view(2, 4)), host.reshape(2, 4))
