@@ -309,6 +309,20 @@ class Tensor:
         raise StateError("`value in tensor` would compare device data on the host, which a tensor never reads "
                          "behind your back: test `value in tensor.numpy()`")
 
+    def __int__(self):  # torch's int(t) / float(t) of a one-element tensor: a host read, never implicit
+        raise StateError(f"int(tensor) would read a {self.dtype.name} tensor {self._shape} on the host, which a "
+                         "tensor never does behind your back: read it with int(tensor.numpy().item())")
+
+    def __float__(self):
+        raise StateError(f"float(tensor) would read a {self.dtype.name} tensor {self._shape} on the host, which a "
+                         "tensor never does behind your back: read it with float(tensor.numpy().item())")
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        raise StateError(f"format(tensor, {spec!r}) (an f-string's {{tensor:{spec}}}) formats values, which live on "
+                         f"the device: format the host copy, f\"{{tensor.numpy().item():{spec}}}\"")
+
     def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle call
         raise StateError("copying or pickling a deviceop tensor: it is a view of device memory that a copy of the "
                          "object would alias or lose; copy the data with api.dup(tensor) (device) or "

@@ -124,3 +124,13 @@ def test_a_read_only_import_is_exported_read_only_through_every_view(rng):
     with pytest.raises(dop.OwnershipError, match="read-only memory.*DLPack 1.0"):
         t.view(2, 4).__dlpack__()  # an unversioned capsule cannot say read-only
     np.testing.assert_array_equal(np.from_dlpack(t.view(2, 4)), host.reshape(2, 4))
+
+
+def test_int_float_and_format_of_a_tensor_name_the_host_read(rng):
+    value = float(rng.standard_normal())
+    t = dop.from_numpy(np.array([value], np.float32))
+    for read, fix in ((int, r"int\(tensor\.numpy\(\)\.item\(\)\)"), (float, r"float\(tensor\.numpy\(\)\.item\(\)\)"),
+                      (lambda x: f"{x:.3f}", r"tensor\.numpy\(\)\.item\(\):\.3f")):
+        with pytest.raises(dop.StateError, match=fix):
+            read(t)  # (raw TypeErrors)
+    assert f"{t}" == repr(t) and f"{t.numpy().item():.3f}" == f"{np.float32(value):.3f}"
