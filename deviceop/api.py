@@ -81,8 +81,18 @@ def full(shape, fill_value, dtype="float32") -> DeviceOp:
     return AllocOp("full", shape, dtype, _fill(fill_value))
 
 
+def _check_seed(name: str, seed) -> None:
+    """A seed NumPy's generator refuses fails as the op is built, not in the middle of running it."""
+    try:
+        np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise DTypeError(f"api.{name}(seed={seed!r}): {exc}; a seed is None, an int >= 0, a sequence of them, "
+                         "or a NumPy Generator") from None
+
+
 def rand(shape, dtype="float32", seed=None) -> DeviceOp:
     """Uniform in [0, 1); ``seed`` makes it repeatable (same numbers on every device)."""
+    _check_seed("rand", seed)
     dt = as_dtype(dtype)
     if not dt.is_floating:
         raise DTypeError(f"rand makes floating-point tensors, not {dt.name}")
@@ -91,6 +101,7 @@ def rand(shape, dtype="float32", seed=None) -> DeviceOp:
 
 def randn(shape, dtype="float32", seed=None) -> DeviceOp:
     """Standard normal; ``seed`` makes it repeatable."""
+    _check_seed("randn", seed)
     dt = as_dtype(dtype)
     if not dt.is_floating:
         raise DTypeError(f"randn makes floating-point tensors, not {dt.name}")

@@ -134,3 +134,12 @@ def test_int_float_and_format_of_a_tensor_name_the_host_read(rng):
         with pytest.raises(dop.StateError, match=fix):
             read(t)  # (raw TypeErrors)
     assert f"{t}" == repr(t) and f"{t.numpy().item():.3f}" == f"{np.float32(value):.3f}"
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "a"])
+def test_a_seed_numpy_refuses_is_refused_as_the_op_is_built(seed):
+    for make in (api.rand, api.randn):
+        with pytest.raises(dop.DTypeError, match=r"a seed is None, an int >= 0"):
+            make(4, seed=seed)  # (a raw ValueError/TypeError when the op ran)
+    a, b = api.rand(4, seed=7).sync(), api.rand(4, seed=np.random.default_rng(7)).sync()
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
