@@ -105,7 +105,7 @@ class Tensor:
             byte_strides = tuple(s * item for s in self._strides)
             try:
                 arr = self._arr = self.device.view_array(base, self._ptr, self._shape, byte_strides, self.dtype.np)
-            except (ValueError, OverflowError):  # a view NumPy/CuPy cannot hold: over 64 dims, a dim past int64
+            except Exception:  # a view NumPy/CuPy cannot hold (over 64 dims, a dim past int64), whatever they raise
                 if len(self._shape) <= MAX_NDIM and max(self._shape, default=0) <= MAX_DIM:
                     raise
                 raise _bad_dims(self._shape) from None

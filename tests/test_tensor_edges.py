@@ -6,6 +6,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
+from deviceop.testing import ForeignArray
 
 
 @pytest.mark.parametrize("view", [lambda t: t[:, ::2], lambda t: t[::-1], lambda t: t[1:, ::-3], lambda t: t[:, 1]])
@@ -35,9 +36,9 @@ def test_a_bool_scalar_is_a_bool_or_a_number(rng):
 
 def test_a_slice_numpy_refuses_is_a_shape_error(rng):
     t = dop.from_numpy(rng.standard_normal((3, 4)).astype(np.float32))
-    with pytest.raises(dop.ShapeError, match="step cannot be zero"):
+    with pytest.raises(dop.ShapeError, match=r"index slice\(None, None, 0\) into tensor \(3, 4\)"):
         t[::0]  # (was NumPy's raw ValueError)
-    with pytest.raises(dop.ShapeError, match="slice indices must be integers"):
+    with pytest.raises(dop.ShapeError, match=r"index slice\(0\.5, 2, None\) into tensor \(3, 4\)"):
         t[0.5:2]  # (was a raw TypeError)
 
 
@@ -65,7 +66,7 @@ def test_shapes_no_array_can_hold_are_shape_errors():
         view.numpy()  # ... until one is asked for (was a raw OverflowError)
     with pytest.raises(dop.ShapeError, match="at most 64 dims"):
         dop.zeros(1).view((1,) * 70).numpy()  # (was a raw ValueError)
-    assert dop.zeros((1,) * 64).numpy().shape == (1,) * 64
+    assert dop.empty((1,) * 64).shape == (1,) * 64  # (the limit itself is fine)
 
 
 def test_host_data_numpy_reads_differently_is_refused_or_read_by_value(rng):
@@ -89,7 +90,7 @@ def test_a_tensor_outlives_the_stream_it_was_made_on(rng):
     stream.close()  # its home stream: numpy(), contiguous() and DLPack ordered work on it, and failed
     np.testing.assert_array_equal(t.numpy(), host)
     np.testing.assert_array_equal(t[:, ::2].contiguous().numpy(), host[:, ::2])
-    np.testing.assert_array_equal(np.from_dlpack(t), host)
+    np.testing.assert_array_equal(dop.from_dlpack(ForeignArray(t)).numpy(), host)  # (a DLPack export of t)
     with pytest.raises(dop.StateError, match="closed"):
         t.numpy(stream=stream)  # a closed stream named is still refused
 
@@ -101,21 +102,10 @@ def test_numpys_in_place_reshape_is_refused_and_names_view(rng):
     assert t.shape == (6,) and t.view((2, 3)).shape == (2, 3)
 
 
-class _Producer:  # a DLPack producer other than NumPy (whose arrays dop.from_dlpack sends to from_numpy)
-    def __init__(self, array):
-        self.array = array
-
-    def __dlpack__(self, **kwargs):
-        return self.array.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.array.__dlpack_device__()
-
-
 def test_a_read_only_import_is_exported_read_only_through_every_view(rng):
     host = rng.standard_normal(8).astype(np.float32)
-    host.setflags(write=False)
-    t = dop.from_dlpack(_Producer(host))
+    host.setflags(write=False)  # DLPack's read-only flag: host memory, so the reference device's
+    t = dop.from_dlpack(ForeignArray(host), device=dop.ReferenceDevice(0))
     for view in (t, t.view(2, 4), t.reshape(-1), t[1:5], next(iter(t.view(2, 4))), t.into_shared().view(8)):
         out = np.from_dlpack(view)
         assert not out.flags.writeable  # (views made without NumPy's indexing were exported writable)
