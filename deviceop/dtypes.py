@@ -77,7 +77,8 @@ class DType:
             if not lo <= int(value) <= hi:
                 raise DTypeError(f"{value} does not fit in {self.name} [{lo}, {hi}]")
             return int(value)
-        if not isinstance(value, (int, float, np.bool_, np.integer, np.floating)):  # bool("no") is True
+        if type(value) is not bool and not isinstance(value, (int, float, np.bool_, np.integer, np.floating)):
+            # (bool("no") is True, bool(None) False: neither is a bool the caller gave)
             raise DTypeError(f"expected a bool or number for a bool scalar, got {type(value).__name__}")
         return bool(value)
 
