@@ -13,9 +13,11 @@ so a seed gives the same numbers on the GPU and on the reference device.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
-from .dtypes import dtype as as_dtype
+from .dtypes import dtype as as_dtype, host_array
 from .errors import AliasingError, DTypeError, GraphSafetyError, ShapeError
 from .op import DeviceOp, resolve, stats, warn_if_unexecuted
 from .memory import read_only_error
@@ -79,8 +81,18 @@ def full(shape, fill_value, dtype="float32") -> DeviceOp:
     return AllocOp("full", shape, dtype, _fill(fill_value))
 
 
+def _check_seed(name: str, seed) -> None:
+    """A seed NumPy's generator refuses fails as the op is built, not in the middle of running it."""
+    try:
+        np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise DTypeError(f"api.{name}(seed={seed!r}): {exc}; a seed is None, an int >= 0, a sequence of them, "
+                         "or a NumPy Generator") from None
+
+
 def rand(shape, dtype="float32", seed=None) -> DeviceOp:
     """Uniform in [0, 1); ``seed`` makes it repeatable (same numbers on every device)."""
+    _check_seed("rand", seed)
     dt = as_dtype(dtype)
     if not dt.is_floating:
         raise DTypeError(f"rand makes floating-point tensors, not {dt.name}")
@@ -89,6 +101,7 @@ def rand(shape, dtype="float32", seed=None) -> DeviceOp:
 
 def randn(shape, dtype="float32", seed=None) -> DeviceOp:
     """Standard normal; ``seed`` makes it repeatable."""
+    _check_seed("randn", seed)
     dt = as_dtype(dtype)
     if not dt.is_floating:
         raise DTypeError(f"randn makes floating-point tensors, not {dt.name}")
@@ -96,6 +109,10 @@ def randn(shape, dtype="float32", seed=None) -> DeviceOp:
 
 
 def arange(n: int, dtype="int32") -> DeviceOp:
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise ShapeError(f"api.arange(n): n is the length, an int; got {n!r}") from None
     if n > 0:
         as_dtype(dtype).coerce(n - 1)  # the last value must fit, now rather than at execution
     return AllocOp("arange", (n,), dtype, _upload(lambda t: np.arange(t.shape[0])))
@@ -103,7 +120,8 @@ def arange(n: int, dtype="int32") -> DeviceOp:
 
 def from_numpy(array, dtype=None) -> DeviceOp:
     """A new tensor holding a copy of the host ``array``."""
-    dt = as_dtype(dtype if dtype is not None else np.asarray(array).dtype)
+    array = host_array(array, "api.from_numpy")
+    dt = as_dtype(dtype if dtype is not None else array.dtype)
     host = dt.from_host(array)  # converted and checked now, as full checks its value
     return AllocOp("from_numpy", host.shape, dt, _upload(lambda t: host))
 
@@ -128,9 +146,12 @@ class Dup(DeviceOp):
             raise GraphSafetyError("api.dup allocates, which a graph cannot replay safely; "
                                    "allocate the copy's buffer before capturing and use api.memcpy")
         src = _tensor_of(resolve(self.src, ctx), "dup source")
+        stats["allocations"] += 1
+        if not src.is_contiguous:  # a strided view: a byte copy from its first element would read other memory
+            stats["copies"] += 1
+            return Tensor._wrap(ctx.device.contiguous(src._array, ctx.stream), ctx.device, src.dtype, ctx.stream)
         dst = Tensor.empty(src.shape, src.dtype, device=ctx.device, stream=ctx.stream)
         _copy(dst, src, ctx)
-        stats["allocations"] += 1
         return dst
 
 
@@ -178,14 +199,14 @@ def memcpy(dst, src) -> DeviceOp:
     return Memcpy(dst, src)
 
 
-def _destination(x) -> Tensor:
-    """The tensor memcpy writes: a SharedTensor only when nothing else can reach
-    its buffer (a handle is read-only while shared, as an Arc is)."""
+def _destination(x, op: str = "api.memcpy") -> Tensor:
+    """The tensor ``op`` (memcpy, fill) writes: a SharedTensor only when nothing else can
+    reach its buffer (a handle is read-only while shared, as an Arc is)."""
     if isinstance(x, SharedTensor):
-        return x.check_writable("api.memcpy into a SharedTensor")
-    t = _tensor_of(x, "memcpy destination")
+        return x.check_writable(f"{op} into a SharedTensor")
+    t = _tensor_of(x, f"{op.removeprefix('api.')} destination")
     if t._alloc.read_only:
-        raise read_only_error("api.memcpy into it", t)
+        raise read_only_error(f"{op} into it", t)
     return t
 
 
@@ -238,7 +259,7 @@ class Fill(DeviceOp):
         if isinstance(dst, DeviceOp):
             dst._armed = False  # run by this fill
         else:
-            fill_pattern(_destination(dst), value)  # a bad value or buffer fails now, not at execution
+            fill_pattern(_destination(dst, "api.fill"), value)  # a bad value or buffer fails now, not at execution
         self._armed = True
 
     __del__ = warn_if_unexecuted
@@ -247,7 +268,7 @@ class Fill(DeviceOp):
         return (self.dst,) if isinstance(self.dst, DeviceOp) else ()
 
     def _execute(self, ctx):
-        dst = _destination(resolve(self.dst, ctx))
+        dst = _destination(resolve(self.dst, ctx), "api.fill")
         bits, size, count = fill_pattern(dst, self.value)
         if count == 0:
             return dst

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import ml_dtypes  # registers bfloat16 with NumPy (and, through NumPy, with CuPy)
 import numpy as np
 
-from .errors import DTypeError, StateError
+from .errors import DTypeError, ShapeError, StateError
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,6 +166,9 @@ def dtype(spec) -> DType:
     a NumPy dtype or scalar type, or a torch/CuPy dtype with a NumPy twin."""
     if isinstance(spec, DType):
         return spec
+    if spec is None:  # NumPy reads None as float64, torch as its default dtype: name one instead
+        raise DTypeError(f"dtype None names no type (NumPy would read float64, torch float32); pass one, "
+                         f"or leave the argument out for the default; known: {', '.join(_BY_NAME)}")
     if isinstance(spec, str):
         name = {"f32": "float32", "f16": "float16", "half": "float16", "bf16": "bfloat16",
                 "f64": "float64", "i32": "int32", "i64": "int64", "bool_": "bool"}.get(spec, spec)
@@ -181,7 +184,17 @@ def dtype(spec) -> DType:
         raise DTypeError(f"cannot interpret {spec!r} as a dtype; known: {', '.join(_BY_NAME)}") from None
     if npd in _BY_NP:
         return _BY_NP[npd]
+    if not npd.isnative and npd.newbyteorder("=") in _BY_NP:  # big-endian data (a file's): the same values
+        return _BY_NP[npd.newbyteorder("=")]
     raise DTypeError(f"dtype {npd} is not supported by deviceop; known: {', '.join(_BY_NAME)}")
+
+
+def host_array(obj, what: str) -> np.ndarray:
+    """``np.asarray(obj)``, with NumPy's refusal of a ragged nested list a ShapeError."""
+    try:
+        return np.asarray(obj)
+    except ValueError as exc:  # "setting an array element with a sequence ... inhomogeneous shape"
+        raise ShapeError(f"{what}: {exc}; give a rectangular array (every row of one length)") from None
 
 
 # -- DLPack -------------------------------------------------------------------------
@@ -323,6 +336,18 @@ def host_array_from_dlpack(obj) -> np.ndarray:
             from_dlpack_dtype(*shim.dtype)  # raises for a type deviceop lacks, naming it
         raise
     return array.view(bfloat16.np) if shim.dtype == (_K_DL_BFLOAT, 16, 1) else array
+
+
+def mark_read_only(capsule) -> bool:
+    """Set DLPack 1.0's read-only flag on an export of read-only memory (a CuPy array, or a
+    NumPy view made from a pointer, does not know the memory is); False for an unversioned
+    capsule, which has no such flag."""
+    name = _capsule_name(capsule)
+    if name != b"dltensor_versioned":
+        return False
+    flags = ctypes.c_uint64.from_address(_capsule_pointer(capsule, name) + _FLAGS_OFFSET)
+    flags.value |= _DLPACK_READ_ONLY
+    return True
 
 
 def host_dlpack(array: np.ndarray, kwargs: dict):

@@ -359,6 +359,9 @@ class SharedTensor:
     def numpy(self, **kw):
         return self.tensor.numpy(**kw)
 
+    def __array__(self, dtype=None, copy=None):  # np.asarray(handle): the data, not a 0-d object array
+        return self.tensor.__array__(dtype, copy)
+
     def __repr__(self) -> str:
         state = f"{self.live_handles} live handle(s)" if self._live else "released"
         return f"SharedTensor({self._tensor!r}, {state})"

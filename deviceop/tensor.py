@@ -16,8 +16,8 @@ import math
 
 import numpy as np
 
-from .dtypes import DType, dlpack_producer, dtype as as_dtype, producer_name
-from .errors import DTypeError, LaunchError, ShapeError, StateError
+from .dtypes import DType, dlpack_producer, dtype as as_dtype, host_array, mark_read_only, producer_name
+from .errors import DTypeError, LaunchError, OwnershipError, ShapeError, StateError
 from .memory import (READ_ONLY, Partition, SharedTensor, _Allocation, _Borrow, _owned, _owned_lock, _owner_of,  # noqa: F401
                      _resolve_shape, _shape_tuple, _sig_id, _sig_ids, claim)  # (_sig_ids: tests read the layout-id table here)
 from .runtime import launch as _launch
@@ -103,7 +103,12 @@ class Tensor:
         if arr is None:
             base, item = self._base, self.dtype.itemsize
             byte_strides = tuple(s * item for s in self._strides)
-            arr = self._arr = self.device.view_array(base, self._ptr, self._shape, byte_strides, self.dtype.np)
+            try:
+                arr = self._arr = self.device.view_array(base, self._ptr, self._shape, byte_strides, self.dtype.np)
+            except Exception:  # a view NumPy/CuPy cannot hold (over 64 dims, a dim past int64), whatever they raise
+                if len(self._shape) <= MAX_NDIM and max(self._shape, default=0) <= MAX_DIM:
+                    raise
+                raise _bad_dims(self._shape) from None
         return arr
 
     # -- creation ------------------------------------------------------------
@@ -114,15 +119,15 @@ class Tensor:
         device, stream = placed("dop.empty", device, stream)
         dt = as_dtype(dtype)
         dims = _shape_tuple(shape)
-        if any(d < 0 for d in dims):
-            raise ShapeError(f"negative size in shape {dims}")
+        if dims and (min(dims) < 0 or len(dims) > MAX_NDIM or max(dims) > MAX_DIM):
+            raise _bad_dims(dims)
         return cls._wrap(device.alloc(dims, dt, stream), device, dt, stream)
 
     @classmethod
     def from_numpy(cls, array, *, device=None, stream=None, dtype=None) -> "Tensor":
         """A new tensor holding a copy of the host ``array``."""
         device, stream = placed("dop.from_numpy", device, stream)
-        host = np.asarray(array)
+        host = host_array(array, "dop.from_numpy")
         dt = as_dtype(dtype if dtype is not None else host.dtype)
         host = dt.from_host(host)  # refuses a value the copy would change (300 in int8)
         return cls._wrap(device.from_host(host, dt, stream), device, dt, stream)
@@ -177,6 +182,11 @@ class Tensor:
     @property
     def shape(self) -> tuple[int, ...]:
         return self._shape
+
+    @shape.setter
+    def shape(self, dims):  # NumPy's in-place reshape (a.shape = ...): a tensor's layout is fixed
+        raise ShapeError(f"tensor.shape = {dims!r}: a tensor's shape is fixed (views of it and launch keys were "
+                         f"made for it); take a view: tensor = tensor.view({dims!r})")
 
     @property
     def strides(self) -> tuple[int, ...]:
@@ -275,7 +285,7 @@ class Tensor:
                 raise ShapeError(f"only basic indexing (ints, slices, ...) makes views; got {type(k).__name__}")
         try:
             arr = self._array[key]
-        except IndexError as e:  # out of range, too many indices
+        except (IndexError, ValueError, TypeError) as e:  # out of range, too many indices, step 0, a float bound
             raise ShapeError(f"index {key!r} into tensor {self._shape}: {e}; index within the shape") from None
         item = self.dtype.itemsize
         ptr = self.device.address(arr)
@@ -299,6 +309,20 @@ class Tensor:
         raise StateError("`value in tensor` would compare device data on the host, which a tensor never reads "
                          "behind your back: test `value in tensor.numpy()`")
 
+    def __int__(self):  # torch's int(t) / float(t) of a one-element tensor: a host read, never implicit
+        raise StateError(f"int(tensor) would read a {self.dtype.name} tensor {self._shape} on the host, which a "
+                         "tensor never does behind your back: read it with int(tensor.numpy().item())")
+
+    def __float__(self):
+        raise StateError(f"float(tensor) would read a {self.dtype.name} tensor {self._shape} on the host, which a "
+                         "tensor never does behind your back: read it with float(tensor.numpy().item())")
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        raise StateError(f"format(tensor, {spec!r}) (an f-string's {{tensor:{spec}}}) formats values, which live on "
+                         f"the device: format the host copy, f\"{{tensor.numpy().item():{spec}}}\"")
+
     def __reduce_ex__(self, protocol):  # what copy.copy, copy.deepcopy and pickle call
         raise StateError("copying or pickling a deviceop tensor: it is a view of device memory that a copy of the "
                          "object would alias or lose; copy the data with api.dup(tensor) (device) or "
@@ -310,8 +334,20 @@ class Tensor:
         _, stream = placed("tensor.contiguous", self.device, stream)
         if self._contig:
             return self
-        stream = stream or self._home_stream or self.device.default_stream()
+        stream = stream or self._live_home()
         return Tensor._wrap(self.device.contiguous(self._array, stream), self.device, self.dtype, stream)
+
+    def _live_home(self):
+        """The stream that orders work after this tensor's making: its home stream, or once
+        that was closed (its device then is the closed one's), the default stream after a
+        device sync (which waits for the closed stream's last work too)."""
+        home = self._home_stream
+        if home is None:
+            return self.device.default_stream()
+        if home.device is not self.device:
+            self.device.synchronize()
+            return self.device.default_stream()
+        return home
 
     def partition(self, tile_shape) -> "Partition":
         """Borrow this tensor mutably as the output of one launch, cut into tiles."""
@@ -330,7 +366,9 @@ class Tensor:
             raise sync_in_capture("tensor.numpy(stream=...)", "cuStreamSynchronize")
         if stream is None:
             self.device.synchronize()  # refused while a capture is open
-            stream = self._home_stream or self.device.default_stream()
+            stream = self._home_stream
+            if stream is None or stream.device is not self.device:  # none, or closed (synchronized above)
+                stream = self.device.default_stream()
         return self.device.to_host(self._array, stream)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
@@ -355,8 +393,23 @@ class Tensor:
         if stream is not None and (type(stream) is not int or stream == 0 or stream < -1):
             raise LaunchError(f"__dlpack__(stream={stream!r}): DLPack's stream is an int: a CUDA stream handle, "
                               "1 (the legacy default stream), 2 (per-thread default) or -1 (no ordering)")
-        home = self._home_stream or self.device.default_stream()
+        home = self._live_home()
+        if self._alloc.read_only:
+            return self._export_read_only(home, stream, kwargs)
         return self.device.export_dlpack(self._array, home, stream, kwargs)
+
+    def _export_read_only(self, home, stream, kwargs: dict):
+        """A DLPack export of read-only memory, flagged so (DLPack 1.0), or refused: an
+        export that cannot say it is read-only is one its consumer may write."""
+        version = kwargs.get("max_version")
+        if isinstance(version, tuple) and version and isinstance(version[0], int) and version[0] >= 1:
+            capsule = self.device.export_dlpack(self._array, home, stream, kwargs)
+            if mark_read_only(capsule):
+                return capsule
+        raise OwnershipError(f"a DLPack export of the {self.dtype.name} tensor {self._shape}: it is read-only memory "
+                             "imported from another framework, and an export without DLPack 1.0's read-only flag "
+                             "(a consumer asking no max_version >= (1, 0)) is one its consumer may write; import it "
+                             "with a DLPack 1.0 consumer (np.from_dlpack, torch.from_dlpack), or copy it: api.dup(x)")
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
@@ -367,6 +420,16 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor(shape={self.shape}, dtype={self.dtype.name}, device={self.device.label})"
+
+
+MAX_NDIM, MAX_DIM = 64, (1 << 63) - 1  # what a NumPy or CuPy array can hold
+
+
+def _bad_dims(dims: tuple) -> ShapeError:
+    if min(dims) < 0:
+        return ShapeError(f"negative size in shape {dims}")
+    return ShapeError(f"shape {dims}: NumPy and CuPy arrays hold at most {MAX_NDIM} dims, each below 2**63; "
+                      "use fewer, smaller dims")
 
 
 def _gpu_of(obj) -> int | None:

@@ -202,6 +202,7 @@ class ReferenceDevice(Device):
         return np.ascontiguousarray(array)
 
     def to_host(self, array, stream):
+        stream.device.bind()  # a closed stream's device refuses, as on a GPU
         return array.copy()
 
     @staticmethod
