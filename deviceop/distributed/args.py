@@ -2,6 +2,8 @@
 peer.py take the same kinds): what it reads, and what it may write."""
 from __future__ import annotations
 
+import operator
+
 from ..errors import DistributedError, DTypeError
 from ..memory import Partition, read_only_error
 from ..tensor import SharedTensor, Tensor
@@ -38,3 +40,13 @@ def check_device(t: Tensor, group, what: str) -> None:
         raise DistributedError(f"{what} lives on {t.device.label}, but the group's device is {group.device.label}: "
                                "allocate it on the rank's device (dop.empty(..., stream=group.stream), "
                                "dop.from_numpy(array, stream=group.stream))")
+
+
+def plain_int(value) -> int | None:
+    """``value`` as a Python int (NumPy's integers too), or None for anything else (bools, floats, strings)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

@@ -14,12 +14,12 @@ here (the reference backend); several thread-ranks are ``run_reference``.
 """
 from __future__ import annotations
 
-import operator
 import os
 
 from ..errors import ConfigError, DistributedError, NoDeviceError
 from ..runtime import driver
 from ..runtime.device import CudaDevice, Device
+from .args import plain_int
 from .group import check_timeout
 
 DEFAULT_TIMEOUT = 120.0  # seconds; DEVICEOP_DIST_TIMEOUT overrides (NCCL's init over a network can take tens)
@@ -64,16 +64,6 @@ def from_environment(env=None) -> tuple[str, int, int, int] | None:
                                    f"node; fix {local}")
         return launcher, r, n, lr
     return None
-
-
-def _int(value):
-    """``value`` as an int (NumPy's integers too), or None for anything else (bools, floats, strings)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _local_device(local_rank: int, what: str):
@@ -124,7 +114,7 @@ def init(*, rank: int | None = None, world_size: int | None = None, local_rank: 
                                "environment: torchrun, mpirun, srun)")
     else:
         launcher, env_local = "explicit", rank if found is None else found[3]
-    r, n = _int(rank), _int(world_size)
+    r, n = plain_int(rank), plain_int(world_size)
     if r is None or n is None or not 0 <= r < n:
         raise DistributedError(f"dist.init: rank {rank!r} of world size {world_size!r} is not a rank of a group; "
                                "need ints with 0 <= rank < world_size")
@@ -132,11 +122,11 @@ def init(*, rank: int | None = None, world_size: int | None = None, local_rank: 
     if local_rank is None:
         local_rank = env_local
     else:
-        local_var, local_rank = "local_rank", _int(local_rank)
+        local_var, local_rank = "local_rank", plain_int(local_rank)
         if local_rank is None or local_rank < 0:
             raise DistributedError("dist.init: local_rank= names this process's GPU on its node: an int >= 0")
     if device is not None and not isinstance(device, Device):
-        ordinal = _int(device)
+        ordinal = plain_int(device)
         if ordinal is None:
             raise DistributedError(f"dist.init(device={device!r}): pass a deviceop Device (dop.Device(n)) or its "
                                    "ordinal n, or leave it out for the launcher's local rank's GPU")

@@ -26,7 +26,6 @@ a graph that captured one of its all-reduces must not be replayed after that.
 from __future__ import annotations
 
 import math
-import operator
 import socket
 import weakref
 
@@ -38,7 +37,7 @@ from ..graph.capture import ReplayCheck
 from ..interop import from_numpy, zeros
 from ..op import DeviceOp, value, warn_if_unexecuted
 from ..tensor import SharedTensor, Tensor
-from .args import check_device, tensor_arg, written_arg
+from .args import check_device, plain_int, tensor_arg, written_arg
 from .group import Group, check_timeout
 from .oneshot import BLOCK_BYTES, CTYPES, KERNELS, MAX_WORLD, own_state
 
@@ -89,11 +88,11 @@ class PeerBuffers:
             raise DistributedError(f"one-shot all_reduce over {ws} ranks: it serves at most {MAX_WORLD} (one "
                                    "machine's NVLink domain); use algorithm='nccl'")
         given = max_bytes
-        max_bytes = _integer(max_bytes)  # NumPy's integers too (a size computed with NumPy), never a bool
+        max_bytes = plain_int(max_bytes)  # NumPy's integers too (a size computed with NumPy), never a bool
         if not (max_bytes is not None and max_bytes > 0 and max_bytes % BLOCK_BYTES == 0):
             raise ShapeError(f"PeerBuffers(max_bytes={given!r}): give a positive multiple of {BLOCK_BYTES}")
         given = max_bytes // BLOCK_BYTES if epochs is None else epochs
-        epochs = _integer(given)
+        epochs = plain_int(given)
         if epochs is None or epochs < max_bytes // BLOCK_BYTES:
             raise ShapeError(f"PeerBuffers(epochs={given!r}): give an int of at least {max_bytes // BLOCK_BYTES} "
                              "(one a 512-byte block of max_bytes)")
@@ -260,16 +259,6 @@ class PeerBuffers:
     def __exit__(self, *exc) -> bool:
         self.close()
         return False
-
-
-def _integer(v) -> int | None:
-    """``v`` as a Python int (NumPy's integers too), or None for a bool or a non-integer."""
-    if isinstance(v, bool):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
 
 
 def _same_memory(a, b) -> bool:
