@@ -12,6 +12,7 @@ import pytest
 
 import deviceop as dop
 import deviceop.distributed as dist
+from deviceop.testing import ForeignArray  # another framework's array, imported without a copy
 
 
 def _up(group, array):
@@ -93,22 +94,12 @@ def test_the_same_buffer_in_another_shape_reduces_in_place(rng):
 
 
 def test_a_read_only_import_is_never_written(rng):
-    class Foreign:  # another framework's read-only array, imported without a copy
-        def __init__(self, a):
-            self.a = a
-
-        def __dlpack__(self, **kw):
-            return self.a.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.a.__dlpack_device__()
-
     data = rng.standard_normal((2, 4)).astype(np.float32)
 
     def rank(group):
         frozen = data[group.rank].copy()
         frozen.flags.writeable = False
-        x = dop.from_dlpack(Foreign(frozen), stream=group.stream)
+        x = dop.from_dlpack(ForeignArray(frozen), stream=group.stream)
         with pytest.raises(dop.OwnershipError, match="read-only"):
             dist.all_reduce(group, x)  # (raised a raw ValueError from NumPy, after writing the other rank)
         out = dop.empty(4, stream=group.stream)
@@ -120,7 +111,7 @@ def test_a_read_only_import_is_never_written(rng):
     def root(group):  # a read-only root broadcasts (it only reads): the reference wrote it, a raw ValueError
         frozen = data[group.rank].copy()
         frozen.flags.writeable = False
-        x = dop.from_dlpack(Foreign(frozen), stream=group.stream)
+        x = dop.from_dlpack(ForeignArray(frozen), stream=group.stream)
         if group.rank == 1:  # a receiver's buffer is written: refused read-only
             with pytest.raises(dop.OwnershipError, match="read-only"):
                 dist.broadcast(group, x, root=0)

@@ -128,18 +128,23 @@ def test_a_graph_updated_in_place_by_a_recapture_launches_as_a_child_with_its_ne
     np.testing.assert_allclose(read(y, stream), 3 * read(x, stream), rtol=1e-6)
 
 
-def test_an_update_of_a_node_in_a_branch_body_is_in_the_copy_a_child_graph_node_makes(stream, rng):
-    # A node update changes the executable graph only, and a child-graph node copies the graph's
-    # definition; the copy of a node in a branch body cannot be rewritten (the clone does not find
-    # it), so its update was lost: the child ran the captured alpha.  (On the reference device
-    # the definition differs from the work only after a recapture's in-place update.)
+def _branch_of_a_child(stream, rng):
+    """x, y, the launches the branch builds (y = 2x, one per call) and the branch function."""
     x, y = upload(rng, stream), dop.empty([D], stream=stream)
     built = []
 
     def branch():
         built.append(scaled(y, x, 2.0))
         return built[-1]
+    return x, y, built, branch
 
+
+def test_an_update_of_a_node_in_a_branch_body_is_in_the_copy_a_child_graph_node_makes(stream, rng):
+    # A node update changes the executable graph only, and a child-graph node copies the graph's
+    # definition; the copy of a node in a branch body cannot be rewritten (the clone does not find
+    # it), so its update was lost: the child ran the captured alpha.  (On the reference device
+    # the definition differs from the work only after a recapture's in-place update.)
+    x, y, built, branch = _branch_of_a_child(stream, rng)
     flag = cell(1, stream)
     inner = dop.if_(flag, branch).graph_on(stream)
     assert inner.recapture(dop.if_(flag, branch)) == "updated"
@@ -153,13 +158,7 @@ def test_the_outer_copy_of_a_node_in_a_branch_body_of_a_child_is_refused_on_both
     # On a GPU cuGraphNodeFindInClone finds only the graph's own nodes, so the outer graph has no
     # handle for a node in a branch body of the child; the reference device found one and took
     # the update.  Both refuse it now, naming where to update it.
-    x, y = upload(rng, stream), dop.empty([D], stream=stream)
-    built = []
-
-    def branch():
-        built.append(scaled(y, x, 2.0))
-        return built[-1]
-
+    x, y, built, branch = _branch_of_a_child(stream, rng)
     inner = dop.if_(cell(1, stream), branch).graph_on(stream)
     outer = dop.zip_(inner.launch()).graph_on(stream)
     with pytest.raises(dop.StateError, match="sits in a loop or branch of that graph"):

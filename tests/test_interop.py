@@ -10,6 +10,7 @@ import pytest
 
 import deviceop as dop
 from deviceop import api
+from deviceop.testing import ForeignArray
 from deviceop.kernels import add
 
 
@@ -55,24 +56,9 @@ def test_bfloat16_both_ways_with_ml_dtypes(stream, rng):
     assert np.asarray(t, dtype=np.float32).dtype == np.float32
 
 
-class Relay:
-    """Another framework's array over the same memory, as far as DLPack goes: it exports what
-    the object it holds exports (a consumer that re-exports, as torch.from_dlpack(t) then
-    torch's __dlpack__ would)."""
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __dlpack__(self, **kwargs):
-        return self.obj.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self.obj.__dlpack_device__()
-
-
-class _Versioned(Relay):
+class _Versioned(ForeignArray):  # another framework's array (testing.py) that asks for DLPack 1.0
     def __dlpack__(self, **kwargs):  # DLPack 1.0: a versioned capsule
-        return self.obj.__dlpack__(max_version=(1, 0))
+        return self.array.__dlpack__(max_version=(1, 0))
 
 
 def test_a_bfloat16_tensor_exports_through_dlpack_on_the_reference_device(rng):
@@ -82,7 +68,7 @@ def test_a_bfloat16_tensor_exports_through_dlpack_on_the_reference_device(rng):
     host = rng.standard_normal(64).astype(ml_dtypes.bfloat16)
     t = dop.from_numpy(host, stream=ref)
     for versioned in (False, True):
-        back = dop.from_dlpack(_Versioned(t) if versioned else Relay(t), stream=ref)
+        back = dop.from_dlpack(_Versioned(t) if versioned else ForeignArray(t), stream=ref)
         assert back.dtype is dop.bfloat16 and back.shape == (64,)
         assert np.array_equal(back.numpy(stream=ref).view(np.uint16), host.view(np.uint16))
 
